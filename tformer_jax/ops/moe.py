@@ -1,0 +1,263 @@
+"""Mixture-of-experts routing, dispatch and expert FFNs.
+
+Pure jax.numpy; no Flax. Tokens are flattened to T = batch * length; E experts, each token picks
+K = top_k of them. Two dispatch strategies compute the same function when nothing is dropped:
+
+  capacity (GShard / Switch): every expert gets a fixed buffer of C slots; token-assignments are
+    placed in priority order (all top-1 choices first in token order, then all top-2 choices, ...)
+    and those that do not fit are dropped. Dense einsums with one-hot dispatch/combine tensors
+    (T, E, C); static shapes, predictable memory, drops tokens when routing is unbalanced.
+  dropless (MegaBlocks-style): the T*K assignments are sorted by expert and run through grouped
+    matmuls (`jax.lax.ragged_dot`) with per-expert group sizes; nothing is dropped.
+
+Expert parameters are dicts of stacked weights:
+  GLU experts (swiglu, geglu): w_gate, w_up (E, D, F), w_down (E, F, D);
+  plain experts (gelu, gelu_tanh, relu, silu): w_in (E, D, F), w_out (E, F, D).
+`moe_ffn_naive` is a per-token reference used by the tests.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+Array = jnp.ndarray
+Params = Mapping[str, Array]
+
+GLU_ACTIVATIONS = ("swiglu", "geglu")
+PLAIN_ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
+
+
+# ----------------------------------------------------------------------------------------------
+# Activations and single-expert FFNs
+
+def activation_fn(name: str) -> tuple[Callable[[Array], Array], bool]:
+  """(elementwise fn, is_glu) for an activation name. GLU: act(x W_gate) * (x W_up)."""
+  fns = {
+      "swiglu": (jax.nn.silu, True),
+      "geglu": (lambda x: jax.nn.gelu(x, approximate=False), True),
+      "gelu": (lambda x: jax.nn.gelu(x, approximate=False), False),
+      "gelu_tanh": (lambda x: jax.nn.gelu(x, approximate=True), False),
+      "relu": (jax.nn.relu, False),
+      "silu": (jax.nn.silu, False),
+  }
+  if name not in fns:
+    raise ValueError(f"unknown activation {name!r}; expected one of {tuple(fns)}")
+  return fns[name]
+
+
+def expert_param_names(activation: str) -> tuple[str, ...]:
+  """Names of the stacked expert weights for an activation (input projections first)."""
+  _, glu = activation_fn(activation)
+  return ("w_gate", "w_up", "w_down") if glu else ("w_in", "w_out")
+
+
+def _check_params(params: Params, activation: str) -> bool:
+  _, glu = activation_fn(activation)
+  need = expert_param_names(activation)
+  missing = [n for n in need if n not in params]
+  if missing:
+    raise ValueError(f"activation {activation!r} needs expert weights {need}; missing {missing}")
+  return glu
+
+
+# ----------------------------------------------------------------------------------------------
+# Routing
+
+def route(logits_TxE: Array, *, top_k: int, renormalize: bool = True) -> tuple[Array, Array, Array]:
+  """Softmax (float32) over experts, then top-k.
+
+  Returns (weights_TxK float32, experts_TxK int32, probs_TxE float32). With `renormalize` the
+  top-k probabilities are rescaled to sum to 1 per token (Mixtral); otherwise they are the raw
+  softmax probabilities (Switch, GShard top-1).
+  """
+  probs_TxE = jax.nn.softmax(logits_TxE.astype(jnp.float32), axis=-1)
+  weights_TxK, experts_TxK = jax.lax.top_k(probs_TxE, top_k)
+  if renormalize:
+    weights_TxK = weights_TxK / jnp.sum(weights_TxK, axis=-1, keepdims=True)
+  return weights_TxK, experts_TxK.astype(jnp.int32), probs_TxE
+
+
+def jitter(x: Array, rng: Array, eps: float) -> Array:
+  """Multiplicative router-input noise: x * U(1 - eps, 1 + eps) (Switch Transformer)."""
+  if eps <= 0.0:
+    return x
+  noise = jax.random.uniform(rng, x.shape, jnp.float32, 1.0 - eps, 1.0 + eps)
+  return (x.astype(jnp.float32) * noise).astype(x.dtype)
+
+
+def load_balancing_loss(probs_TxE: Array, experts_TxK: Array, num_experts: int) -> Array:
+  """Switch/GShard auxiliary loss E * sum_i f_i * P_i (float32 scalar).
+
+  f_i: the fraction of the T*K token-assignments (all top-k choices counted) sent to expert i, so
+  sum_i f_i = 1; P_i: the mean router probability of expert i over tokens, sum_i P_i = 1. With this
+  normalisation perfectly uniform routing gives exactly 1.0 for every top_k, and routing that
+  collapses onto one expert approaches E / top_k (E for top-1). f_i is piecewise constant (no
+  gradient); the gradient reaches the router through P_i.
+  """
+  load_E = expert_load(experts_TxK, num_experts)
+  mean_prob_E = jnp.mean(probs_TxE.astype(jnp.float32), axis=0)
+  return num_experts * jnp.sum(load_E * mean_prob_E)
+
+
+def router_z_loss(logits_TxE: Array) -> Array:
+  """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2 (float32 scalar)."""
+  lse_T = jax.nn.logsumexp(logits_TxE.astype(jnp.float32), axis=-1)
+  return jnp.mean(lse_T ** 2)
+
+
+def expert_load(experts_TxK: Array, num_experts: int) -> Array:
+  """Fraction of token-assignments per expert, (E,) float32 summing to 1 (no gradient)."""
+  counts_E = jnp.zeros((num_experts,), jnp.float32).at[experts_TxK.reshape(-1)].add(1.0)
+  return jax.lax.stop_gradient(counts_E / experts_TxK.size)
+
+
+def router_entropy(probs_TxE: Array) -> Array:
+  """Mean per-token entropy (nats) of the router distribution; log(E) is uniform, 0 is one-hot."""
+  p = probs_TxE.astype(jnp.float32)
+  ent_T = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), axis=-1)
+  return jnp.mean(ent_T)
+
+
+# ----------------------------------------------------------------------------------------------
+# Capacity dispatch
+
+def capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+  """Slots per expert: ceil(capacity_factor * T * K / E), at least 1 and at most T.
+
+  An expert can receive each token at most once, so more than T slots are never needed.
+  """
+  c = int(math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+  return max(1, min(c, num_tokens))
+
+
+def capacity_dispatch(weights_TxK: Array, experts_TxK: Array, num_experts: int,
+                      capacity: int) -> tuple[Array, Array, Array]:
+  """One-hot dispatch / weighted combine tensors (T, E, C) and the dropped fraction.
+
+  Assignments take slots in priority order: rank first, then token index (all top-1 choices in
+  token order, then all top-2 choices, ...), as in GShard / Switch. Assignment (t, k) gets slot
+  #{earlier assignments to the same expert}; those at slot >= capacity are dropped (the token
+  then gets no contribution from that expert; the residual stream carries it).
+
+  Returns dispatch_TxExC (float32 0/1), combine_TxExC (float32: dispatch * routing weight; the
+  gradient to the router flows through it) and dropped_fraction (float32 scalar, of T*K).
+  """
+  t, k = experts_TxK.shape
+  onehot_KxTxE = jax.nn.one_hot(experts_TxK.T, num_experts, dtype=jnp.int32)
+  # Slot of each assignment within its expert, counting in (rank, token) order.
+  flat_NxE = onehot_KxTxE.reshape(k * t, num_experts)
+  slot_NxE = jnp.cumsum(flat_NxE, axis=0) - 1
+  slot_KxT = jnp.sum(slot_NxE * flat_NxE, axis=-1).reshape(k, t)
+  keep_KxT = slot_KxT < capacity
+  slot_KxTxC = jax.nn.one_hot(jnp.where(keep_KxT, slot_KxT, capacity), capacity, dtype=jnp.float32)
+  dispatch_TxExC = jnp.einsum("kte,ktc->tec", onehot_KxTxE.astype(jnp.float32), slot_KxTxC)
+  w_KxT = weights_TxK.T.astype(jnp.float32)
+  combine_TxExC = jnp.einsum("kte,ktc->tec", onehot_KxTxE.astype(jnp.float32) * w_KxT[..., None],
+                             slot_KxTxC)
+  dropped_fraction = 1.0 - jnp.mean(keep_KxT.astype(jnp.float32))
+  return dispatch_TxExC, combine_TxExC, dropped_fraction
+
+
+def kept_assignments(experts_TxK: Array, num_experts: int, capacity: int) -> Array:
+  """keep_TxK bool: which assignments fit under `capacity` (same priority as capacity_dispatch)."""
+  t, k = experts_TxK.shape
+  flat_NxE = jax.nn.one_hot(experts_TxK.T.reshape(-1), num_experts, dtype=jnp.int32)
+  slot_N = jnp.sum((jnp.cumsum(flat_NxE, axis=0) - 1) * flat_NxE, axis=-1)
+  return (slot_N < capacity).reshape(k, t).T
+
+
+# ----------------------------------------------------------------------------------------------
+# Expert FFNs
+
+def _expert_ffn_dense(x_ExCxD: Array, params: Params, activation: str) -> Array:
+  """All experts on their (E, C, D) buffers with batched einsums."""
+  act, glu = activation_fn(activation)
+  dt = x_ExCxD.dtype
+  if glu:
+    g = jnp.einsum("ecd,edf->ecf", x_ExCxD, params["w_gate"].astype(dt))
+    u = jnp.einsum("ecd,edf->ecf", x_ExCxD, params["w_up"].astype(dt))
+    return jnp.einsum("ecf,efd->ecd", act(g) * u, params["w_down"].astype(dt))
+  h = jnp.einsum("ecd,edf->ecf", x_ExCxD, params["w_in"].astype(dt))
+  return jnp.einsum("ecf,efd->ecd", act(h), params["w_out"].astype(dt))
+
+
+def moe_ffn_capacity(x_TxD: Array, params: Params, weights_TxK: Array, experts_TxK: Array, *,
+                     activation: str, capacity: int) -> tuple[Array, Array]:
+  """Capacity-dispatch MoE FFN. Returns (y_TxD in x's dtype, dropped_fraction)."""
+  _check_params(params, activation)
+  num_experts = params[expert_param_names(activation)[0]].shape[0]
+  dispatch_TxExC, combine_TxExC, dropped = capacity_dispatch(
+      weights_TxK, experts_TxK, num_experts, capacity)
+  dt = x_TxD.dtype
+  x_ExCxD = jnp.einsum("tec,td->ecd", dispatch_TxExC.astype(dt), x_TxD)
+  y_ExCxD = _expert_ffn_dense(x_ExCxD, params, activation)
+  y_TxD = jnp.einsum("tec,ecd->td", combine_TxExC.astype(dt), y_ExCxD)
+  return y_TxD, dropped
+
+
+def _ragged(x_NxD: Array, w_ExDxF: Array, group_sizes_E: Array) -> Array:
+  return jax.lax.ragged_dot(x_NxD, w_ExDxF.astype(x_NxD.dtype), group_sizes_E)
+
+
+def moe_ffn_dropless(x_TxD: Array, params: Params, weights_TxK: Array, experts_TxK: Array, *,
+                     activation: str) -> Array:
+  """Dropless MoE FFN: sort assignments by expert, grouped matmuls, unsort, weighted sum over k."""
+  act, glu = activation_fn(activation)
+  _check_params(params, activation)
+  num_experts = params[expert_param_names(activation)[0]].shape[0]
+  t, k = experts_TxK.shape
+  experts_N = experts_TxK.reshape(-1)                     # N = T*K, assignment n = t*K + k
+  order_N = jnp.argsort(experts_N, stable=True)            # sorted position -> assignment
+  group_sizes_E = jnp.zeros((num_experts,), jnp.int32).at[experts_N].add(1)
+  x_NxD = jnp.take(x_TxD, order_N // k, axis=0)
+  if glu:
+    g = _ragged(x_NxD, params["w_gate"], group_sizes_E)
+    u = _ragged(x_NxD, params["w_up"], group_sizes_E)
+    y_NxD = _ragged(act(g) * u, params["w_down"], group_sizes_E)
+  else:
+    h = _ragged(x_NxD, params["w_in"], group_sizes_E)
+    y_NxD = _ragged(act(h), params["w_out"], group_sizes_E)
+  inverse_N = jnp.argsort(order_N)                         # assignment -> sorted position
+  y_TxKxD = jnp.take(y_NxD, inverse_N, axis=0).reshape(t, k, -1)
+  return jnp.einsum("tk,tkd->td", weights_TxK.astype(y_TxKxD.dtype), y_TxKxD)
+
+
+def moe_ffn_naive(x_TxD: Array, params: Params, weights_TxK: Array, experts_TxK: Array, *,
+                  activation: str, keep_TxK: Array | None = None) -> Array:
+  """Reference: for each token (vmap) and each of its k choices (Python loop), gather that
+  expert's weights and apply it. `keep_TxK` (bool) zeroes dropped assignments."""
+  act, glu = activation_fn(activation)
+  _check_params(params, activation)
+  names = expert_param_names(activation)
+  k = experts_TxK.shape[1]
+  if keep_TxK is None:
+    keep_TxK = jnp.ones(experts_TxK.shape, bool)
+
+  def one_token(x_D, w_K, e_K, keep_K):
+    y_D = jnp.zeros_like(x_D)
+    for j in range(k):
+      w = {n: params[n][e_K[j]].astype(x_D.dtype) for n in names}
+      if glu:
+        h = act(x_D @ w["w_gate"]) * (x_D @ w["w_up"])
+        out = h @ w["w_down"]
+      else:
+        out = act(x_D @ w["w_in"]) @ w["w_out"]
+      y_D = y_D + jnp.where(keep_K[j], w_K[j].astype(x_D.dtype), 0.0) * out
+    return y_D
+
+  return jax.vmap(one_token)(x_TxD, weights_TxK, experts_TxK, keep_TxK)
+
+
+def dense_ffn(x_TxD: Array, params: Params, *, activation: str) -> Array:
+  """A dense FFN with unstacked weights (w_gate/w_up (D, F), w_down (F, D); or w_in, w_out).
+
+  Used for the shared expert and the dense baseline in the benchmark."""
+  act, glu = activation_fn(activation)
+  dt = x_TxD.dtype
+  if glu:
+    h = act(x_TxD @ params["w_gate"].astype(dt)) * (x_TxD @ params["w_up"].astype(dt))
+    return h @ params["w_down"].astype(dt)
+  return act(x_TxD @ params["w_in"].astype(dt)) @ params["w_out"].astype(dt)
