@@ -1,0 +1,171 @@
+"""Mixture-of-experts FFN layer (linen) over the pure ops in `tformer_jax.ops.moe`.
+
+`MoEFFN(cfg)(x_BxLxD, deterministic=...)` -> y_BxLxD, a drop-in for the dense FFN of a block.
+Side outputs go through `sow` (reduce = append to a tuple, one entry per call):
+  'aux_loss':    'moe_load_balance' (aux_loss_coef * Switch loss), 'moe_z_loss' (z_loss_coef * z)
+  'moe_metrics': 'load' (E,), 'dropped_fraction', 'router_entropy'
+A training step applies the model with mutable=['aux_loss', 'moe_metrics'] (plus 'intermediates'
+etc. if it wants them) and adds `collect_aux_loss(mutables)` to the loss.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tformer_jax.config import ModelConfig
+from tformer_jax.ops import moe as moe_ops
+
+Array = jnp.ndarray
+
+# Logical axis names of each weight; map 'expert' to a mesh axis for expert parallelism.
+LOGICAL_AXES = {
+    "router": ("embed", "expert"),
+    "w_gate": ("expert", "embed", "mlp"),
+    "w_up": ("expert", "embed", "mlp"),
+    "w_in": ("expert", "embed", "mlp"),
+    "w_down": ("expert", "mlp", "embed"),
+    "w_out": ("expert", "mlp", "embed"),
+}
+
+
+def expert_hidden(cfg: ModelConfig) -> int:
+  """Hidden size F of each expert (and of the shared expert)."""
+  return cfg.moe.d_ff or cfg.ff
+
+
+class MoEFFN(nn.Module):
+  """Top-k routed FFN experts (+ optional shared expert). Router math in float32.
+
+  Params: router (D, E); experts w_gate/w_up (E, D, F), w_down (E, F, D) for swiglu/geglu, or
+  w_in (E, D, F), w_out (E, F, D) otherwise; the shared expert (if any) uses the same names with
+  a 'shared_' prefix and no expert axis. Output projections follow cfg.scale_residual_init.
+  Jitter (cfg.moe.jitter > 0) needs the 'dropout' rng when deterministic=False.
+  """
+  cfg: ModelConfig
+
+  def _param(self, name: str, axes: tuple[str, ...], shape: tuple[int, ...], std: float) -> Array:
+    init = nn.with_logical_partitioning(nn.initializers.normal(std), axes)
+    return self.param(name, init, shape, jnp.dtype(self.cfg.param_dtype))
+
+  @nn.compact
+  def __call__(self, x_BxLxD: Array, *, deterministic: bool = True) -> Array:
+    cfg, m = self.cfg, self.cfg.moe
+    if m.num_experts <= 0:
+      raise ValueError("MoEFFN needs cfg.moe.num_experts > 0")
+    b, l, d = x_BxLxD.shape
+    e, f = m.num_experts, expert_hidden(cfg)
+    dtype = jnp.dtype(cfg.dtype)
+    std = cfg.init_std
+    out_std = std / math.sqrt(2 * cfg.num_layers) if cfg.scale_residual_init else std
+
+    w_router_DxE = self._param("router", LOGICAL_AXES["router"], (d, e), std)
+    names = moe_ops.expert_param_names(cfg.activation)
+    is_out = {n: n in ("w_down", "w_out") for n in names}
+    params = {}
+    for n in names:
+      shape = (e, f, d) if is_out[n] else (e, d, f)
+      params[n] = self._param(n, LOGICAL_AXES[n], shape, out_std if is_out[n] else std)
+
+    x_TxD = x_BxLxD.reshape(b * l, d)
+    router_in_TxD = x_TxD.astype(jnp.float32)
+    if m.jitter > 0.0 and not deterministic:
+      router_in_TxD = moe_ops.jitter(router_in_TxD, self.make_rng("dropout"), m.jitter)
+    logits_TxE = router_in_TxD @ w_router_DxE.astype(jnp.float32)
+    weights_TxK, experts_TxK, probs_TxE = moe_ops.route(
+        logits_TxE, top_k=m.top_k, renormalize=m.renormalize)
+
+    xc_TxD = x_TxD.astype(dtype)
+    cparams = {n: p.astype(dtype) for n, p in params.items()}
+    if m.dispatch == "dropless":
+      y_TxD = moe_ops.moe_ffn_dropless(xc_TxD, cparams, weights_TxK, experts_TxK,
+                                       activation=cfg.activation)
+      dropped = jnp.zeros((), jnp.float32)
+    elif m.dispatch == "capacity":
+      cap = moe_ops.capacity(b * l, e, m.top_k, m.capacity_factor)
+      y_TxD, dropped = moe_ops.moe_ffn_capacity(xc_TxD, cparams, weights_TxK, experts_TxK,
+                                                activation=cfg.activation, capacity=cap)
+    else:
+      raise ValueError(f"unknown moe.dispatch {m.dispatch!r}; expected 'dropless' or 'capacity'")
+
+    if m.shared_expert:
+      shared = {}
+      for n in names:
+        shape, axes = ((f, d), ("mlp", "embed")) if is_out[n] else ((d, f), ("embed", "mlp"))
+        shared[n] = self._param("shared_" + n, axes, shape, out_std if is_out[n] else std)
+      y_TxD = y_TxD + moe_ops.dense_ffn(xc_TxD, {n: p.astype(dtype) for n, p in shared.items()},
+                                        activation=cfg.activation)
+
+    lb = moe_ops.load_balancing_loss(probs_TxE, experts_TxK, e)
+    z = moe_ops.router_z_loss(logits_TxE)
+    self.sow("aux_loss", "moe_load_balance", m.aux_loss_coef * lb)
+    self.sow("aux_loss", "moe_z_loss", m.z_loss_coef * z)
+    self.sow("moe_metrics", "load", moe_ops.expert_load(experts_TxK, e))
+    self.sow("moe_metrics", "dropped_fraction", jax.lax.stop_gradient(dropped))
+    self.sow("moe_metrics", "router_entropy", jax.lax.stop_gradient(moe_ops.router_entropy(probs_TxE)))
+    return y_TxD.reshape(b, l, d).astype(dtype)
+
+
+def collect_aux_loss(mutables: Mapping[str, Any]) -> Array:
+  """Sum of every leaf under 'aux_loss' (already coefficient-weighted); 0.0 if there is none."""
+  leaves = jax.tree.leaves(mutables.get("aux_loss", {}))
+  if not leaves:
+    return jnp.zeros((), jnp.float32)
+  return sum(jnp.sum(jnp.asarray(v, jnp.float32)) for v in leaves)
+
+
+def _leaves_named(tree: Any, name: str) -> list[Array]:
+  out = []
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    keys = [getattr(k, "key", None) for k in path]
+    if name in keys:
+      out.append(jnp.asarray(leaf, jnp.float32))
+  return out
+
+
+def collect_moe_metrics(mutables: Mapping[str, Any]) -> dict[str, Array]:
+  """Averages over MoE layers (and scanned layers) of the sown metrics, plus the aux losses.
+
+  Keys (present only if some layer sowed them): 'moe_load' (E,) mean load fraction,
+  'moe_load_max' (the largest per-layer expert load fraction; 1/E is perfectly balanced),
+  'moe_dropped_fraction', 'moe_router_entropy', 'moe_load_balance', 'moe_z_loss' (summed).
+  """
+  metrics = mutables.get("moe_metrics", {})
+  out: dict[str, Array] = {}
+  loads = _leaves_named(metrics, "load")
+  if loads:
+    e = loads[0].shape[-1]
+    load_LxE = jnp.concatenate([v.reshape(-1, e) for v in loads], axis=0)
+    out["moe_load"] = jnp.mean(load_LxE, axis=0)
+    out["moe_load_max"] = jnp.max(load_LxE)
+  for name in ("dropped_fraction", "router_entropy"):
+    vals = _leaves_named(metrics, name)
+    if vals:
+      out["moe_" + name] = jnp.mean(jnp.concatenate([v.reshape(-1) for v in vals]))
+  aux = mutables.get("aux_loss", {})
+  for name in ("moe_load_balance", "moe_z_loss"):
+    vals = _leaves_named(aux, name)
+    if vals:
+      out[name] = sum(jnp.sum(v) for v in vals)
+  return out
+
+
+def mixtral_to_params(state_dict: Mapping[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
+  """transformers-5 MixtralSparseMoeBlock weights (numpy) -> MoEFFN params (unboxed dict).
+
+  HF stores gate.weight (E, H), experts.gate_up_proj (E, 2I, H) (gate rows first, then up) and
+  experts.down_proj (E, H, I); ours are router (H, E), w_gate/w_up (E, H, I), w_down (E, I, H).
+  """
+  sd = {k[len(prefix):]: np.asarray(v) for k, v in state_dict.items() if k.startswith(prefix)}
+  gate_up = sd["experts.gate_up_proj"]
+  inter = gate_up.shape[1] // 2
+  return {
+      "router": sd["gate.weight"].T,
+      "w_gate": np.transpose(gate_up[:, :inter], (0, 2, 1)),
+      "w_up": np.transpose(gate_up[:, inter:], (0, 2, 1)),
+      "w_down": np.transpose(sd["experts.down_proj"], (0, 2, 1)),
+  }
