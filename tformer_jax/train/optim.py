@@ -1,0 +1,214 @@
+"""Optimizer pieces: learning-rate schedules, the weight-decay mask, AdamW, gradient accumulation.
+
+Everything reads the `optim` section of `default_config()`:
+
+  tx, schedule = make_optimizer(cfg.optim, total_steps=cfg.train.steps)
+  opt_state = tx.init(params)
+  ...
+  (loss, aux), grads = accumulate_gradients(loss_and_grad_fn, params, batch, rng, cfg.optim.grad_accum)
+  norm, clipped_norm = grad_norms(grads, cfg.optim.clip_norm)      # metrics only
+  updates, opt_state = tx.update(grads, opt_state, params)
+  params = optax.apply_updates(params, updates)
+  lr = schedule(step)                                               # the lr this update used
+
+Step convention: optax evaluates the schedule at its internal update count, i.e. the update with
+0-based index `s` (the number of updates already applied) uses `schedule(s)`. With warmup the very
+first update therefore has lr 0, and `schedule(warmup)` is the first update at `peak_lr`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+PyTree = Any
+
+# Parameter names that never get weight decay, whatever their rank (a norm scale stacked by
+# scan_layers is (num_layers, d) and must still be excluded).
+NO_DECAY_NAMES = frozenset({"scale", "bias"})
+
+
+def _get(cfg: Any, name: str) -> Any:
+  """A field of a ConfigDict or a plain dict."""
+  return cfg[name]
+
+
+def warmup_steps(optim_cfg: Any, total_steps: int) -> int:
+  """The effective warmup length: round(warmup_fraction * total_steps) when the fraction is > 0."""
+  frac = float(_get(optim_cfg, "warmup_fraction"))
+  if frac > 0:
+    return int(round(frac * total_steps))
+  return int(_get(optim_cfg, "warmup_steps"))
+
+
+def make_schedule(optim_cfg: Any, total_steps: int) -> optax.Schedule:
+  """Linear warmup 0 -> peak_lr over the warmup steps, then cosine | rsqrt | constant.
+
+  cosine: half-cosine from peak_lr at the end of warmup down to min_lr_ratio * peak_lr at
+    `total_steps`, constant at that floor afterwards.
+  rsqrt: peak_lr * sqrt(w / step) after warmup, with w = max(warmup, 1) (so no warmup means
+    peak_lr at steps 0 and 1, then 1/sqrt decay).
+  constant: peak_lr after warmup.
+  The returned function is jit-friendly (step may be a traced int).
+  """
+  peak = float(_get(optim_cfg, "peak_lr"))
+  kind = str(_get(optim_cfg, "schedule"))
+  min_lr = float(_get(optim_cfg, "min_lr_ratio")) * peak
+  warm = warmup_steps(optim_cfg, total_steps)
+  decay_len = max(total_steps - warm, 1)
+  if kind not in ("cosine", "rsqrt", "constant"):
+    raise ValueError(f"optim.schedule: unknown value {kind!r}; expected cosine, rsqrt or constant")
+
+  def schedule(step: Any) -> jax.Array:
+    step_f = jnp.asarray(step, jnp.float32)
+    if kind == "cosine":
+      progress = jnp.clip((step_f - warm) / decay_len, 0.0, 1.0)
+      after = min_lr + (peak - min_lr) * 0.5 * (1.0 + jnp.cos(math.pi * progress))
+    elif kind == "rsqrt":
+      w = float(max(warm, 1))
+      after = peak * jnp.sqrt(w / jnp.maximum(step_f, w))
+    else:
+      after = jnp.full_like(step_f, peak)
+    if warm == 0:
+      return after
+    return jnp.where(step_f < warm, peak * step_f / warm, after)
+
+  return schedule
+
+
+def _param_name(path: tuple) -> str:
+  """The last dict key on a pytree path (skips the `.value` of flax boxed params)."""
+  for entry in reversed(path):
+    if isinstance(entry, jax.tree_util.DictKey):
+      return str(entry.key)
+  return ""
+
+
+def decay_mask(params: PyTree) -> PyTree:
+  """True where weight decay applies: every leaf with ndim >= 2 unless its name is scale/bias.
+
+  Decayed: Dense kernels, attention projections, MoE expert weights and embeddings (token,
+  learned-position and relative-bias tables are decayed by default, as in GPT-2/nanoGPT-style
+  AdamW setups). Never decayed: norm scales and biases, by rank (ndim <= 1) and by name, so that
+  scan_layers-stacked (num_layers, d) scales/biases stay excluded. Works on plain param dicts and
+  on trees holding flax boxed params (nn.Partitioned / nn.LogicallyPartitioned): the result has
+  the same structure, boxes included, so it can be handed to optax as is.
+  """
+  def leaf_mask(path: tuple, x: Any) -> bool:
+    if _param_name(path) in NO_DECAY_NAMES:
+      return False
+    return jnp.ndim(x) >= 2
+
+  return jax.tree_util.tree_map_with_path(leaf_mask, params)
+
+
+def make_optimizer(optim_cfg: Any, total_steps: int
+                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """(tx, schedule): clip_by_global_norm (if clip_norm > 0) then AdamW with `decay_mask`.
+
+  Gradient accumulation is not inside `tx`: use `accumulate_gradients` in the train step.
+  `schedule(step)` gives the learning rate for logging (see the module docstring for the step
+  convention).
+  """
+  name = str(_get(optim_cfg, "name"))
+  if name != "adamw":
+    raise ValueError(f"optim.name: unknown value {name!r}; expected 'adamw'")
+  schedule = make_schedule(optim_cfg, total_steps)
+  parts = []
+  clip = float(_get(optim_cfg, "clip_norm"))
+  if clip > 0:
+    parts.append(optax.clip_by_global_norm(clip))
+  parts.append(optax.adamw(
+      learning_rate=schedule,
+      b1=float(_get(optim_cfg, "b1")),
+      b2=float(_get(optim_cfg, "b2")),
+      eps=float(_get(optim_cfg, "eps")),
+      weight_decay=float(_get(optim_cfg, "weight_decay")),
+      mask=decay_mask,
+  ))
+  return optax.chain(*parts), schedule
+
+
+def grad_norms(grads: PyTree, clip_norm: float) -> tuple[jax.Array, jax.Array]:
+  """(global norm before clipping, global norm after clip_by_global_norm(clip_norm)).
+
+  The second equals optax.tree.norm(clipped grads) (min(norm, clip_norm)); clip_norm <= 0
+  means no clipping, so both are equal.
+  """
+  norm = optax.tree.norm(grads)
+  if clip_norm <= 0:
+    return norm, norm
+  return norm, jnp.minimum(norm, jnp.asarray(clip_norm, norm.dtype))
+
+
+def split_micro_batches(batch: PyTree, num_micro: int) -> PyTree:
+  """(B, ...) leaves -> (num_micro, B // num_micro, ...), micro-batch i = rows i, i + M, i + 2M, ...
+
+  Strided (not contiguous) so that a batch sharded along its leading axis keeps every micro-batch
+  spread over all data-parallel devices.
+  """
+  def split(x: jax.Array) -> jax.Array:
+    b = x.shape[0]
+    if b % num_micro:
+      raise ValueError(f"batch size {b} is not divisible by num_micro={num_micro}")
+    x = x.reshape((b // num_micro, num_micro) + x.shape[1:])
+    return jnp.swapaxes(x, 0, 1)
+
+  return jax.tree.map(split, batch)
+
+
+LossAndGradFn = Callable[[PyTree, PyTree, jax.Array], tuple[tuple[jax.Array, tuple[jax.Array, PyTree]],
+                                                              PyTree]]
+
+
+def accumulate_gradients(loss_and_grad_fn: LossAndGradFn, params: PyTree, batch: PyTree,
+                         rng: jax.Array | None, num_micro: int
+                         ) -> tuple[tuple[jax.Array, PyTree], PyTree]:
+  """Sum-form gradient accumulation over `num_micro` micro-batches with lax.scan.
+
+  `loss_and_grad_fn(params, micro_batch, rng) -> ((loss_sum, (count, aux)), grads_of_loss_sum)`,
+  e.g. `jax.value_and_grad(f, has_aux=True)` of an f returning (sum(loss * mask), (sum(mask), aux)).
+  Returns `((loss, aux), grads)` with loss = sum(loss_sum) / sum(count) and grads the same ratio,
+  i.e. exactly the token-weighted mean over the whole batch even when micro-batches hold different
+  numbers of real tokens; aux is the mean over micro-batches. For a plain mean-loss fn, return
+  count = 1: the result is then the mean of the micro-batch means. A total count of 0 gives 0.
+
+  The batch's leading axis is split by `split_micro_batches` (strided). Micro-batch i gets
+  rng fold_in(rng, i); with num_micro == 1 the fn is called once, on the whole batch, with rng
+  itself (no scan): grad_accum=1 is exactly one call on the whole batch.
+  """
+  if num_micro < 1:
+    raise ValueError(f"num_micro must be >= 1, got {num_micro}")
+  if num_micro == 1:
+    (loss_sum, (count, aux)), grads = loss_and_grad_fn(params, batch, rng)
+    return _normalise(loss_sum, count, aux, grads)
+
+  micro = split_micro_batches(batch, num_micro)
+  first = jax.tree.map(lambda x: x[0], micro)
+  rng0 = None if rng is None else jax.random.fold_in(rng, 0)
+  _, grads_shape = jax.eval_shape(loss_and_grad_fn, params, first, rng0)
+  grads0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), grads_shape)
+
+  def body(grads_acc: PyTree, xs: tuple[jax.Array, PyTree]) -> tuple[PyTree, tuple]:
+    i, mb = xs
+    r = None if rng is None else jax.random.fold_in(rng, i)
+    (loss_sum, (count, aux)), grads = loss_and_grad_fn(params, mb, r)
+    grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
+    return grads_acc, (loss_sum, count, aux)
+
+  grads_sum, (loss_sums, counts, auxs) = jax.lax.scan(
+      body, grads0, (jnp.arange(num_micro), micro))
+  aux = jax.tree.map(lambda a: jnp.mean(jnp.asarray(a, jnp.float32), axis=0), auxs)
+  return _normalise(jnp.sum(loss_sums), jnp.sum(counts), aux, grads_sum)
+
+
+def _normalise(loss_sum: jax.Array, count: jax.Array, aux: PyTree, grads: PyTree
+               ) -> tuple[tuple[jax.Array, PyTree], PyTree]:
+  count = jnp.asarray(count, jnp.float32)
+  denom = jnp.where(count > 0, count, 1.0)
+  loss = jnp.asarray(loss_sum, jnp.float32) / denom
+  grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
+  return (loss, aux), grads
