@@ -84,6 +84,7 @@ class ModelConfig:
   causal: bool = True                # False = bidirectional encoder
   type_vocab_size: int = 0           # BERT token types; 0 = none
   tie_embeddings: bool = True
+  lm_head: bool = True               # False: apply() returns final hidden states (B, L, d_model)
   qkv_bias: bool = False
   out_bias: bool = False
   mlp_bias: bool = False
@@ -260,14 +261,16 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
       _fail(p + "rope_scaling.factor", f"must be >= 1, got {rs.factor}")
   if m.position == "t5" and (m.t5_num_buckets <= 0 or m.t5_max_distance <= 0):
     _fail(p + "t5_num_buckets", "t5_num_buckets and t5_max_distance must be positive")
-  if m.window and not m.causal:
-    _fail(p + "window", "a sliding window needs a causal model (use num_global_tokens for encoders)")
+  if m.position == "t5" and m.attention_impl == "blockwise":
+    _fail(p + "attention_impl", "T5 relative bias needs a dense bias: use 'reference' or 'xla'")
+  if m.num_global_tokens and not m.window:
+    _fail(p + "num_global_tokens", "global tokens only matter with a window > 0")
+  if m.num_global_tokens and m.attention_impl == "blockwise":
+    _fail(p + "num_global_tokens", "global tokens need a dense mask: use attention_impl 'reference'")
   if m.norm_position == "post" and m.parallel_residual:
     _fail(p + "parallel_residual", "parallel residual is a Pre-LN layout; set norm_position='pre'")
   if m.attention_impl == "blockwise" and (m.attention_block_q <= 0 or m.attention_block_k <= 0):
     _fail(p + "attention_block_q", "block sizes must be positive")
-  if m.tie_embeddings and m.type_vocab_size < 0:
-    _fail(p + "type_vocab_size", "must be >= 0")
   moe = m.moe
   if moe.num_experts < 0:
     _fail(p + "moe.num_experts", f"must be >= 0, got {moe.num_experts}")

@@ -1,0 +1,122 @@
+"""The one model: embeddings, positions, a stack of blocks (unrolled or scanned, optionally remat'd),
+final norm and LM head. Every variant in the articles is a field of `ModelConfig`, not a subclass."""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from tformer_jax.config import ModelConfig
+from tformer_jax.nn.block import Block
+from tformer_jax.nn.common import Norm, dtypes, normal, param
+from tformer_jax.ops import positions as pos_ops
+
+REMAT_POLICIES = {
+    "full": None,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+# Collections that get a leading 'layers' axis under scan_layers.
+SCANNED_COLLECTIONS = ("params", "cache", "intermediates", "aux_loss", "moe_metrics")
+
+
+def block_class(cfg: ModelConfig):
+  if cfg.remat == "none":
+    return Block
+  return nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+
+
+class Transformer(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens_BxL: jax.Array, *, positions_BxL: jax.Array | None = None,
+               attention_mask_BxL: jax.Array | None = None, token_types_BxL: jax.Array | None = None,
+               inputs_embeds_BxLxD: jax.Array | None = None, deterministic: bool = True,
+               decode: bool = False) -> jax.Array:
+    """Logits (B, L, vocab) in float32, or final hidden states (B, L, d_model) if not cfg.lm_head.
+
+    attention_mask_BxL: 1 = real token, 0 = padding (never attended to). positions_BxL default to
+    0..L-1 counting real tokens only (so left padding is handled). decode=True reads and appends to
+    the 'cache' collection (create it by calling init with decode=True on a (B, max_len) input).
+    inputs_embeds_BxLxD replaces the token lookup (soft prompts, gradient checks).
+    """
+    cfg = self.cfg
+    dt, pdt = dtypes(cfg)
+    b, l = tokens_BxL.shape
+    valid_BxL = (jnp.ones((b, l), jnp.bool_) if attention_mask_BxL is None
+                 else attention_mask_BxL.astype(jnp.bool_))
+
+    q_offset = jnp.zeros((), jnp.int32)
+    kv_valid_BxS = valid_BxL
+    if decode:
+      is_init = not self.has_variable("cache", "index")
+      index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+      kv_cache = self.variable("cache", "kv_valid", jnp.zeros, (b, l), jnp.bool_)
+      if not is_init:
+        q_offset = index.value
+        kv_cache.value = jax.lax.dynamic_update_slice(kv_cache.value, valid_BxL, (0, q_offset))
+        index.value = index.value + l
+        kv_valid_BxS = kv_cache.value
+    if positions_BxL is None:
+      positions_BxL = jnp.maximum(jnp.cumsum(valid_BxL, axis=1) - 1, 0) + q_offset
+    elif cfg.position == "learned" and not isinstance(positions_BxL, jax.core.Tracer):
+      if int(jnp.max(positions_BxL)) >= cfg.max_len:
+        raise ValueError(f"position {int(jnp.max(positions_BxL))} is beyond model.max_len={cfg.max_len} "
+                         "(learned positions cannot extrapolate)")
+    if cfg.position == "learned" and not decode and l > cfg.max_len:
+      raise ValueError(f"sequence length {l} exceeds model.max_len={cfg.max_len}; learned positions "
+                       "cannot extrapolate (use rope/alibi/t5, or raise max_len)")
+
+    embed = param(self, "embed", normal(cfg.init_std), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pdt)
+    if inputs_embeds_BxLxD is None:
+      x_BxLxD = jnp.take(embed, tokens_BxL, axis=0).astype(dt)
+    else:
+      x_BxLxD = inputs_embeds_BxLxD.astype(dt)
+    if cfg.position == "learned":
+      pos_emb = param(self, "pos_embed", normal(cfg.init_std), (cfg.max_len, cfg.d_model),
+                      ("position", "embed"), pdt)
+      x_BxLxD = x_BxLxD + jnp.take(pos_emb, positions_BxL, axis=0).astype(dt)
+    elif cfg.position == "sinusoidal":
+      x_BxLxD = x_BxLxD + pos_ops.sinusoidal_at(positions_BxL, cfg.d_model).astype(dt)
+    if cfg.type_vocab_size:
+      types = jnp.zeros_like(tokens_BxL) if token_types_BxL is None else token_types_BxL
+      type_emb = param(self, "type_embed", normal(cfg.init_std), (cfg.type_vocab_size, cfg.d_model),
+                       (None, "embed"), pdt)
+      x_BxLxD = x_BxLxD + jnp.take(type_emb, types, axis=0).astype(dt)
+    if cfg.embed_norm:
+      x_BxLxD = Norm(cfg, name="embed_norm")(x_BxLxD)
+    x_BxLxD = nn.Dropout(cfg.embed_dropout)(x_BxLxD, deterministic=deterministic)
+    x_BxLxD = nn.with_logical_constraint(x_BxLxD, ("batch", "length", "embed"))
+
+    bias = None
+    if cfg.position == "t5":
+      from tformer_jax.ops.relative_bias import t5_bias
+      table = param(self, "rel_bias", normal(cfg.init_std), (cfg.t5_num_buckets, cfg.num_heads),
+                    (None, "heads"), pdt)
+      s = kv_valid_BxS.shape[1]
+      bias = t5_bias(table.astype(jnp.float32), (q_offset + jnp.arange(l))[None], jnp.arange(s)[None],
+                     bidirectional=not cfg.causal, num_buckets=cfg.t5_num_buckets,
+                     max_distance=cfg.t5_max_distance)
+
+    args = (positions_BxL, kv_valid_BxS, q_offset, bias)
+    cls = block_class(cfg)
+    if cfg.scan_layers:
+      scanned = nn.scan(cls, variable_axes={c: 0 for c in SCANNED_COLLECTIONS},
+                        split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * 4,
+                        length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+      x_BxLxD, _ = scanned(cfg, deterministic, decode, cfg.moe.num_experts > 0, name="layers")(x_BxLxD, *args)
+    else:
+      for i in range(cfg.num_layers):
+        x_BxLxD, _ = cls(cfg, deterministic, decode, cfg.is_moe_layer(i), name=f"layers_{i}")(x_BxLxD, *args)
+
+    if cfg.final_norm:
+      x_BxLxD = Norm(cfg, name="final_norm")(x_BxLxD)
+    if not cfg.lm_head:
+      return x_BxLxD.astype(jnp.float32)
+    if cfg.tie_embeddings:
+      logits_BxLxV = jnp.einsum("bld,vd->blv", x_BxLxD, embed.astype(dt))
+    else:
+      head = param(self, "head", normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt)
+      logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, head.astype(dt))
+    return logits_BxLxV.astype(jnp.float32)
