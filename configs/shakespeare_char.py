@@ -1,0 +1,24 @@
+"""Default experiment: a byte-level GPT on Shakespeare's complete works, sized for 2 CPU cores.
+
+Launch:  python scripts/train.py --config=configs/shakespeare_char.py --workdir=runs/shakespeare
+Measured: (filled in below after the run)
+"""
+from tformer_jax.config import default_config
+
+
+def get_config():
+  c = default_config()
+  m = c.model
+  m.vocab_size = 256
+  m.d_model, m.num_layers, m.num_heads = 256, 4, 4
+  m.position, m.norm, m.activation = "rope", "rmsnorm", "gelu_tanh"
+  m.max_len = 256
+  m.tie_embeddings = True
+  c.data.corpus, c.data.tokenizer = "shakespeare", "byte"
+  c.data.seq_len, c.data.batch_size = 128, 32
+  c.optim.peak_lr, c.optim.warmup_steps, c.optim.min_lr_ratio = 2e-3, 100, 0.1
+  c.optim.weight_decay, c.optim.clip_norm = 0.1, 1.0
+  c.train.steps, c.train.log_every, c.train.eval_every, c.train.ckpt_every = 2000, 50, 500, 500
+  c.train.eval_batches = 16
+  c.train.sample_prompt, c.train.sample_tokens = "ROMEO:\n", 300
+  return c

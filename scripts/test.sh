@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Install tformer_jax with test + reference extras into a fresh venv and run the whole test suite.
+# Usage: bash scripts/test.sh [extra pytest args]      (VENV=path to choose the venv; default .venv)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+# torch pinned exactly: a CPU wheel; any looser spec pulls a multi-GB CUDA build.
+"$VENV/bin/python" -m pip install -q "torch==2.13.0"
+"$VENV/bin/python" -m pip install -q -e ".[test,reference]"
+# Optional real corpus for the kjv tests (Debian); the suite skips those cases without it.
+if ! command -v bible >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && apt-get install -y -qq bible-kjv) >/dev/null 2>&1 || echo "note: bible-kjv not installed"
+fi
+exec "$VENV/bin/python" -m pytest -n 2 --dist loadfile "$@"

@@ -1,0 +1,243 @@
+"""The training loop: data -> sharded jit steps -> metrics/progress -> checkpoints -> a sample.
+
+`train(cfg, workdir)` is the whole job; scripts/train.py only parses flags and calls it.
+Resumable after any crash: parameters, optimizer state, step, RNG and the data iterator are restored
+from the latest good checkpoint, so a resumed run continues bit-for-bit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import pathlib
+import signal
+import time
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from tformer_jax import config as config_lib
+from tformer_jax.nn import Transformer
+from tformer_jax.parallel import mesh as mesh_lib
+from tformer_jax.parallel import rules as rules_lib
+from tformer_jax.train import optim, precision, state as state_lib, step as step_lib
+from tformer_jax.train.metrics import MetricWriter
+
+log = logging.getLogger("tformer_jax")
+
+
+class TrainingError(RuntimeError):
+  """The run stopped for a reason the user must look at (e.g. repeated non-finite steps)."""
+
+
+def prepare_workdir(workdir: str | os.PathLike) -> pathlib.Path:
+  path = pathlib.Path(workdir).expanduser()
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+    probe = path / ".write_test"
+    probe.write_text("ok")
+    probe.unlink()
+  except OSError as e:
+    raise config_lib.ConfigError(f"workdir: {path} is not writable ({e.strerror or e})") from None
+  return path
+
+
+def enable_compilation_cache(cache_dir: str = "") -> None:
+  root = pathlib.Path(cache_dir or os.environ.get("TFORMER_CACHE", "~/.cache/tformer_jax")).expanduser()
+  jax.config.update("jax_compilation_cache_dir", str(root / "jax_compile"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+def resolve_model_config(cfg: ml_collections.ConfigDict, vocab_size: int | None = None) -> config_lib.ModelConfig:
+  """Validated ModelConfig, with the precision policy's compute dtype applied."""
+  m = config_lib.validate(cfg)
+  policy = precision.get_policy(cfg.train.precision)
+  m = dataclasses.replace(m, **policy.model_overrides())
+  if vocab_size is not None and m.vocab_size < vocab_size:
+    raise config_lib.ConfigError(f"model.vocab_size: {m.vocab_size} is smaller than the tokenizer's "
+                                 f"vocabulary ({vocab_size}); set --config.model.vocab_size={vocab_size}")
+  return m
+
+
+def _install_stop_handlers() -> dict[str, Any]:
+  flag = {"signal": None}
+
+  def handler(signum, _frame):
+    flag["signal"] = signal.Signals(signum).name
+
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    try:
+      signal.signal(sig, handler)
+    except ValueError:  # not the main thread
+      pass
+  return flag
+
+
+def bytes_per_token(ds) -> float:
+  if getattr(ds.tokenizer, "name", "") == "byte" or ds.val_tokens is None:
+    return 1.0
+  sample = ds.val_tokens[: 200_000]
+  return max(1e-9, len(ds.tokenizer.decode(sample).encode("utf-8")) / max(1, len(sample)))
+
+
+def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[str, float]:
+  """Train (or resume) the experiment `cfg` in `workdir`. Returns the final metrics."""
+  from tformer_jax.checkpoint import Checkpointer
+  from tformer_jax.data import pipeline
+
+  config_lib.validate(cfg)  # fail on config errors before touching data or compiling
+  if not cfg.model.causal:
+    raise config_lib.ConfigError("model.causal: train.py trains causal language models; an encoder "
+                                 "(causal=False) has no next-token objective here")
+  work = prepare_workdir(workdir)
+  enable_compilation_cache(cfg.data.cache_dir)
+  is_main = jax.process_index() == 0
+
+  ds = pipeline.build_dataset(cfg.data)
+  mcfg = resolve_model_config(cfg, ds.vocab_size)
+  mesh = mesh_lib.make_mesh(cfg.mesh)
+  mesh_lib.check_layout(cfg, mesh)
+  rules = rules_lib.get_rules(cfg.mesh.rules, mesh.axis_names)
+  if is_main:
+    (work / "config.json").write_text(cfg.to_json_best_effort(indent=2))
+
+  model = Transformer(mcfg)
+  tx, schedule = optim.make_optimizer(cfg.optim, cfg.train.steps)
+  policy = precision.get_policy(cfg.train.precision)
+  init = state_lib.init_fn(model, tx, policy.initial_loss_scale(), cfg.data.seq_len)
+  rng = jax.random.PRNGKey(cfg.train.seed)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    abstract, shardings = state_lib.state_shardings(init, rng, mesh, rules)
+  ckpt = Checkpointer(work / "checkpoints", max_to_keep=cfg.train.max_to_keep)
+  restored = ckpt.restore(abstract)
+  it = pipeline.train_iterator(ds, cfg.data, process_index=jax.process_index(),
+                               process_count=jax.process_count())
+  if restored is not None:
+    start, state, data_state, _ = restored
+    if data_state:
+      it.set_state(data_state)
+    log.info("resumed from step %d", start)
+  else:
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+      state = state_lib.create_state(init, rng, shardings)
+    start = 0
+  n_params = state_lib.param_count(state.params)
+
+  train_step = step_lib.make_train_step(model, tx, schedule, cfg.optim)
+  batch_sh = mesh_lib.batch_sharding(mesh)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    jstep = jax.jit(train_step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, None),
+                    donate_argnums=(0,))
+    jeval = jax.jit(lambda p, b: step_lib.eval_step(p, b, model=model),
+                    in_shardings=(shardings.params, batch_sh))
+
+  def to_global(local: dict) -> dict:
+    return {k: jax.make_array_from_process_local_data(batch_sh, np.asarray(v)) for k, v in local.items()}
+
+  eval_set = [to_global(b) for b in pipeline.eval_batches(
+      ds, cfg.data, cfg.train.eval_batches, process_index=jax.process_index(),
+      process_count=jax.process_count())]
+  bpt = bytes_per_token(ds)
+
+  def evaluate(params) -> dict[str, float]:
+    sums = [jeval(params, b) for b in eval_set]
+    tot = {k: float(sum(float(s[k]) for s in sums)) for k in sums[0]}
+    loss = tot["nll_sum"] / max(tot["count"], 1.0)
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
+            "val_bpb": loss / math.log(2) / bpt, "val_accuracy": tot["correct"] / max(tot["count"], 1.0)}
+
+  writer = MetricWriter(work, enabled=is_main, truncate_after=start)
+  if is_main:
+    log.info("model: %s parameters; mesh %s; rules %s", f"{n_params:,}", dict(mesh.shape), cfg.mesh.rules)
+  stop = _install_stop_handlers()
+  tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+  progress = _progress(is_main, start, cfg.train.steps)
+  final: dict[str, float] = {}
+  pending = None
+  t_last, steps_since = time.perf_counter(), 0
+
+  def finish_step(step_done: int, metrics) -> None:
+    nonlocal t_last, steps_since, final
+    m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    m["ppl"] = math.exp(min(m["nll"], 50.0))
+    m["bpb"] = m["nll"] / math.log(2) / bpt
+    steps_since += 1
+    if m["bad_steps"] >= cfg.train.max_nonfinite:
+      raise TrainingError(
+          f"{int(m['bad_steps'])} consecutive non-finite steps (ending at step {step_done}); the update was "
+          f"skipped each time and the last good checkpoint (step {ckpt.latest_step()}) is untouched. "
+          "Check the learning rate/warmup, the data and the precision (fp16 needs loss scaling).")
+    if not m["finite"]:
+      log.warning("step %d: non-finite loss or gradient; update skipped (%d in a row)", step_done,
+                  int(m["bad_steps"]))
+    if step_done % cfg.train.log_every == 0 or step_done == cfg.train.steps:
+      now = time.perf_counter()
+      m["tokens_per_s"] = steps_since * tokens_per_step / max(now - t_last, 1e-9)
+      t_last, steps_since = now, 0
+      writer.write(step_done, m)
+      progress.set_postfix(loss=f"{m['loss']:.3f}", lr=f"{m['lr']:.2e}", tok_s=f"{m['tokens_per_s']:.0f}")
+    final.update(m)
+
+  try:
+    for step in range(start, cfg.train.steps):
+      batch = to_global(next(it))
+      state, metrics = jstep(state, batch)   # dispatch step N+1 ...
+      if pending is not None:
+        finish_step(*pending)                # ... before reading step N's metrics
+      pending = (step + 1, metrics)
+      progress.update(1)
+      done = step + 1
+      if done % cfg.train.eval_every == 0 or done == cfg.train.steps:
+        finish_step(*pending)
+        pending = None
+        ev = evaluate(state.params)
+        writer.write(done, ev)
+        final.update(ev)
+        log.info("step %d: val_loss %.4f (%.3f bits/byte)", done, ev["val_loss"], ev["val_bpb"])
+      if done % cfg.train.ckpt_every == 0 or done == cfg.train.steps or stop["signal"]:
+        ckpt.save(done, state, it.get_state(), {"step": done}, force=bool(stop["signal"]))
+      if stop["signal"]:
+        if pending is not None:
+          finish_step(*pending)
+          pending = None
+        log.warning("%s received: saved step %d, exiting", stop["signal"], done)
+        break
+    if pending is not None:
+      finish_step(*pending)
+  finally:
+    progress.close()
+    ckpt.wait()
+    ckpt.close()
+    writer.close()
+
+  if is_main and not stop["signal"] and cfg.train.sample_tokens > 0:
+    final["sample"] = sample_text(model, jax.device_get(state.params), ds.tokenizer, cfg)
+    print(f"\n--- sample (step {int(state.step)}) ---\n{final['sample']}\n---", flush=True)
+  final["params"] = n_params
+  final["step"] = int(state.step)
+  return final
+
+
+def sample_text(model, params, tokenizer, cfg, seed: int = 0) -> str:
+  from tformer_jax import decode
+  prompt = [int(t) for t in tokenizer.encode(cfg.train.sample_prompt)] or [0]
+  max_new = cfg.train.sample_tokens
+  if model.cfg.position == "learned":
+    max_new = min(max_new, model.cfg.max_len - len(prompt))
+  out = decode.generate(model, params, [prompt], max_new_tokens=max_new,
+                        temperature=cfg.decode.temperature, top_k=cfg.decode.top_k, top_p=cfg.decode.top_p,
+                        repetition_penalty=cfg.decode.repetition_penalty, rng=jax.random.PRNGKey(seed))
+  tokens = np.asarray(out[0] if isinstance(out, tuple) else out)[0]
+  return cfg.train.sample_prompt + tokenizer.decode([int(t) for t in tokens])
+
+
+def _progress(enabled: bool, start: int, total: int):
+  from tqdm.auto import tqdm
+  return tqdm(total=total, initial=start, disable=not enabled, dynamic_ncols=True, unit="step",
+              mininterval=2.0)

@@ -1,0 +1,54 @@
+"""The train state pytree and its sharded initialisation (eval_shape -> logical shardings -> jit)."""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from tformer_jax.train.precision import DynamicLossScale, NoOpLossScale
+
+
+@struct.dataclass
+class TrainState:
+  step: jax.Array                      # int32 scalar: optimizer updates applied so far
+  params: Any
+  opt_state: Any
+  loss_scale: DynamicLossScale | NoOpLossScale
+  rng: jax.Array                       # folded with the step for dropout / jitter
+  bad_steps: jax.Array                 # int32: consecutive non-finite (skipped) steps
+  skipped: jax.Array                   # int32: total skipped steps
+
+
+def init_fn(model: nn.Module, tx: optax.GradientTransformation, loss_scale, seq_len: int):
+  """A function rng -> TrainState with *boxed* params (nn.Partitioned carrying logical axes)."""
+  def init(rng: jax.Array) -> TrainState:
+    p_rng, s_rng = jax.random.split(rng)
+    tokens = jnp.zeros((1, seq_len), jnp.int32)
+    params = model.init(p_rng, tokens)["params"]
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      loss_scale=loss_scale, rng=s_rng, bad_steps=jnp.zeros((), jnp.int32),
+                      skipped=jnp.zeros((), jnp.int32))
+  return init
+
+
+def state_shardings(init: Any, rng: jax.Array, mesh: jax.sharding.Mesh, rules) -> tuple[Any, Any]:
+  """(abstract unboxed state, NamedShardings) from the logical axis names the model annotated."""
+  abstract_boxed = jax.eval_shape(init, rng)
+  specs = nn.get_partition_spec(abstract_boxed)
+  shardings = nn.logical_to_mesh_sharding(specs, mesh, rules)
+  abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                          nn.unbox(abstract_boxed), shardings)
+  return abstract, shardings
+
+
+def create_state(init: Any, rng: jax.Array, shardings: Any) -> TrainState:
+  """Initialise straight into shards: nothing is ever materialised on one device first."""
+  return jax.jit(lambda r: nn.unbox(init(r)), out_shardings=shardings)(rng)
+
+
+def param_count(params: Any) -> int:
+  return int(sum(x.size for x in jax.tree.leaves(params)))

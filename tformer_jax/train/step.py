@@ -1,0 +1,115 @@
+"""Pure train and eval steps. `train_step(state, batch) -> (state, metrics)`; the loop jits them with
+shardings and donation. Loss: token-mean cross-entropy in float32 (+ MoE aux losses), masked by
+batch['loss_mask'] when present."""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from tformer_jax.train import optim, precision
+from tformer_jax.train.state import TrainState
+
+AUX_COLLECTIONS = ("aux_loss", "moe_metrics")
+
+
+def cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
+  """Per-token negative log-likelihood (B, L) in float32."""
+  logp = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
+  return -jnp.take_along_axis(logp, targets_BxL[..., None], axis=-1)[..., 0]
+
+
+def _sum_leaves(tree: Any) -> jax.Array:
+  leaves = jax.tree.leaves(tree)
+  return sum((jnp.sum(x) for x in leaves), jnp.zeros((), jnp.float32))
+
+
+def _mean_leaves(tree: Any) -> dict[str, jax.Array]:
+  """MoE metrics sown per layer -> one mean per metric name."""
+  out: dict[str, list] = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    name = next((str(k.key) for k in reversed(path) if hasattr(k, "key")), "metric")
+    out.setdefault(name, []).append(jnp.mean(x, axis=tuple(range(x.ndim - 1))) if x.ndim > 1 else x)
+  return {k: jnp.mean(jnp.stack(v), axis=0) for k, v in out.items()}
+
+
+def loss_sum_fn(model: nn.Module, params: Any, batch: dict, rng: jax.Array | None, *, train: bool,
+                scale: jax.Array | float = 1.0):
+  """(scaled sum of token losses incl. aux, (token count, aux metrics)) — the sum form that
+  `optim.accumulate_gradients` needs."""
+  rngs = {"dropout": rng} if (train and rng is not None) else {}
+  logits, mut = model.apply({"params": params}, batch["inputs"], deterministic=not train, rngs=rngs,
+                            mutable=list(AUX_COLLECTIONS))
+  nll_BxL = cross_entropy(logits, batch["targets"])
+  mask = batch.get("loss_mask")
+  mask = jnp.ones_like(nll_BxL) if mask is None else mask.astype(jnp.float32)
+  count = jnp.sum(mask)
+  nll_sum = jnp.sum(nll_BxL * mask)
+  aux_loss = _sum_leaves(mut.get("aux_loss", {}))
+  metrics = {"nll_sum": nll_sum, "aux_loss": aux_loss}
+  metrics.update({f"moe/{k}": v for k, v in _mean_leaves(mut.get("moe_metrics", {})).items()})
+  return (nll_sum + aux_loss * count) * scale, (count, metrics)
+
+
+def train_step(state: TrainState, batch: dict, *, model: nn.Module, tx: optax.GradientTransformation,
+               schedule: optax.Schedule, grad_accum: int = 1, clip_norm: float = 0.0
+               ) -> tuple[TrainState, dict[str, jax.Array]]:
+  rng = jax.random.fold_in(state.rng, state.step)
+  ls = state.loss_scale
+
+  def f(params, mb, r):
+    return loss_sum_fn(model, params, mb, r, train=True, scale=ls.scale)
+
+  grad_fn = jax.value_and_grad(f, has_aux=True)
+  (scaled_loss, aux), grads = optim.accumulate_gradients(grad_fn, state.params, batch, rng, grad_accum)
+  grads = ls.unscale_grads(grads)
+  loss = scaled_loss / ls.scale
+  finite = precision.all_finite((loss, grads))
+  gnorm, gnorm_clipped = optim.grad_norms(grads, clip_norm)
+  updates, new_opt = tx.update(grads, state.opt_state, state.params)
+  new_params = optax.apply_updates(state.params, updates)
+  params, opt_state = precision.select_tree(finite, (new_params, new_opt), (state.params, state.opt_state))
+  bad = jnp.where(finite, 0, state.bad_steps + 1)
+  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                            loss_scale=ls.adjust(finite), bad_steps=bad,
+                            skipped=state.skipped + (1 - finite.astype(jnp.int32)))
+  metrics = {
+      "loss": loss,
+      "nll": aux["nll_sum"] / jnp.maximum(1.0, _batch_count(batch, grad_accum)),
+      "aux_loss": aux["aux_loss"],
+      "lr": schedule(state.step),
+      "grad_norm": gnorm,
+      "grad_norm_clipped": gnorm_clipped,
+      "finite": finite,
+      "bad_steps": bad,
+      "skipped": new_state.skipped,
+      "loss_scale": jnp.asarray(ls.scale, jnp.float32),
+  }
+  metrics.update({k: v for k, v in aux.items() if k.startswith("moe/")})
+  return new_state, metrics
+
+
+def _batch_count(batch: dict, grad_accum: int) -> jax.Array:
+  """Tokens per micro-batch (aux['nll_sum'] is a micro-batch mean under accumulation)."""
+  mask = batch.get("loss_mask")
+  total = batch["targets"].size if mask is None else jnp.sum(mask)
+  return jnp.asarray(total, jnp.float32) / grad_accum
+
+
+def eval_step(params: Any, batch: dict, *, model: nn.Module) -> dict[str, jax.Array]:
+  """Sums (not means) so the loop can add them over batches: nll_sum, count, correct."""
+  logits = model.apply({"params": params}, batch["inputs"], deterministic=True)
+  nll_BxL = cross_entropy(logits, batch["targets"])
+  mask = batch.get("loss_mask")
+  mask = jnp.ones_like(nll_BxL) if mask is None else mask.astype(jnp.float32)
+  correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
+  return {"nll_sum": jnp.sum(nll_BxL * mask), "count": jnp.sum(mask), "correct": jnp.sum(correct * mask)}
+
+
+def make_train_step(model, tx, schedule, optim_cfg):
+  return functools.partial(train_step, model=model, tx=tx, schedule=schedule,
+                           grad_accum=int(optim_cfg.grad_accum), clip_norm=float(optim_cfg.clip_norm))
