@@ -1,0 +1,417 @@
+"""Fast generation: KV-cache decoding with one prefill call and a compiled fixed-shape step loop.
+
+`generate(model, params, prompts, max_new_tokens=...)` left-pads the prompts to a common length P
+(attention mask + positions counted over real tokens only), runs ONE jit-compiled prefill over the
+padded prompts into a fresh zero cache of S = max_len slots (default P + max_new_tokens), then ONE
+jit-compiled `lax.while_loop` that samples a token, writes it to the cache and computes the next
+logits, exiting early once every row has produced a stop token. Every request starts from a fresh
+zero cache, so consecutive requests never see each other's keys ("conversations bleeding together").
+
+Compiled executables are cached per (model, batch, prompt_len, max_len, static sampling choices),
+see `COMPILE_LOG`. `generate_recompute` is the no-cache baseline (a full forward over the whole
+fixed-size buffer every step) with the same sampling and rng stream, so both give the same tokens.
+Output: (B, max_new_tokens) int32 numpy; after a row's stop token (which is kept) come `pad_id`s.
+`return_lengths=True` also returns the number of generated tokens per row (stop token included).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tformer_jax.ops import sampling
+
+Array = jax.Array
+# (name, seconds) for every lower+compile done here; the benchmark reports compile time from it.
+COMPILE_LOG: list[tuple[str, float]] = []
+_COMPILED: dict[Any, Any] = {}
+_STOP_BUCKET = 4  # stop-token arrays are padded (with -1) to a multiple of this: fewer recompiles
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSpec:
+  """The static (compile-time) part of the sampling settings."""
+  greedy: bool
+  top_k: int
+  use_top_p: bool
+  use_penalty: bool
+
+
+class DecodeState(NamedTuple):
+  """Everything the step loop threads through (a pytree)."""
+  cache: Any
+  logits_BxV: Array      # next-token logits
+  seen_BxV: Array        # tokens seen so far (prompt + generated), for the repetition penalty
+  pos_B: Array           # position of the next token fed (counted over real tokens)
+  done_B: Array          # row has emitted a stop token
+  lengths_B: Array       # generated tokens so far per row (stop token included)
+  step: Array            # generated tokens so far (global)
+  rng: Array
+
+
+# --------------------------------------------------------------------------------------- helpers
+
+
+def _model_key(model: nn.Module) -> Any:
+  try:
+    hash(model)
+    return model
+  except TypeError:
+    return id(model)
+
+
+def _aot(name: str, key: Any, fn: Callable, *args: Any) -> Any:
+  """Lower+compile `fn` once per (name, key, argument shapes/dtypes); cached in `_COMPILED`."""
+  leaves, tree = jax.tree_util.tree_flatten(args)
+  avals = tuple((np.shape(x), str(getattr(x, "dtype", None) or np.result_type(x))) for x in leaves)
+  full_key = (name, key, tree, avals)
+  exe = _COMPILED.get(full_key)
+  if exe is None:
+    t0 = time.perf_counter()
+    exe = jax.jit(fn).lower(*args).compile()
+    COMPILE_LOG.append((name, time.perf_counter() - t0))
+    _COMPILED[full_key] = exe
+  return exe
+
+
+def _cache_shapes(model: nn.Module, batch_size: int, max_len: int) -> Any:
+  tokens = jax.ShapeDtypeStruct((batch_size, max_len), jnp.int32)
+  shapes = jax.eval_shape(lambda t: model.init(jax.random.PRNGKey(0), t, decode=True), tokens)
+  return shapes["cache"]
+
+
+def init_cache(model: nn.Module, params: Any, batch_size: int, max_len: int) -> Any:
+  """A fresh all-zero KV cache for `batch_size` rows of `max_len` slots (index 0, no valid keys)."""
+  del params  # the cache shapes follow from the config alone
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), _cache_shapes(model, batch_size, max_len))
+
+
+def _cfg(model: nn.Module) -> Any:
+  cfg = getattr(model, "cfg", None)
+  if cfg is None:
+    raise ValueError("generate needs a tformer_jax Transformer (a module with a `cfg` ModelConfig)")
+  if not cfg.causal:
+    raise ValueError("generation needs a causal decoder; this model has causal=False (an encoder)")
+  if not cfg.lm_head:
+    raise ValueError("generation needs logits; this model has lm_head=False")
+  return cfg
+
+
+def pad_prompts(prompt_tokens: Any, vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Left-pad prompts to (B, P): (tokens_BxP, mask_BxP, lengths_B). Raises ValueError on bad input.
+
+  `prompt_tokens`: a list of int sequences (variable lengths) or a 2-D integer array (all real).
+  """
+  if isinstance(prompt_tokens, (np.ndarray, jax.Array)):
+    arr = np.asarray(prompt_tokens)
+    if arr.ndim != 2:
+      raise ValueError(f"prompt_tokens as an array must be 2-D (batch, length), got shape {arr.shape}")
+    rows = list(arr)
+  else:
+    rows = [np.asarray(r) for r in prompt_tokens]
+  if not rows:
+    raise ValueError("empty prompt batch: pass at least one prompt")
+  for i, r in enumerate(rows):
+    if r.ndim != 1:
+      raise ValueError(f"prompt {i} must be a flat sequence of token ids, got shape {r.shape}")
+    if r.size == 0:
+      raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+    if not np.issubdtype(r.dtype, np.integer):
+      raise ValueError(f"prompt {i} must hold integer token ids, got dtype {r.dtype}")
+    bad = r[(r < 0) | (r >= vocab_size)]
+    if bad.size:
+      raise ValueError(f"prompt {i} has token id {int(bad[0])} outside the vocabulary [0, {vocab_size})")
+  lengths = np.array([r.size for r in rows], np.int32)
+  p = int(lengths.max())
+  tokens = np.zeros((len(rows), p), np.int32)
+  mask = np.zeros((len(rows), p), bool)
+  for i, r in enumerate(rows):
+    tokens[i, p - r.size:] = r
+    mask[i, p - r.size:] = True
+  return tokens, mask, lengths
+
+
+def _check(cfg: Any, p: int, max_new_tokens: Any, max_len: int | None, temperature: float, top_k: int,
+           top_p: float, repetition_penalty: float, stop_tokens: Sequence[int]) -> int:
+  """Validate the request; returns the number of cache slots S."""
+  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+  total = p + int(max_new_tokens)
+  if max_len is not None and total > max_len:
+    raise ValueError(f"prompt length {p} + max_new_tokens {max_new_tokens} = {total} exceeds "
+                     f"max_len={max_len}")
+  if cfg.position == "learned" and total > cfg.max_len:
+    raise ValueError(f"prompt length {p} + max_new_tokens {max_new_tokens} = {total} exceeds the "
+                     f"model's max_len={cfg.max_len} (learned positions cannot extrapolate)")
+  if temperature < 0:
+    raise ValueError(f"temperature must be >= 0, got {temperature}")
+  if not isinstance(top_k, (int, np.integer)) or top_k < 0:
+    raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+  if not 0.0 < top_p <= 1.0:
+    raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+  if repetition_penalty <= 0:
+    raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
+  for t in stop_tokens:
+    if not 0 <= int(t) < cfg.vocab_size:
+      raise ValueError(f"stop token {t} is outside the vocabulary [0, {cfg.vocab_size})")
+  return total if max_len is None else int(max_len)
+
+
+def _spec(temperature: float, top_k: int, top_p: float, repetition_penalty: float) -> SamplingSpec:
+  return SamplingSpec(greedy=temperature <= sampling.GREEDY_TEMPERATURE, top_k=int(top_k),
+                      use_top_p=top_p < 1.0, use_penalty=repetition_penalty != 1.0)
+
+
+def _stop_array(stop_tokens: Sequence[int]) -> np.ndarray:
+  n = -(-max(len(stop_tokens), 1) // _STOP_BUCKET) * _STOP_BUCKET
+  out = np.full((n,), -1, np.int32)
+  out[:len(stop_tokens)] = np.asarray(list(stop_tokens), np.int32)
+  return out
+
+
+def _rng(rng: Any) -> Array:
+  if rng is None:
+    return jax.random.PRNGKey(0)
+  if isinstance(rng, (int, np.integer)):
+    return jax.random.PRNGKey(int(rng))
+  return rng
+
+
+def _pick(spec: SamplingSpec, rng: Array, logits_BxV: Array, seen_BxV: Array, temperature: Array,
+          top_p: Array, penalty: Array) -> Array:
+  """Next tokens (B,) under the static spec and the traced temperature/top_p/penalty."""
+  seen = seen_BxV if spec.use_penalty else None
+  pen = penalty if spec.use_penalty else 1.0
+  if spec.greedy:
+    x = logits_BxV.astype(jnp.float32)
+    if spec.use_penalty:
+      x = sampling.repetition_penalty(x, seen, penalty)
+    return jnp.argmax(x, axis=-1).astype(jnp.int32)
+  return sampling.sample_next(rng, logits_BxV, temperature=temperature, top_k=spec.top_k,
+                              top_p=top_p if spec.use_top_p else 1.0, penalty=pen, seen=seen)
+
+
+def _emit(spec: SamplingSpec, st: DecodeState, stop_S: Array, knobs: tuple[Array, Array, Array],
+          pad_id: int) -> tuple[Array, DecodeState]:
+  """Sample one token per row; returns (tokens_B, state with seen/done/lengths/step/rng updated)."""
+  rng, sub = jax.random.split(st.rng)
+  tok_B = _pick(spec, sub, st.logits_BxV, st.seen_BxV, *knobs)
+  live_B = ~st.done_B
+  tok_B = jnp.where(live_B, tok_B, jnp.int32(pad_id))
+  b, v = st.seen_BxV.shape
+  seen = st.seen_BxV | (jax.nn.one_hot(tok_B, v, dtype=jnp.bool_) & live_B[:, None])
+  lengths = jnp.where(live_B, st.step + 1, st.lengths_B)
+  done = st.done_B | (live_B & jnp.any(tok_B[:, None] == stop_S[None, :], axis=-1))
+  return tok_B, st._replace(seen_BxV=seen, done_B=done, lengths_B=lengths, step=st.step + 1, rng=rng)
+
+
+# --------------------------------------------------------------------------------- cached path
+
+
+def _prefill_fn(model: nn.Module, slots: int) -> Callable:
+  vocab = model.cfg.vocab_size
+
+  def prefill(params, tokens_BxP, mask_BxP, lengths_B, rng):
+    shapes = _cache_shapes(model, tokens_BxP.shape[0], slots)
+    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)   # fresh per request
+    positions_BxP = jnp.maximum(jnp.cumsum(mask_BxP, axis=1) - 1, 0).astype(jnp.int32)
+    logits_BxPxV, upd = model.apply({"params": params, "cache": cache}, tokens_BxP,
+                                    positions_BxL=positions_BxP, attention_mask_BxL=mask_BxP,
+                                    decode=True, mutable=["cache"])
+    seen = sampling.seen_mask(jnp.where(mask_BxP, tokens_BxP, -1), vocab)
+    b = tokens_BxP.shape[0]
+    return DecodeState(cache=upd["cache"], logits_BxV=logits_BxPxV[:, -1], seen_BxV=seen,
+                       pos_B=lengths_B, done_B=jnp.zeros((b,), bool), lengths_B=jnp.zeros((b,), jnp.int32),
+                       step=jnp.zeros((), jnp.int32), rng=rng)
+  return prefill
+
+
+def _loop_fn(model: nn.Module, spec: SamplingSpec, chunk: int, feed_last: bool, pad_id: int) -> Callable:
+  """Up to n_steps (<= chunk) tokens: while-loop of (sample, forward), a final sample, and a final
+  forward only if feed_last (streaming: the next chunk continues from the logits)."""
+
+  vocab = model.cfg.vocab_size
+
+  def forward(params, st, tok_B):
+    feed_Bx1 = jnp.clip(tok_B, 0, vocab - 1)[:, None]   # stopped rows may hold any pad_id
+    logits_Bx1xV, upd = model.apply({"params": params, "cache": st.cache}, feed_Bx1,
+                                    positions_BxL=st.pos_B[:, None],
+                                    attention_mask_BxL=jnp.ones((tok_B.shape[0], 1), bool),
+                                    decode=True, mutable=["cache"])
+    return st._replace(cache=upd["cache"], logits_BxV=logits_Bx1xV[:, 0], pos_B=st.pos_B + 1)
+
+  def run(params, st, n_steps, stop_S, temperature, top_p, penalty):
+    knobs = (temperature, top_p, penalty)
+    b = st.done_B.shape[0]
+    out_BxC = jnp.full((b, chunk), pad_id, jnp.int32)
+
+    def cond(carry):
+      i, s, _ = carry
+      return (i < n_steps - 1) & ~jnp.all(s.done_B)
+
+    def body(carry):
+      i, s, out = carry
+      tok_B, s = _emit(spec, s, stop_S, knobs, pad_id)
+      out = jax.lax.dynamic_update_slice(out, tok_B[:, None], (0, i))
+      return i + 1, forward(params, s, tok_B), out
+
+    i, st, out_BxC = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), st, out_BxC))
+    all_done = jnp.all(st.done_B)
+    tok_B, st2 = _emit(spec, st, stop_S, knobs, pad_id)   # all pads (and nothing counted) if all done
+    st = st2._replace(step=jnp.where(all_done, st.step, st2.step))
+    out_BxC = jax.lax.dynamic_update_slice(out_BxC, tok_B[:, None], (0, i))
+    if feed_last:
+      st = forward(params, st, tok_B)
+    return st, out_BxC
+  return run
+
+
+@dataclasses.dataclass
+class Request:
+  """A validated, padded request and its compiled prefill (what the benchmark times)."""
+  model: nn.Module
+  tokens_BxP: np.ndarray
+  mask_BxP: np.ndarray
+  lengths_B: np.ndarray
+  slots: int
+  max_new_tokens: int
+  spec: SamplingSpec
+  stop_S: np.ndarray
+  knobs: tuple[np.ndarray, np.ndarray, np.ndarray]
+  rng: Array
+  pad_id: int
+
+  def prefill(self, params: Any) -> DecodeState:
+    b, p = self.tokens_BxP.shape
+    key = (_model_key(self.model), b, self.slots)
+    args = (params, self.tokens_BxP, self.mask_BxP, self.lengths_B, self.rng)
+    return _aot("prefill", key, _prefill_fn(self.model, self.slots), *args)(*args)
+
+  def steps(self, params: Any, st: DecodeState, n_steps: int, chunk: int, feed_last: bool
+            ) -> tuple[DecodeState, Array]:
+    key = (_model_key(self.model), self.spec, chunk, feed_last, self.pad_id)
+    args = (params, st, np.int32(n_steps), self.stop_S, *self.knobs)
+    fn = _loop_fn(self.model, self.spec, chunk, feed_last, self.pad_id)
+    return _aot("decode_loop", key, fn, *args)(*args)
+
+
+def make_request(model: nn.Module, prompt_tokens: Any, *, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
+                 stop_tokens: Sequence[int] = (), rng: Any = None, max_len: int | None = None,
+                 pad_id: int = 0) -> Request:
+  """Validate and pad a request (ValueError before anything compiles)."""
+  cfg = _cfg(model)
+  tokens, mask, lengths = pad_prompts(prompt_tokens, cfg.vocab_size)
+  slots = _check(cfg, tokens.shape[1], max_new_tokens, max_len, temperature, top_k, top_p,
+                 repetition_penalty, stop_tokens)
+  knobs = (np.float32(temperature), np.float32(top_p), np.float32(repetition_penalty))
+  return Request(model, tokens, mask, lengths, slots, int(max_new_tokens),
+                 _spec(temperature, top_k, top_p, repetition_penalty), _stop_array(stop_tokens), knobs,
+                 _rng(rng), int(pad_id))
+
+
+def generate(model: nn.Module, params: Any, prompt_tokens: Any, *, max_new_tokens: int,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
+             stop_tokens: Sequence[int] = (), rng: Any = None, max_len: int | None = None, pad_id: int = 0,
+             return_lengths: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+  """(B, max_new_tokens) int32 new tokens with the KV cache (and (B,) lengths if return_lengths).
+
+  temperature <= 1e-5 is greedy; top_k=0 / top_p=1 / repetition_penalty=1 are off. rng: a key, an
+  int seed or None (seed 0). max_len: cache slots (default prompt length + max_new_tokens).
+  """
+  req = make_request(model, prompt_tokens, max_new_tokens=max_new_tokens, temperature=temperature,
+                     top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                     stop_tokens=stop_tokens, rng=rng, max_len=max_len, pad_id=pad_id)
+  params = nn.unbox(params)
+  st = req.prefill(params)
+  st, out = req.steps(params, st, req.max_new_tokens, req.max_new_tokens, False)
+  out = np.asarray(out)
+  return (out, np.asarray(st.lengths_B)) if return_lengths else out
+
+
+def generate_stream(model: nn.Module, params: Any, prompt_tokens: Any, *, max_new_tokens: int,
+                    chunk_size: int = 16, **kwargs: Any) -> Iterator[np.ndarray]:
+  """Like `generate`, but yields (B, c) chunks of new tokens as they are produced (c <= chunk_size).
+
+  Stops after max_new_tokens or once every row has stopped; concatenating the chunks (and padding
+  with pad_id to max_new_tokens) equals `generate(...)` with the same arguments.
+  """
+  if chunk_size < 1:
+    raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+  req = make_request(model, prompt_tokens, max_new_tokens=max_new_tokens, **kwargs)
+  params = nn.unbox(params)
+  st = req.prefill(params)
+  left = req.max_new_tokens
+  while left > 0:
+    n = min(chunk_size, left)
+    left -= n
+    before = int(st.step)
+    st, out = req.steps(params, st, n, chunk_size, left > 0)
+    made = int(st.step) - before
+    yield np.asarray(out)[:, :made]
+    if bool(np.all(np.asarray(st.done_B))):
+      return
+
+
+# ------------------------------------------------------------------------------ recompute path
+
+
+def _recompute_fn(model: nn.Module, spec: SamplingSpec, p: int, n_new: int, pad_id: int) -> Callable:
+  def run(params, tokens_BxP, mask_BxP, rng, stop_S, temperature, top_p, penalty):
+    knobs = (temperature, top_p, penalty)
+    b = tokens_BxP.shape[0]
+    vocab = model.cfg.vocab_size
+    buf_BxS = jnp.concatenate([tokens_BxP, jnp.zeros((b, n_new), jnp.int32)], axis=1)
+    valid_BxS = jnp.concatenate([mask_BxP, jnp.zeros((b, n_new), bool)], axis=1)
+    st = DecodeState(cache=None, logits_BxV=jnp.zeros((b, vocab), jnp.float32),
+                     seen_BxV=sampling.seen_mask(jnp.where(mask_BxP, tokens_BxP, -1), vocab),
+                     pos_B=jnp.zeros((b,), jnp.int32), done_B=jnp.zeros((b,), bool),
+                     lengths_B=jnp.zeros((b,), jnp.int32), step=jnp.zeros((), jnp.int32), rng=rng)
+
+    def cond(carry):
+      i, s, _, _ = carry
+      return (i < n_new) & ~jnp.all(s.done_B)
+
+    def body(carry):
+      i, s, buf, valid = carry
+      feed_BxS = jnp.clip(buf, 0, vocab - 1)
+      logits_BxSxV = model.apply({"params": params}, feed_BxS, attention_mask_BxL=valid)   # no cache
+      logits_BxV = jax.lax.dynamic_index_in_dim(logits_BxSxV, p - 1 + i, axis=1, keepdims=False)
+      tok_B, s = _emit(spec, s._replace(logits_BxV=logits_BxV), stop_S, knobs, pad_id)
+      buf = jax.lax.dynamic_update_slice(buf, tok_B[:, None], (0, p + i))
+      valid = jax.lax.dynamic_update_slice(valid, jnp.ones((b, 1), bool), (0, p + i))
+      return i + 1, s, buf, valid
+
+    init = (jnp.zeros((), jnp.int32), st, buf_BxS, valid_BxS)
+    i, st, buf_BxS, _ = jax.lax.while_loop(cond, body, init)
+    out = buf_BxS[:, p:]
+    out = jnp.where(jnp.arange(n_new)[None] < i, out, pad_id)   # rows never reached after early exit
+    return out, st.lengths_B
+  return run
+
+
+def generate_recompute(model: nn.Module, params: Any, prompt_tokens: Any, *, max_new_tokens: int,
+                       temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                       repetition_penalty: float = 1.0, stop_tokens: Sequence[int] = (), rng: Any = None,
+                       max_len: int | None = None, pad_id: int = 0, return_lengths: bool = False
+                       ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+  """Baseline without a cache: every step is a full forward over the (P + max_new_tokens) buffer.
+
+  Same arguments, sampling and rng stream as `generate`, hence the same tokens (up to float noise).
+  """
+  req = make_request(model, prompt_tokens, max_new_tokens=max_new_tokens, temperature=temperature,
+                     top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                     stop_tokens=stop_tokens, rng=rng, max_len=max_len, pad_id=pad_id)
+  params = nn.unbox(params)
+  p = req.tokens_BxP.shape[1]
+  key = (_model_key(model), req.spec, p, req.max_new_tokens, req.pad_id)
+  args = (params, req.tokens_BxP, req.mask_BxP, req.rng, req.stop_S, *req.knobs)
+  fn = _recompute_fn(model, req.spec, p, req.max_new_tokens, req.pad_id)
+  out, lengths = _aot("recompute_loop", key, fn, *args)(*args)
+  out = np.asarray(out)
+  return (out, np.asarray(lengths)) if return_lengths else out
