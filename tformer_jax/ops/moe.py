@@ -157,7 +157,7 @@ def capacity_dispatch(weights_TxK: Array, experts_TxK: Array, num_experts: int,
   w_KxT = weights_TxK.T.astype(jnp.float32)
   combine_TxExC = jnp.einsum("kte,ktc->tec", onehot_KxTxE.astype(jnp.float32) * w_KxT[..., None],
                              slot_KxTxC)
-  dropped_fraction = 1.0 - jnp.mean(keep_KxT.astype(jnp.float32))
+  dropped_fraction = jnp.mean(jnp.logical_not(keep_KxT).astype(jnp.float32))
   return dispatch_TxExC, combine_TxExC, dropped_fraction
 
 
