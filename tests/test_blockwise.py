@@ -160,3 +160,18 @@ def test_block_ranges_cover_band_tightly(causal, window, q_offset):
     visits = sum(int(np.subtract(*_kv_block_range(jnp.int32(i), st, jnp.int32(q_offset), nk)[::-1]))
                  for i in range(nq))
     assert visits <= nq * (-(-(bq + window) // bk) + 1)
+
+
+def test_benchmark_smoke(tmp_path):
+  from tformer_jax.bench.attention import main
+
+  out = tmp_path / "bench.json"
+  res = main(["--seq", "64,96", "--heads", "2", "--head-dim", "8", "--block", "32", "--repeats", "1",
+              "--json", str(out)])
+  rows = {(r["impl"], r["seq"]): r for r in res["results"]}
+  assert set(rows) == {(i, s) for i in ("reference", "blockwise") for s in (64, 96)}
+  for r in rows.values():
+    assert r["time_s"] is not None and r["time_s"] > 0
+    assert r["temp_bytes"] is not None and r["peak_bytes"] >= r["temp_bytes"]
+  assert out.read_text().strip().startswith("{")
+  assert "memory_ratio_at_96" in res["targets"]

@@ -88,13 +88,13 @@ def _q_block_range(j: Array, st: _Static, q_offset: Array, nq: int) -> tuple[Arr
   return lo, hi
 
 
-def _tile_logits(q_BxQxKxGxD: Array, k_BxCxKxD: Array, i: Array, j: Array, aux: dict,
+def _tile_logits(q_BxKxGxQxD: Array, k_BxKxCxD: Array, i: Array, j: Array, aux: dict,
                  st: _Static) -> Array:
   """Masked, biased logits (B, K, G, Q, C) in float32 for query block i and key block j.
 
   q is already multiplied by the softmax scale."""
   bq, bk = st.block_q, st.block_k
-  s = jnp.einsum("bqkgd,bckd->bkgqc", q_BxQxKxGxD, k_BxCxKxD, preferred_element_type=jnp.float32)
+  s = jnp.einsum("bkgqd,bkcd->bkgqc", q_BxKxGxQxD, k_BxKxCxD, preferred_element_type=jnp.float32)
   s = s.astype(jnp.float32)
   q_pos = aux["q_offset"] + i * bq + jnp.arange(bq, dtype=jnp.int32)
   k_pos = j * bk + jnp.arange(bk, dtype=jnp.int32)
@@ -128,26 +128,26 @@ def _tile_logits(q_BxQxKxGxD: Array, k_BxCxKxD: Array, i: Array, j: Array, aux: 
 
 
 def _forward(st: _Static, q: Array, k: Array, v: Array, aux: dict) -> tuple[Array, Array]:
-  """q (B, Lp, K, G, D) pre-scaled; k, v (B, Sp, K, D). Returns o like q and lse (B, K, G, Lp)."""
-  b, lp, kh, g, d = q.shape
-  sp = k.shape[1]
+  """Head-major q (B, K, G, Lp, D) pre-scaled; k, v (B, K, Sp, D). Returns o like q, lse (B, K, G, Lp)."""
+  b, kh, g, lp, d = q.shape
+  sp = k.shape[2]
   bq, bk = st.block_q, st.block_k
   nq, nk = lp // bq, sp // bk
 
   def q_block(i, carry):
     o_buf, lse_buf = carry
-    q_i = jax.lax.dynamic_slice_in_dim(q, i * bq, bq, axis=1)
+    q_i = jax.lax.dynamic_slice_in_dim(q, i * bq, bq, axis=3)
 
     def kv_block(j, state):
       m_prev, l_prev, acc = state
-      k_j = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)
-      v_j = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)
+      k_j = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
+      v_j = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
       s = _tile_logits(q_i, k_j, i, j, aux, st)
       m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1))
       p = jnp.exp(s - m_new[..., None])
       alpha = jnp.exp(m_prev - m_new)
       l_new = alpha * l_prev + jnp.sum(p, axis=-1)
-      pv = jnp.einsum("bkgqc,bckd->bkgqd", p.astype(v.dtype), v_j, preferred_element_type=jnp.float32)
+      pv = jnp.einsum("bkgqc,bkcd->bkgqd", p.astype(v.dtype), v_j, preferred_element_type=jnp.float32)
       return m_new, l_new, acc * alpha[..., None] + pv
 
     lo, hi = _kv_block_range(i, st, aux["q_offset"], nk)
@@ -158,58 +158,57 @@ def _forward(st: _Static, q: Array, k: Array, v: Array, aux: dict) -> tuple[Arra
     l_safe = jnp.where(seen, l, 1.0)
     o_i = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)
     lse_i = jnp.where(seen, m + jnp.log(l_safe), jnp.inf)
-    o_i = jnp.transpose(o_i, (0, 3, 1, 2, 4)).astype(o_buf.dtype)  # (B, Q, K, G, D)
-    o_buf = jax.lax.dynamic_update_slice_in_dim(o_buf, o_i, i * bq, axis=1)
+    o_buf = jax.lax.dynamic_update_slice_in_dim(o_buf, o_i.astype(o_buf.dtype), i * bq, axis=3)
     lse_buf = jax.lax.dynamic_update_slice_in_dim(lse_buf, lse_i, i * bq, axis=3)
     return o_buf, lse_buf
 
-  init = (jnp.zeros((b, lp, kh, g, d), v.dtype), jnp.zeros((b, kh, g, lp), jnp.float32))
+  init = (jnp.zeros((b, kh, g, lp, d), v.dtype), jnp.zeros((b, kh, g, lp), jnp.float32))
   return jax.lax.fori_loop(0, nq, q_block, init)
 
 
 def _backward(st: _Static, q: Array, k: Array, v: Array, aux: dict, o: Array, lse: Array,
               do: Array) -> tuple[Array, Array, Array]:
-  """FlashAttention-2 backward; q pre-scaled. Returns dq (w.r.t. the scaled q), dk, dv in float32."""
-  b, lp, kh, g, d = q.shape
-  sp = k.shape[1]
+  """FlashAttention-2 backward, head-major like `_forward`. Returns float32 dq (w.r.t. the scaled q),
+  dk, dv."""
+  b, kh, g, lp, d = q.shape
+  sp = k.shape[2]
   bq, bk = st.block_q, st.block_k
   nq, nk = lp // bq, sp // bk
-  delta_BxLxKxG = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
-  delta = jnp.transpose(delta_BxLxKxG, (0, 2, 3, 1))  # (B, K, G, Lp) like lse
+  delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # (B, K, G, Lp) like lse
 
   def kv_block(j, dq_buf):
-    k_j = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)
-    v_j = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)
+    k_j = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
+    v_j = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
 
     def q_block(i, carry):
       dq_acc, dk_j, dv_j = carry
-      q_i = jax.lax.dynamic_slice_in_dim(q, i * bq, bq, axis=1)
-      do_i = jax.lax.dynamic_slice_in_dim(do, i * bq, bq, axis=1)
+      q_i = jax.lax.dynamic_slice_in_dim(q, i * bq, bq, axis=3)
+      do_i = jax.lax.dynamic_slice_in_dim(do, i * bq, bq, axis=3)
       lse_i = jax.lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=3)
       delta_i = jax.lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=3)
       s = _tile_logits(q_i, k_j, i, j, aux, st)
       p = jnp.exp(s - lse_i[..., None])  # masked entries and fully masked rows (lse = inf) give 0
-      dv_j = dv_j + jnp.einsum("bkgqc,bqkgd->bckd", p.astype(do.dtype), do_i,
+      dv_j = dv_j + jnp.einsum("bkgqc,bkgqd->bkcd", p.astype(do.dtype), do_i,
                                preferred_element_type=jnp.float32)
-      dp = jnp.einsum("bqkgd,bckd->bkgqc", do_i, v_j, preferred_element_type=jnp.float32)
+      dp = jnp.einsum("bkgqd,bkcd->bkgqc", do_i, v_j, preferred_element_type=jnp.float32)
       ds = p * (dp - delta_i[..., None])
-      dk_j = dk_j + jnp.einsum("bkgqc,bqkgd->bckd", ds.astype(q.dtype), q_i,
+      dk_j = dk_j + jnp.einsum("bkgqc,bkgqd->bkcd", ds.astype(q.dtype), q_i,
                                preferred_element_type=jnp.float32)
-      dq_i = jnp.einsum("bkgqc,bckd->bqkgd", ds.astype(k.dtype), k_j, preferred_element_type=jnp.float32)
-      dq_old = jax.lax.dynamic_slice_in_dim(dq_acc, i * bq, bq, axis=1)
-      dq_acc = jax.lax.dynamic_update_slice_in_dim(dq_acc, dq_old + dq_i, i * bq, axis=1)
+      dq_i = jnp.einsum("bkgqc,bkcd->bkgqd", ds.astype(k.dtype), k_j, preferred_element_type=jnp.float32)
+      dq_old = jax.lax.dynamic_slice_in_dim(dq_acc, i * bq, bq, axis=3)
+      dq_acc = jax.lax.dynamic_update_slice_in_dim(dq_acc, dq_old + dq_i, i * bq, axis=3)
       return dq_acc, dk_j, dv_j
 
     lo, hi = _q_block_range(j, st, aux["q_offset"], nq)
-    zeros_kv = jnp.zeros((b, bk, kh, d), jnp.float32)
+    zeros_kv = jnp.zeros((b, kh, bk, d), jnp.float32)
     dq_buf, dk_j, dv_j = jax.lax.fori_loop(lo, hi, q_block, (dq_buf, zeros_kv, zeros_kv))
     return dq_buf, dk_j, dv_j
 
   def kv_step(j, carry):
     dq_buf, dk_buf, dv_buf = carry
     dq_buf, dk_j, dv_j = kv_block(j, dq_buf)
-    dk_buf = jax.lax.dynamic_update_slice_in_dim(dk_buf, dk_j, j * bk, axis=1)
-    dv_buf = jax.lax.dynamic_update_slice_in_dim(dv_buf, dv_j, j * bk, axis=1)
+    dk_buf = jax.lax.dynamic_update_slice_in_dim(dk_buf, dk_j, j * bk, axis=2)
+    dv_buf = jax.lax.dynamic_update_slice_in_dim(dv_buf, dv_j, j * bk, axis=2)
     return dq_buf, dk_buf, dv_buf
 
   init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
@@ -283,8 +282,10 @@ def blockwise_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, *,
   if alibi_slopes_H is not None:
     aux["slopes"] = jnp.asarray(alibi_slopes_H, jnp.float32).reshape(h)
 
+  # head-major layouts, so every tile product is a plain batched matmul over (B, K)
   q = _pad_axis(q_BxLxHxD * jnp.asarray(scale, q_BxLxHxD.dtype), 1, lp).reshape(b, lp, kh, g, d)
-  k = _pad_axis(k_BxSxKxD, 1, sp)
-  v = _pad_axis(v_BxSxKxD, 1, sp)
-  o = _flash(st, q, k, v, aux)
-  return o.reshape(b, lp, h, d)[:, :l]
+  q_BxKxGxLxD = jnp.transpose(q, (0, 2, 3, 1, 4))
+  k_BxKxSxD = jnp.transpose(_pad_axis(k_BxSxKxD, 1, sp), (0, 2, 1, 3))
+  v_BxKxSxD = jnp.transpose(_pad_axis(v_BxSxKxD, 1, sp), (0, 2, 1, 3))
+  o_BxKxGxLxD = _flash(st, q_BxKxGxLxD, k_BxKxSxD, v_BxKxSxD, aux)
+  return jnp.transpose(o_BxKxGxLxD, (0, 3, 1, 2, 4)).reshape(b, lp, h, d)[:, :l]
