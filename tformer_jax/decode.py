@@ -197,12 +197,12 @@ def _pick(spec: SamplingSpec, rng: Array, logits_BxV: Array, seen_BxV: Array, te
 
 
 def _emit(spec: SamplingSpec, st: DecodeState, stop_S: Array, knobs: tuple[Array, Array, Array],
-          pad_id: int) -> tuple[Array, DecodeState]:
+          pad_id: Array) -> tuple[Array, DecodeState]:
   """Sample one token per row; returns (tokens_B, state with seen/done/lengths/step/rng updated)."""
   rng, sub = jax.random.split(st.rng)
   tok_B = _pick(spec, sub, st.logits_BxV, st.seen_BxV, *knobs)
   live_B = ~st.done_B
-  tok_B = jnp.where(live_B, tok_B, jnp.int32(pad_id))
+  tok_B = jnp.where(live_B, tok_B, pad_id)
   b, v = st.seen_BxV.shape
   seen = st.seen_BxV | (jax.nn.one_hot(tok_B, v, dtype=jnp.bool_) & live_B[:, None])
   lengths = jnp.where(live_B, st.step + 1, st.lengths_B)
@@ -231,7 +231,7 @@ def _prefill_fn(model: nn.Module, slots: int) -> Callable:
   return prefill
 
 
-def _loop_fn(model: nn.Module, spec: SamplingSpec, chunk: int, feed_last: bool, pad_id: int) -> Callable:
+def _loop_fn(model: nn.Module, spec: SamplingSpec, chunk: int, feed_last: bool) -> Callable:
   """Up to n_steps (<= chunk) tokens: while-loop of (sample, forward), a final sample, and a final
   forward only if feed_last (streaming: the next chunk continues from the logits)."""
 
@@ -245,7 +245,7 @@ def _loop_fn(model: nn.Module, spec: SamplingSpec, chunk: int, feed_last: bool, 
                                     decode=True, mutable=["cache"])
     return st._replace(cache=upd["cache"], logits_BxV=logits_Bx1xV[:, 0], pos_B=st.pos_B + 1)
 
-  def run(params, st, n_steps, stop_S, temperature, top_p, penalty):
+  def run(params, st, n_steps, stop_S, pad_id, temperature, top_p, penalty):
     knobs = (temperature, top_p, penalty)
     b = st.done_B.shape[0]
     out_BxC = jnp.full((b, chunk), pad_id, jnp.int32)
@@ -294,9 +294,9 @@ class Request:
 
   def steps(self, params: Any, st: DecodeState, n_steps: int, chunk: int, feed_last: bool
             ) -> tuple[DecodeState, Array]:
-    key = (_model_key(self.model), self.spec, chunk, feed_last, self.pad_id)
-    args = (params, st, np.int32(n_steps), self.stop_S, *self.knobs)
-    fn = _loop_fn(self.model, self.spec, chunk, feed_last, self.pad_id)
+    key = (_model_key(self.model), self.spec, chunk, feed_last)
+    args = (params, st, np.int32(n_steps), self.stop_S, np.int32(self.pad_id), *self.knobs)
+    fn = _loop_fn(self.model, self.spec, chunk, feed_last)
     return _aot("decode_loop", key, fn, *args)(*args)
 
 
@@ -361,8 +361,8 @@ def generate_stream(model: nn.Module, params: Any, prompt_tokens: Any, *, max_ne
 # ------------------------------------------------------------------------------ recompute path
 
 
-def _recompute_fn(model: nn.Module, spec: SamplingSpec, p: int, n_new: int, pad_id: int) -> Callable:
-  def run(params, tokens_BxP, mask_BxP, rng, stop_S, temperature, top_p, penalty):
+def _recompute_fn(model: nn.Module, spec: SamplingSpec, p: int, n_new: int) -> Callable:
+  def run(params, tokens_BxP, mask_BxP, rng, stop_S, pad_id, temperature, top_p, penalty):
     knobs = (temperature, top_p, penalty)
     b = tokens_BxP.shape[0]
     vocab = model.cfg.vocab_size
@@ -409,9 +409,9 @@ def generate_recompute(model: nn.Module, params: Any, prompt_tokens: Any, *, max
                      stop_tokens=stop_tokens, rng=rng, max_len=max_len, pad_id=pad_id)
   params = nn.unbox(params)
   p = req.tokens_BxP.shape[1]
-  key = (_model_key(model), req.spec, p, req.max_new_tokens, req.pad_id)
-  args = (params, req.tokens_BxP, req.mask_BxP, req.rng, req.stop_S, *req.knobs)
-  fn = _recompute_fn(model, req.spec, p, req.max_new_tokens, req.pad_id)
+  key = (_model_key(model), req.spec, p, req.max_new_tokens)
+  args = (params, req.tokens_BxP, req.mask_BxP, req.rng, req.stop_S, np.int32(req.pad_id), *req.knobs)
+  fn = _recompute_fn(model, req.spec, p, req.max_new_tokens)
   out, lengths = _aot("recompute_loop", key, fn, *args)(*args)
   out = np.asarray(out)
   return (out, np.asarray(lengths)) if return_lengths else out
