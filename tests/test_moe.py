@@ -57,12 +57,12 @@ def test_capacity_dropless_naive_agree_with_grads(activation):
         y = moe.moe_ffn_dropless(x, params, weights, experts, activation=activation)
       else:
         y, dropped = moe.moe_ffn_capacity(x, params, weights, experts, activation=activation,
-                                          capacity=cap)
+                                          capacity=cap, impl=kind.split("_")[1])
       return jnp.sum(y * cot), (y, dropped)
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(x, params, w_router)
 
   (_, (y_ref, _)), g_ref = run("naive")
-  for kind in ("dropless", "capacity"):
+  for kind in ("dropless", "capacity_einsum", "capacity_scatter"):
     (_, (y, dropped)), g = run(kind)
     assert float(dropped) == 0.0
     np.testing.assert_allclose(y, y_ref, **TOL, err_msg=kind)
@@ -115,11 +115,13 @@ def test_dropped_tokens_exact():
   # The capacity FFN equals the naive loop with the dropped assignments removed.
   params = _expert_params(jax.random.key(2), "swiglu", 3, 8, 12)
   x = jax.random.normal(jax.random.key(3), (6, 8))
-  y, _ = jax.jit(partial(moe.moe_ffn_capacity, activation="swiglu", capacity=cap))(
-      x, params, weights, experts)
   y_ref = jax.jit(partial(moe.moe_ffn_naive, activation="swiglu"))(
       x, params, weights, experts, keep_TxK=jnp.asarray(keep_expected))
-  np.testing.assert_allclose(y, y_ref, **TOL)
+  for impl in ("einsum", "scatter"):
+    y, dropped = jax.jit(partial(moe.moe_ffn_capacity, activation="swiglu", capacity=cap,
+                                 impl=impl))(x, params, weights, experts)
+    np.testing.assert_allclose(y, y_ref, **TOL, err_msg=impl)
+    assert float(dropped) == pytest.approx(6 / 12)
   np.testing.assert_allclose(y[2], 0.0)   # token 2 lost both choices; token 5 too
   np.testing.assert_allclose(y[5], 0.0)
 

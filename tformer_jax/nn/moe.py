@@ -45,8 +45,10 @@ class MoEFFN(nn.Module):
   w_in (E, D, F), w_out (E, F, D) otherwise; the shared expert (if any) uses the same names with
   a 'shared_' prefix and no expert axis. Output projections follow cfg.scale_residual_init.
   Jitter (cfg.moe.jitter > 0) needs the 'dropout' rng when deterministic=False.
+  capacity_impl: 'einsum' (GShard one-hot einsums) or 'scatter' (same result, O(T*K*D) dispatch).
   """
   cfg: ModelConfig
+  capacity_impl: str = "einsum"
 
   def _param(self, name: str, axes: tuple[str, ...], shape: tuple[int, ...], std: float) -> Array:
     init = nn.with_logical_partitioning(nn.initializers.normal(std), axes)
@@ -88,7 +90,8 @@ class MoEFFN(nn.Module):
     elif m.dispatch == "capacity":
       cap = moe_ops.capacity(b * l, e, m.top_k, m.capacity_factor)
       y_TxD, dropped = moe_ops.moe_ffn_capacity(xc_TxD, cparams, weights_TxK, experts_TxK,
-                                                activation=cfg.activation, capacity=cap)
+                                                activation=cfg.activation, capacity=cap,
+                                                impl=self.capacity_impl)
     else:
       raise ValueError(f"unknown moe.dispatch {m.dispatch!r}; expected 'dropless' or 'capacity'")
 

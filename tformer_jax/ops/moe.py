@@ -6,7 +6,8 @@ K = top_k of them. Two dispatch strategies compute the same function when nothin
   capacity (GShard / Switch): every expert gets a fixed buffer of C slots; token-assignments are
     placed in priority order (all top-1 choices first in token order, then all top-2 choices, ...)
     and those that do not fit are dropped. Dense einsums with one-hot dispatch/combine tensors
-    (T, E, C); static shapes, predictable memory, drops tokens when routing is unbalanced.
+    (T, E, C) (impl='einsum'), or scatter/gather into the same (E, C, D) buffers
+    (impl='scatter'); static shapes, predictable memory, drops tokens when routing is unbalanced.
   dropless (MegaBlocks-style): the T*K assignments are sorted by expert and run through grouped
     matmuls (`jax.lax.ragged_dot`) with per-expert group sizes; nothing is dropped.
 
@@ -145,12 +146,8 @@ def capacity_dispatch(weights_TxK: Array, experts_TxK: Array, num_experts: int,
   Returns dispatch_TxExC (float32 0/1), combine_TxExC (float32: dispatch * routing weight; the
   gradient to the router flows through it) and dropped_fraction (float32 scalar, of T*K).
   """
-  t, k = experts_TxK.shape
   onehot_KxTxE = jax.nn.one_hot(experts_TxK.T, num_experts, dtype=jnp.int32)
-  # Slot of each assignment within its expert, counting in (rank, token) order.
-  flat_NxE = onehot_KxTxE.reshape(k * t, num_experts)
-  slot_NxE = jnp.cumsum(flat_NxE, axis=0) - 1
-  slot_KxT = jnp.sum(slot_NxE * flat_NxE, axis=-1).reshape(k, t)
+  slot_KxT = _slots(experts_TxK, num_experts)
   keep_KxT = slot_KxT < capacity
   slot_KxTxC = jax.nn.one_hot(jnp.where(keep_KxT, slot_KxT, capacity), capacity, dtype=jnp.float32)
   dispatch_TxExC = jnp.einsum("kte,ktc->tec", onehot_KxTxE.astype(jnp.float32), slot_KxTxC)
@@ -161,12 +158,17 @@ def capacity_dispatch(weights_TxK: Array, experts_TxK: Array, num_experts: int,
   return dispatch_TxExC, combine_TxExC, dropped_fraction
 
 
-def kept_assignments(experts_TxK: Array, num_experts: int, capacity: int) -> Array:
-  """keep_TxK bool: which assignments fit under `capacity` (same priority as capacity_dispatch)."""
+def _slots(experts_TxK: Array, num_experts: int) -> Array:
+  """slot_KxT int32: #earlier assignments to the same expert, in (rank, token) priority order."""
   t, k = experts_TxK.shape
   flat_NxE = jax.nn.one_hot(experts_TxK.T.reshape(-1), num_experts, dtype=jnp.int32)
   slot_N = jnp.sum((jnp.cumsum(flat_NxE, axis=0) - 1) * flat_NxE, axis=-1)
-  return (slot_N < capacity).reshape(k, t).T
+  return slot_N.reshape(k, t)
+
+
+def kept_assignments(experts_TxK: Array, num_experts: int, capacity: int) -> Array:
+  """keep_TxK bool: which assignments fit under `capacity` (same priority as capacity_dispatch)."""
+  return (_slots(experts_TxK, num_experts) < capacity).T
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,10 +187,21 @@ def _expert_ffn_dense(x_ExCxD: Array, params: Params, activation: str) -> Array:
 
 
 def moe_ffn_capacity(x_TxD: Array, params: Params, weights_TxK: Array, experts_TxK: Array, *,
-                     activation: str, capacity: int) -> tuple[Array, Array]:
-  """Capacity-dispatch MoE FFN. Returns (y_TxD in x's dtype, dropped_fraction)."""
+                     activation: str, capacity: int,
+                     impl: str = "einsum") -> tuple[Array, Array]:
+  """Capacity-dispatch MoE FFN. Returns (y_TxD in x's dtype, dropped_fraction).
+
+  impl 'einsum' (GShard): one-hot (T, E, C) dispatch/combine einsums, O(T*E*C*D) flops — dense
+  ops that suit TPUs. impl 'scatter': the same buffers filled by scatter-add and read back by
+  gather at each assignment's (expert, slot), O(T*K*D). Identical results.
+  """
   _check_params(params, activation)
   num_experts = params[expert_param_names(activation)[0]].shape[0]
+  if impl == "scatter":
+    return _capacity_scatter(x_TxD, params, weights_TxK, experts_TxK, activation, capacity,
+                             num_experts)
+  if impl != "einsum":
+    raise ValueError(f"unknown capacity impl {impl!r}; expected 'einsum' or 'scatter'")
   dispatch_TxExC, combine_TxExC, dropped = capacity_dispatch(
       weights_TxK, experts_TxK, num_experts, capacity)
   dt = x_TxD.dtype
@@ -196,6 +209,25 @@ def moe_ffn_capacity(x_TxD: Array, params: Params, weights_TxK: Array, experts_T
   y_ExCxD = _expert_ffn_dense(x_ExCxD, params, activation)
   y_TxD = jnp.einsum("tec,ecd->td", combine_TxExC.astype(dt), y_ExCxD)
   return y_TxD, dropped
+
+
+def _capacity_scatter(x_TxD: Array, params: Params, weights_TxK: Array, experts_TxK: Array,
+                      activation: str, capacity: int, num_experts: int) -> tuple[Array, Array]:
+  t, k = experts_TxK.shape
+  slot_KxT = _slots(experts_TxK, num_experts)
+  keep_KxT = slot_KxT < capacity
+  n_slots = num_experts * capacity
+  # Row of the (E*C + 1, D) buffer per assignment; dropped ones go to the last (discarded) row.
+  row_KxT = jnp.where(keep_KxT, experts_TxK.T * capacity + slot_KxT, n_slots)
+  upd_KxTxD = jnp.broadcast_to(x_TxD[None], (k, t, x_TxD.shape[-1]))
+  buf = jnp.zeros((n_slots + 1, x_TxD.shape[-1]), x_TxD.dtype).at[row_KxT].add(upd_KxTxD)
+  x_ExCxD = buf[:n_slots].reshape(num_experts, capacity, -1)
+  y_ExCxD = _expert_ffn_dense(x_ExCxD, params, activation)
+  y_buf = jnp.concatenate([y_ExCxD.reshape(n_slots, -1), jnp.zeros_like(y_ExCxD[0, :1])], axis=0)
+  y_KxTxD = jnp.take(y_buf, row_KxT, axis=0)
+  w_KxT = jnp.where(keep_KxT, weights_TxK.T, 0.0).astype(y_KxTxD.dtype)
+  y_TxD = jnp.einsum("kt,ktd->td", w_KxT, y_KxTxD)
+  return y_TxD, jnp.mean(jnp.logical_not(keep_KxT).astype(jnp.float32))
 
 
 def _ragged(x_NxD: Array, w_ExDxF: Array, group_sizes_E: Array) -> Array:
