@@ -1,0 +1,203 @@
+"""The Hugging Face family tables: which HF tensor is which of our parameters, as data.
+
+A `Rule` maps one HF tensor name (a template: `{i}` = layer, `{e}` = expert) to one or more of our
+parameter paths ('/'-separated, `{i}` = layer) with an `axes.rearrange` layout on each side:
+
+  Rule("model.layers.{i}.self_attn.q_proj.weight", "layers_{i}/attn/wq", "(h k) d", "d h k")
+
+is torch's Linear (out, in) = (heads * head_dim, d_model) becoming our (d_model, heads, head_dim).
+Several of our paths split a fused tensor along the HF-only literal axis ('(h 3 k) d' -> q, k, v);
+`{e}` stacks one HF tensor per expert into our 'e' axis. Empty layouts = a plain copy. Axis sizes:
+d d_model, h heads, g kv heads, k head_dim, f FFN hidden, v vocab, e experts, x expert hidden.
+
+A rule applies exactly when our model has its parameter(s) (biases, an untied head, MoE layers),
+so the tables need no conditions. `OneOf` lists equivalent layouts of the same weights (Mixtral's
+per-expert files vs transformers 5's fused modules): imports take the first whose tensors are
+present, exports write the first. `renames` (regex, replacement) normalise alternative spellings
+before matching (in-memory module names, legacy 'gamma'/'beta').
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from tformer_jax.config import ModelConfig
+from tformer_jax.interop import hf_config as C
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  hf: str
+  ours: str | tuple[str, ...]
+  hf_axes: str = ""
+  ours_axes: str = ""
+
+  @property
+  def targets(self) -> tuple[str, ...]:
+    return (self.ours,) if isinstance(self.ours, str) else tuple(self.ours)
+
+
+@dataclasses.dataclass(frozen=True)
+class OneOf:
+  options: tuple[tuple[Rule, ...], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  model_type: str
+  rules: tuple[Rule | OneOf, ...]
+  to_model: Callable[[dict], dict]          # config.json dict -> ModelConfig kwargs
+  to_hf: Callable[[ModelConfig], dict]      # ModelConfig -> config.json dict
+  prefix: str = ""                          # base-model prefix, added when a headless checkpoint lacks it
+  strip: str = ""                           # a wrapper prefix removed when present ('bert.')
+  renames: tuple[tuple[str, str], ...] = ()
+  ignore: tuple[str, ...] = ()              # regexes of non-weight buffers, skipped silently
+  ignore_tied: tuple[str, ...] = ()         # head tensors skipped when the embeddings are tied
+  drop: tuple[str, ...] = ()                # real weights we have no place for: skipped with a warning
+  auto_class: str = "AutoModelForCausalLM"
+
+
+def norm(hf: str, ours: str, bias: bool = True, weight: str = "weight") -> tuple[Rule, ...]:
+  """A LayerNorm/RMSNorm: HF `<hf>.weight` (+ `.bias`) -> our `<ours>/scale` (+ `/bias`)."""
+  rules = (Rule(f"{hf}.{weight}", f"{ours}/scale"),)
+  return rules + ((Rule(f"{hf}.bias", f"{ours}/bias"),) if bias else ())
+
+
+def linear(hf: str, ours: str, hf_axes: str, ours_axes: str, bias: str = "", bias_axes: str = "",
+           ours_bias: str = "") -> tuple[Rule, ...]:
+  """torch Linear/Conv1D `<hf>.weight` (+ `<hf>.bias` -> `ours_bias`) with the given layouts."""
+  rules = (Rule(f"{hf}.weight", ours, hf_axes, ours_axes),)
+  if ours_bias:
+    rules += (Rule(f"{hf}.bias", ours_bias, bias, bias_axes),)
+  return rules
+
+
+def qkv(hf: str, layer: str, w_axes: str, b_axes: str) -> tuple[Rule, ...]:
+  """A fused q/k/v projection split into our wq, wk, wv (and bq, bk, bv)."""
+  a = f"{layer}/attn"
+  return (Rule(f"{hf}.weight", (f"{a}/wq", f"{a}/wk", f"{a}/wv"), w_axes, "d h k"),
+          Rule(f"{hf}.bias", (f"{a}/bq", f"{a}/bk", f"{a}/bv"), b_axes, "h k"))
+
+
+L = "layers_{i}"
+HEAD = Rule("lm_head.weight", "head", "v d", "d v")
+
+# -- gpt2 -----------------------------------------------------------------------------------
+_G = "transformer.h.{i}"
+GPT2 = (
+    Rule("transformer.wte.weight", "embed"),
+    Rule("transformer.wpe.weight", "pos_embed"),
+    *norm(f"{_G}.ln_1", f"{L}/ln1"),
+    *qkv(f"{_G}.attn.c_attn", L, "d (3 h k)", "(3 h k)"),        # Conv1D: stored (in, out)
+    *linear(f"{_G}.attn.c_proj", f"{L}/attn/wo", "(h k) d", "h k d", ours_bias=f"{L}/attn/bo"),
+    *norm(f"{_G}.ln_2", f"{L}/ln2"),
+    *linear(f"{_G}.mlp.c_fc", f"{L}/mlp/wi", "", "", ours_bias=f"{L}/mlp/bi"),
+    *linear(f"{_G}.mlp.c_proj", f"{L}/mlp/wo", "", "", ours_bias=f"{L}/mlp/bo"),
+    *norm("transformer.ln_f", "final_norm"),
+    HEAD,
+)
+
+# -- llama / mistral / mixtral -----------------------------------------------------------------
+_M = "model.layers.{i}"
+LLAMA_ATTN = (
+    *linear(f"{_M}.self_attn.q_proj", f"{L}/attn/wq", "(h k) d", "d h k", "(h k)", "h k", f"{L}/attn/bq"),
+    *linear(f"{_M}.self_attn.k_proj", f"{L}/attn/wk", "(g k) d", "d g k", "(g k)", "g k", f"{L}/attn/bk"),
+    *linear(f"{_M}.self_attn.v_proj", f"{L}/attn/wv", "(g k) d", "d g k", "(g k)", "g k", f"{L}/attn/bv"),
+    *linear(f"{_M}.self_attn.o_proj", f"{L}/attn/wo", "d (h k)", "h k d", ours_bias=f"{L}/attn/bo"),
+    *norm(f"{_M}.input_layernorm", f"{L}/ln1", bias=False),
+    *norm(f"{_M}.post_attention_layernorm", f"{L}/ln2", bias=False),
+)
+LLAMA_OUTER = (
+    Rule("model.embed_tokens.weight", "embed"),
+    *norm("model.norm", "final_norm", bias=False),
+    HEAD,
+)
+LLAMA = LLAMA_OUTER + LLAMA_ATTN + (
+    *linear(f"{_M}.mlp.gate_proj", f"{L}/mlp/wg", "f d", "d f", ours_bias=f"{L}/mlp/bg"),
+    *linear(f"{_M}.mlp.up_proj", f"{L}/mlp/wi", "f d", "d f", ours_bias=f"{L}/mlp/bi"),
+    *linear(f"{_M}.mlp.down_proj", f"{L}/mlp/wo", "d f", "f d", ours_bias=f"{L}/mlp/bo"),
+)
+_E = f"{L}/moe"
+MIXTRAL = LLAMA_OUTER + LLAMA_ATTN + (OneOf((
+    # What save_pretrained writes (and every Mixtral checkpoint on the hub): one tensor per expert.
+    (Rule(f"{_M}.block_sparse_moe.gate.weight", f"{_E}/router", "e d", "d e"),
+     Rule(f"{_M}.block_sparse_moe.experts.{{e}}.w1.weight", f"{_E}/w_gate", "x d", "e d x"),
+     Rule(f"{_M}.block_sparse_moe.experts.{{e}}.w3.weight", f"{_E}/w_up", "x d", "e d x"),
+     Rule(f"{_M}.block_sparse_moe.experts.{{e}}.w2.weight", f"{_E}/w_down", "d x", "e x d")),
+    # transformers 5 modules (the in-memory state_dict): experts fused, gate rows before up rows.
+    (Rule(f"{_M}.mlp.gate.weight", f"{_E}/router", "e d", "d e"),
+     Rule(f"{_M}.mlp.experts.gate_up_proj", (f"{_E}/w_gate", f"{_E}/w_up"), "e (2 x) d", "e d x"),
+     Rule(f"{_M}.mlp.experts.down_proj", f"{_E}/w_down", "e d x", "e x d")),
+)),)
+
+# -- bloom ---------------------------------------------------------------------------------------
+_B = "transformer.h.{i}"
+BLOOM = (
+    Rule("transformer.word_embeddings.weight", "embed"),
+    *norm("transformer.word_embeddings_layernorm", "embed_norm"),
+    *norm(f"{_B}.input_layernorm", f"{L}/ln1"),
+    *qkv(f"{_B}.self_attention.query_key_value", L, "(h 3 k) d", "(h 3 k)"),
+    *linear(f"{_B}.self_attention.dense", f"{L}/attn/wo", "d (h k)", "h k d", ours_bias=f"{L}/attn/bo"),
+    *norm(f"{_B}.post_attention_layernorm", f"{L}/ln2"),
+    *linear(f"{_B}.mlp.dense_h_to_4h", f"{L}/mlp/wi", "f d", "d f", ours_bias=f"{L}/mlp/bi"),
+    *linear(f"{_B}.mlp.dense_4h_to_h", f"{L}/mlp/wo", "d f", "f d", ours_bias=f"{L}/mlp/bo"),
+    *norm("transformer.ln_f", "final_norm"),
+    HEAD,
+)
+
+# -- gpt_neox ------------------------------------------------------------------------------------
+_N = "gpt_neox.layers.{i}"
+GPT_NEOX = (
+    Rule("gpt_neox.embed_in.weight", "embed"),
+    *norm(f"{_N}.input_layernorm", f"{L}/ln1"),
+    *qkv(f"{_N}.attention.query_key_value", L, "(h 3 k) d", "(h 3 k)"),
+    *linear(f"{_N}.attention.dense", f"{L}/attn/wo", "d (h k)", "h k d", ours_bias=f"{L}/attn/bo"),
+    *norm(f"{_N}.post_attention_layernorm", f"{L}/ln2"),
+    *linear(f"{_N}.mlp.dense_h_to_4h", f"{L}/mlp/wi", "f d", "d f", ours_bias=f"{L}/mlp/bi"),
+    *linear(f"{_N}.mlp.dense_4h_to_h", f"{L}/mlp/wo", "d f", "f d", ours_bias=f"{L}/mlp/bo"),
+    *norm("gpt_neox.final_layer_norm", "final_norm"),
+    Rule("embed_out.weight", "head", "v d", "d v"),
+)
+
+# -- bert (BertModel, no pooler) -------------------------------------------------------------------
+_T = "encoder.layer.{i}"
+BERT = (
+    Rule("embeddings.word_embeddings.weight", "embed"),
+    Rule("embeddings.position_embeddings.weight", "pos_embed"),
+    Rule("embeddings.token_type_embeddings.weight", "type_embed"),
+    *norm("embeddings.LayerNorm", "embed_norm"),
+    *linear(f"{_T}.attention.self.query", f"{L}/attn/wq", "(h k) d", "d h k", "(h k)", "h k", f"{L}/attn/bq"),
+    *linear(f"{_T}.attention.self.key", f"{L}/attn/wk", "(g k) d", "d g k", "(g k)", "g k", f"{L}/attn/bk"),
+    *linear(f"{_T}.attention.self.value", f"{L}/attn/wv", "(g k) d", "d g k", "(g k)", "g k", f"{L}/attn/bv"),
+    *linear(f"{_T}.attention.output.dense", f"{L}/attn/wo", "d (h k)", "h k d", ours_bias=f"{L}/attn/bo"),
+    *norm(f"{_T}.attention.output.LayerNorm", f"{L}/ln1"),
+    *linear(f"{_T}.intermediate.dense", f"{L}/mlp/wi", "f d", "d f", ours_bias=f"{L}/mlp/bi"),
+    *linear(f"{_T}.output.dense", f"{L}/mlp/wo", "d f", "f d", ours_bias=f"{L}/mlp/bo"),
+    *norm(f"{_T}.output.LayerNorm", f"{L}/ln2"),
+)
+
+_ROTARY = r"\.rotary_emb\.inv_freq$"
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    Family("gpt2", GPT2, C.gpt2_to_model, C.gpt2_to_hf, prefix="transformer.",
+           ignore=(r"\.attn\.(masked_)?bias$",), ignore_tied=(r"^lm_head\.weight$",)),
+    Family("llama", LLAMA, C.llama_to_model, C.llama_to_hf, prefix="model.", ignore=(_ROTARY,),
+           ignore_tied=(r"^lm_head\.weight$",)),
+    Family("mistral", LLAMA, C.mistral_to_model, C.mistral_to_hf, prefix="model.", ignore=(_ROTARY,),
+           ignore_tied=(r"^lm_head\.weight$",)),
+    Family("mixtral", MIXTRAL, C.mixtral_to_model, C.mixtral_to_hf, prefix="model.", ignore=(_ROTARY,),
+           ignore_tied=(r"^lm_head\.weight$",)),
+    Family("bloom", BLOOM, C.bloom_to_model, C.bloom_to_hf, prefix="transformer.",
+           ignore_tied=(r"^lm_head\.weight$",)),
+    Family("gpt_neox", GPT_NEOX, C.gpt_neox_to_model, C.gpt_neox_to_hf, prefix="gpt_neox.",
+           renames=((r"^lm_head\.weight$", "embed_out.weight"),),
+           ignore=(_ROTARY, r"\.attention\.(masked_)?bias$"), ignore_tied=(r"^embed_out\.weight$",)),
+    Family("bert", BERT, C.bert_to_model, C.bert_to_hf, strip="bert.",
+           renames=((r"LayerNorm\.gamma$", "LayerNorm.weight"), (r"LayerNorm\.beta$", "LayerNorm.bias")),
+           ignore=(r"^embeddings\.position_ids$",), drop=(r"^pooler\.", r"^cls\."), auto_class="AutoModel"),
+)}
+
+
+def get_family(model_type: str | None) -> Family:
+  if model_type not in FAMILIES:
+    raise C.HFConfigError(f"unknown model family (model_type) {model_type!r}; supported: {sorted(FAMILIES)}")
+  return FAMILIES[model_type]

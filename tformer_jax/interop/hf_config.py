@@ -1,0 +1,311 @@
+"""Config translation between Hugging Face `config.json` dicts and `ModelConfig` keyword arguments.
+
+One function each way per family (`<family>_to_model(hf) -> kwargs`, `<family>_to_hf(cfg) -> dict`).
+They read plain JSON dicts (transformers 5 `rope_parameters` as well as the older `rope_theta` +
+`rope_scaling` / `rotary_pct` spellings) and never import transformers. Options our model cannot
+reproduce raise `HFConfigError` naming the option instead of converting to something different.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from tformer_jax.config import ModelConfig
+
+_MISSING = object()
+
+# HF activation names -> ours (plain FFN), and the GLU form (act(gate) * up).
+ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
+        "relu": "relu", "silu": "silu", "swish": "silu"}
+GLU_ACTS = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu"}
+ACTS_BACK = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
+GLU_ACTS_BACK = {"swiglu": "silu", "geglu": "gelu"}
+ROPE_TYPES = {"default": "none", "linear": "linear", "dynamic": "dynamic", "yarn": "yarn", "llama3": "llama3"}
+
+
+class HFConfigError(ValueError):
+  """A Hugging Face config that cannot be translated (the message names the option)."""
+
+
+def get(hf: dict, *names: str, default: Any = _MISSING) -> Any:
+  """The first of `names` present (and not None) in `hf`, else `default` (error if none given)."""
+  for n in names:
+    if hf.get(n) is not None:
+      return hf[n]
+  if default is _MISSING:
+    raise HFConfigError(f"config.json of model_type {hf.get('model_type')!r} has no {names[0]!r}")
+  return default
+
+
+def require(hf: dict, name: str, allowed: tuple, default: Any) -> Any:
+  """`hf[name]` (or `default`), which must be one of `allowed`; otherwise an error naming it."""
+  v = hf.get(name, default)
+  v = default if v is None else v
+  if v not in allowed:
+    raise HFConfigError(f"{hf.get('model_type')}: unsupported {name}={v!r} (supported: {list(allowed)})")
+  return v
+
+
+def activation(hf: dict, name: str, default: str, glu: bool = False) -> str:
+  act = get(hf, name, default=default)
+  table = GLU_ACTS if glu else ACTS
+  if act not in table:
+    raise HFConfigError(f"{hf.get('model_type')}: unsupported {name}={act!r} (supported: {sorted(table)})")
+  return table[act]
+
+
+def activation_back(cfg: ModelConfig, family: str, glu: bool = False) -> str:
+  table = GLU_ACTS_BACK if glu else ACTS_BACK
+  if cfg.activation not in table:
+    raise HFConfigError(f"{family} cannot represent model.activation={cfg.activation!r} "
+                        f"(supported: {sorted(table)})")
+  return table[cfg.activation]
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE
+
+def rope_from_hf(hf: dict, *, default_theta: float, default_fraction: float = 1.0,
+                 allow_partial: bool = False) -> dict:
+  """rope_theta, rotary_fraction and rope_scaling kwargs from `rope_parameters` (transformers 5) or
+  the older top-level `rope_theta` / `rope_scaling` / `rotary_pct` / `rotary_emb_base` keys."""
+  rp = dict(hf.get("rope_scaling") or {})
+  rp.update(hf.get("rope_parameters") or {})
+  if any(isinstance(v, dict) for v in rp.values()):
+    raise HFConfigError(f"{hf.get('model_type')}: per-layer-type rope_parameters are not supported")
+  theta = float(get(rp, "rope_theta", default=get(hf, "rope_theta", "rotary_emb_base", default=default_theta)))
+  frac = float(get(rp, "partial_rotary_factor",
+                   default=get(hf, "partial_rotary_factor", "rotary_pct", default=default_fraction)))
+  if frac != 1.0 and not allow_partial:
+    raise HFConfigError(f"{hf.get('model_type')}: unsupported partial_rotary_factor={frac}")
+  kind = get(rp, "rope_type", "type", default="default")
+  if kind not in ROPE_TYPES:
+    raise HFConfigError(f"{hf.get('model_type')}: unsupported rope_type {kind!r} "
+                        f"(supported: {sorted(ROPE_TYPES)})")
+  out: dict[str, Any] = {"rope_theta": theta, "rotary_fraction": frac}
+  if kind == "default":
+    return out
+  max_pos = int(get(hf, "max_position_embeddings", default=2048))
+  scaling: dict[str, Any] = {"type": ROPE_TYPES[kind]}
+  orig = int(get(hf, "original_max_position_embeddings",
+                 default=get(rp, "original_max_position_embeddings", default=max_pos)))
+  factor = rp.get("factor")
+  if kind in ("linear", "dynamic", "llama3") and factor is None:
+    raise HFConfigError(f"{hf.get('model_type')}: rope_type {kind!r} needs a 'factor'")
+  if kind == "dynamic":
+    # transformers' dynamic NTK grows beyond max_position_embeddings (not the rope 'original' one).
+    orig = max_pos
+  if kind == "yarn":
+    if rp.get("truncate", True) is False:
+      raise HFConfigError(f"{hf.get('model_type')}: unsupported yarn truncate=False")
+    factor = max_pos / orig if factor is None else factor
+    att = rp.get("attention_factor")
+    mscale, mscale_all = rp.get("mscale"), rp.get("mscale_all_dim")
+    if att is None and mscale and mscale_all:
+      def m(s: float, ms: float) -> float:
+        return 1.0 if s <= 1 else 0.1 * ms * math.log(s) + 1.0
+      att = m(factor, mscale) / m(factor, mscale_all)
+    scaling.update(beta_fast=float(rp.get("beta_fast") or 32.0), beta_slow=float(rp.get("beta_slow") or 1.0),
+                   attention_factor=float(att or 0.0))
+  if kind == "llama3":
+    scaling.update(low_freq_factor=float(get(rp, "low_freq_factor")),
+                   high_freq_factor=float(get(rp, "high_freq_factor")))
+  scaling.update(factor=float(factor), original_max_len=orig if kind != "linear" else 0)
+  out["rope_scaling"] = scaling
+  return out
+
+
+def rope_to_hf(cfg: ModelConfig, family: str, *, partial: bool = False) -> dict:
+  """transformers 5 `rope_parameters` of a RoPE model."""
+  rs = cfg.rope_scaling
+  kind = {v: k for k, v in ROPE_TYPES.items()}.get(rs.type)
+  if kind is None:
+    raise HFConfigError(f"{family} cannot represent model.rope_scaling.type={rs.type!r} "
+                        f"(supported: {sorted(ROPE_TYPES.values())})")
+  rp: dict[str, Any] = {"rope_type": kind, "rope_theta": cfg.rope_theta}
+  if partial or cfg.rotary_fraction != 1.0:
+    rp["partial_rotary_factor"] = cfg.rotary_fraction
+  orig = rs.original_max_len or cfg.max_len
+  if kind in ("linear", "dynamic", "yarn", "llama3"):
+    rp["factor"] = rs.factor
+  if kind in ("yarn", "llama3"):
+    rp["original_max_position_embeddings"] = orig
+  if kind == "yarn":
+    rp.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow)
+    if rs.attention_factor:
+      rp["attention_factor"] = rs.attention_factor
+  if kind == "llama3":
+    rp.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor)
+  return rp
+
+
+# ---------------------------------------------------------------------------------------------
+# Families
+
+def _common(hf: dict) -> dict:
+  return {"vocab_size": int(get(hf, "vocab_size"))}
+
+
+def gpt2_to_model(hf: dict) -> dict:
+  for opt in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
+    require(hf, opt, (False,), False)
+  d = int(get(hf, "n_embd", "hidden_size"))
+  return dict(
+      _common(hf), d_model=d, num_layers=int(get(hf, "n_layer", "num_hidden_layers")),
+      num_heads=int(get(hf, "n_head", "num_attention_heads")), d_ff=int(get(hf, "n_inner", default=4 * d)),
+      activation=activation(hf, "activation_function", "gelu_new"), norm="layernorm",
+      norm_eps=float(get(hf, "layer_norm_epsilon", default=1e-5)), position="learned",
+      max_len=int(get(hf, "n_positions", "max_position_embeddings", default=1024)),
+      tie_embeddings=bool(get(hf, "tie_word_embeddings", default=True)), qkv_bias=True, out_bias=True,
+      mlp_bias=True, attention_scale=0.0 if get(hf, "scale_attn_weights", default=True) else 1.0)
+
+
+def gpt2_to_hf(cfg: ModelConfig) -> dict:
+  if cfg.attention_scale not in (0.0, 1.0):
+    raise HFConfigError(f"gpt2 cannot represent model.attention_scale={cfg.attention_scale}")
+  return dict(
+      architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=cfg.vocab_size, n_embd=cfg.d_model,
+      n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=cfg.ff, activation_function=activation_back(cfg, "gpt2"),
+      layer_norm_epsilon=cfg.norm_eps, n_positions=cfg.max_len, tie_word_embeddings=cfg.tie_embeddings,
+      scale_attn_weights=cfg.attention_scale == 0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+      initializer_range=cfg.init_std)
+
+
+def _llama_like(hf: dict, default_theta: float, window: bool) -> dict:
+  d, h = int(get(hf, "hidden_size")), int(get(hf, "num_attention_heads"))
+  out = dict(
+      _common(hf), d_model=d, num_layers=int(get(hf, "num_hidden_layers")), num_heads=h,
+      num_kv_heads=int(get(hf, "num_key_value_heads", default=h)), head_dim=int(get(hf, "head_dim", default=d // h)),
+      d_ff=int(get(hf, "intermediate_size")), activation=activation(hf, "hidden_act", "silu", glu=True),
+      norm="rmsnorm", norm_eps=float(get(hf, "rms_norm_eps", default=1e-6)), norm_bias=False,
+      position="rope", rope_layout="half", max_len=int(get(hf, "max_position_embeddings", default=2048)),
+      tie_embeddings=bool(get(hf, "tie_word_embeddings", default=False)),
+      qkv_bias=bool(get(hf, "attention_bias", default=False)), out_bias=bool(get(hf, "attention_bias", default=False)),
+      mlp_bias=bool(get(hf, "mlp_bias", default=False)),
+      **rope_from_hf(hf, default_theta=default_theta))
+  if window:
+    out["window"] = int(get(hf, "sliding_window", default=0) or 0)
+  elif hf.get("sliding_window"):
+    raise HFConfigError(f"{hf.get('model_type')}: unsupported sliding_window={hf['sliding_window']}")
+  return out
+
+
+def _llama_like_back(cfg: ModelConfig, family: str, arch: str, window: bool) -> dict:
+  if cfg.qkv_bias != cfg.out_bias and family == "llama":
+    raise HFConfigError(f"llama cannot represent qkv_bias={cfg.qkv_bias} with out_bias={cfg.out_bias} "
+                        "(one attention_bias covers both)")
+  out = dict(
+      architectures=[arch], model_type=family, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+      intermediate_size=cfg.ff, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+      num_key_value_heads=cfg.kv_heads, head_dim=cfg.hd, hidden_act=activation_back(cfg, family, glu=True),
+      rms_norm_eps=cfg.norm_eps, max_position_embeddings=cfg.max_len, rope_parameters=rope_to_hf(cfg, family),
+      tie_word_embeddings=cfg.tie_embeddings, attention_dropout=0.0, initializer_range=cfg.init_std)
+  if family == "llama":
+    out.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
+  if window:
+    out["sliding_window"] = cfg.window or None
+  return out
+
+
+def llama_to_model(hf: dict) -> dict:
+  return _llama_like(hf, 10000.0, window=False)
+
+
+def llama_to_hf(cfg: ModelConfig) -> dict:
+  return _llama_like_back(cfg, "llama", "LlamaForCausalLM", window=False)
+
+
+def mistral_to_model(hf: dict) -> dict:
+  return _llama_like(hf, 10000.0, window=True)
+
+
+def mistral_to_hf(cfg: ModelConfig) -> dict:
+  return _llama_like_back(cfg, "mistral", "MistralForCausalLM", window=True)
+
+
+def mixtral_to_model(hf: dict) -> dict:
+  out = _llama_like(hf, 1e6, window=True)
+  out["moe"] = dict(num_experts=int(get(hf, "num_local_experts")), top_k=int(get(hf, "num_experts_per_tok")),
+                    every=1, d_ff=out["d_ff"], renormalize=True, dispatch="dropless",
+                    jitter=float(get(hf, "router_jitter_noise", default=0.0)),
+                    aux_loss_coef=float(get(hf, "router_aux_loss_coef", default=0.001)), z_loss_coef=0.0)
+  return out
+
+
+def mixtral_to_hf(cfg: ModelConfig) -> dict:
+  m = cfg.moe
+  if m.d_ff and m.d_ff != cfg.ff:
+    raise HFConfigError(f"mixtral cannot represent moe.d_ff={m.d_ff} != d_ff={cfg.ff}")
+  out = _llama_like_back(cfg, "mixtral", "MixtralForCausalLM", window=True)
+  out.update(num_local_experts=m.num_experts, num_experts_per_tok=m.top_k, router_jitter_noise=m.jitter,
+             router_aux_loss_coef=m.aux_loss_coef, output_router_logits=False)
+  return out
+
+
+def bloom_to_model(hf: dict) -> dict:
+  require(hf, "apply_residual_connection_post_layernorm", (False,), False)
+  d = int(get(hf, "hidden_size", "n_embed"))
+  return dict(
+      _common(hf), d_model=d, num_layers=int(get(hf, "n_layer", "num_hidden_layers")),
+      num_heads=int(get(hf, "n_head", "num_attention_heads")), d_ff=4 * d, activation="gelu_tanh",
+      norm="layernorm", norm_eps=float(get(hf, "layer_norm_epsilon", default=1e-5)), position="alibi",
+      embed_norm=True, max_len=int(get(hf, "seq_length", default=2048)),
+      tie_embeddings=bool(get(hf, "tie_word_embeddings", default=True)), qkv_bias=True, out_bias=True,
+      mlp_bias=True)
+
+
+def bloom_to_hf(cfg: ModelConfig) -> dict:
+  return dict(
+      architectures=["BloomForCausalLM"], model_type="bloom", vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+      n_layer=cfg.num_layers, n_head=cfg.num_heads, layer_norm_epsilon=cfg.norm_eps, seq_length=cfg.max_len,
+      tie_word_embeddings=cfg.tie_embeddings, apply_residual_connection_post_layernorm=False,
+      hidden_dropout=0.0, attention_dropout=0.0, initializer_range=cfg.init_std)
+
+
+def gpt_neox_to_model(hf: dict) -> dict:
+  return dict(
+      _common(hf), d_model=int(get(hf, "hidden_size")), num_layers=int(get(hf, "num_hidden_layers")),
+      num_heads=int(get(hf, "num_attention_heads")), d_ff=int(get(hf, "intermediate_size")),
+      activation=activation(hf, "hidden_act", "gelu"), norm="layernorm",
+      norm_eps=float(get(hf, "layer_norm_eps", default=1e-5)), position="rope", rope_layout="half",
+      max_len=int(get(hf, "max_position_embeddings", default=2048)),
+      parallel_residual=bool(get(hf, "use_parallel_residual", default=True)),
+      tie_embeddings=bool(get(hf, "tie_word_embeddings", default=False)),
+      qkv_bias=bool(get(hf, "attention_bias", default=True)), out_bias=bool(get(hf, "attention_bias", default=True)),
+      mlp_bias=True, **rope_from_hf(hf, default_theta=10000.0, default_fraction=0.25, allow_partial=True))
+
+
+def gpt_neox_to_hf(cfg: ModelConfig) -> dict:
+  if cfg.qkv_bias != cfg.out_bias:
+    raise HFConfigError("gpt_neox cannot represent qkv_bias != out_bias (one attention_bias covers both)")
+  return dict(
+      architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox", vocab_size=cfg.vocab_size,
+      hidden_size=cfg.d_model, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+      intermediate_size=cfg.ff, hidden_act=activation_back(cfg, "gpt_neox"), layer_norm_eps=cfg.norm_eps,
+      max_position_embeddings=cfg.max_len, use_parallel_residual=cfg.parallel_residual,
+      tie_word_embeddings=cfg.tie_embeddings, attention_bias=cfg.qkv_bias,
+      rope_parameters=rope_to_hf(cfg, "gpt_neox", partial=True), attention_dropout=0.0, hidden_dropout=0.0,
+      initializer_range=cfg.init_std)
+
+
+def bert_to_model(hf: dict) -> dict:
+  require(hf, "position_embedding_type", ("absolute",), "absolute")
+  require(hf, "is_decoder", (False,), False)
+  require(hf, "add_cross_attention", (False,), False)
+  return dict(
+      _common(hf), d_model=int(get(hf, "hidden_size")), num_layers=int(get(hf, "num_hidden_layers")),
+      num_heads=int(get(hf, "num_attention_heads")), d_ff=int(get(hf, "intermediate_size")),
+      activation=activation(hf, "hidden_act", "gelu"), norm="layernorm",
+      norm_eps=float(get(hf, "layer_norm_eps", default=1e-12)), norm_position="post", final_norm=False,
+      embed_norm=True, position="learned", max_len=int(get(hf, "max_position_embeddings", default=512)),
+      causal=False, type_vocab_size=int(get(hf, "type_vocab_size", default=2)), lm_head=False,
+      qkv_bias=True, out_bias=True, mlp_bias=True)
+
+
+def bert_to_hf(cfg: ModelConfig) -> dict:
+  return dict(
+      architectures=["BertModel"], model_type="bert", vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+      num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, intermediate_size=cfg.ff,
+      hidden_act=activation_back(cfg, "bert"), layer_norm_eps=cfg.norm_eps,
+      max_position_embeddings=cfg.max_len, type_vocab_size=cfg.type_vocab_size, hidden_dropout_prob=0.0,
+      attention_probs_dropout_prob=0.0, initializer_range=cfg.init_std, pad_token_id=0)
