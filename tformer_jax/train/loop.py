@@ -127,6 +127,9 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[st
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
       state = state_lib.create_state(init, rng, shardings)
     start = 0
+    if cfg.train.init_from:
+      state = state.replace(params=load_init_params(cfg.train.init_from, abstract.params))
+      log.info("initialised parameters from %s", cfg.train.init_from)
   n_params = state_lib.param_count(state.params)
 
   train_step = step_lib.make_train_step(model, tx, schedule, cfg.optim)
@@ -201,7 +204,13 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[st
         final.update(ev)
         log.info("step %d: val_loss %.4f (%.3f bits/byte)", done, ev["val_loss"], ev["val_bpb"])
       if done % cfg.train.ckpt_every == 0 or done == cfg.train.steps or stop["signal"]:
-        ckpt.save(done, state, it.get_state(), {"step": done}, force=bool(stop["signal"]))
+        if pending is not None:
+          finish_step(*pending)
+          pending = None
+        if final.get("bad_steps", 0) > 0:  # never replace good checkpoints by a state mid-NaN-streak
+          log.warning("step %d: not saving during a run of non-finite steps", done)
+        else:
+          ckpt.save(done, state, it.get_state(), {"step": done}, force=bool(stop["signal"]))
       if stop["signal"]:
         if pending is not None:
           finish_step(*pending)
@@ -222,6 +231,22 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[st
   final["params"] = n_params
   final["step"] = int(state.step)
   return final
+
+
+def load_init_params(source: str, abstract_params: Any) -> Any:
+  """Parameters of another run (or a converted HF model) to fine-tune from, checked against ours."""
+  from tformer_jax.checkpoint import CheckpointError, restore_params
+  _, params = restore_params(source)
+  ours = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+  theirs = dict((jax.tree_util.keystr(k), v) for k, v in jax.tree_util.tree_flatten_with_path(params)[0])
+  diffs = [f"{jax.tree_util.keystr(k)}: ours {tuple(a.shape)} vs {tuple(theirs[jax.tree_util.keystr(k)].shape) if jax.tree_util.keystr(k) in theirs else 'missing'}"
+           for k, a in ours if jax.tree_util.keystr(k) not in theirs
+           or tuple(theirs[jax.tree_util.keystr(k)].shape) != tuple(a.shape)]
+  if diffs:
+    raise CheckpointError(f"train.init_from={source}: parameters do not match this config:\n  " + "\n  ".join(diffs[:20]))
+  return jax.tree.map(lambda a, x: jax.device_put(np.asarray(x, a.dtype), a.sharding), abstract_params,
+                      jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract_params),
+                                                   [theirs[jax.tree_util.keystr(k)] for k, _ in ours]))
 
 
 def sample_text(model, params, tokenizer, cfg, seed: int = 0) -> str:

@@ -41,8 +41,14 @@ def state_shardings(init: Any, rng: jax.Array, mesh: jax.sharding.Mesh, rules) -
   specs = nn.get_partition_spec(abstract_boxed)
   shardings = nn.logical_to_mesh_sharding(specs, mesh, rules)
   abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                          nn.unbox(abstract_boxed), shardings)
+                          unbox_plain(abstract_boxed), shardings)
   return abstract, shardings
+
+
+def unbox_plain(tree: Any) -> Any:
+  """Strip nn.Partitioned boxes without applying sharding constraints (for abstract trees)."""
+  return jax.tree.map(lambda x: x.unbox(apply_constraint=False) if isinstance(x, nn.meta.AxisMetadata) else x,
+                      tree, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
 
 
 def create_state(init: Any, rng: jax.Array, shardings: Any) -> TrainState:
