@@ -32,8 +32,8 @@ CONFIGS = {
     "gpt2": lambda: transformers.GPT2Config(vocab_size=V, n_positions=32, n_embd=32, n_layer=2, n_head=4,
                                             bos_token_id=0, eos_token_id=0),
     "llama_gqa_untied": lambda: transformers.LlamaConfig(**LLAMA, tie_word_embeddings=False),
-    "llama_tied_biases": lambda: transformers.LlamaConfig(**LLAMA, tie_word_embeddings=True, attention_bias=True,
-                                                          mlp_bias=True),
+    "llama_tied_biases": lambda: transformers.LlamaConfig(**LLAMA, tie_word_embeddings=True,
+                                                          attention_bias=True, mlp_bias=True),
     "mistral_window": lambda: transformers.MistralConfig(
         vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, sliding_window=5, max_position_embeddings=64),
@@ -47,8 +47,9 @@ CONFIGS = {
     "gpt_neox_sequential": lambda: transformers.GPTNeoXConfig(
         vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         rotary_pct=0.25, use_parallel_residual=False, tie_word_embeddings=True, max_position_embeddings=64),
-    "bert": lambda: transformers.BertConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                            num_attention_heads=4, max_position_embeddings=64, type_vocab_size=3),
+    "bert": lambda: transformers.BertConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, type_vocab_size=3),
 }
 
 
@@ -114,7 +115,8 @@ def roundtrip(case_cfg, tmp_path, length: int = 12, bert_inputs: bool = False):
     np.testing.assert_allclose(got[valid], ref[valid], **TOL)
   else:
     np.testing.assert_allclose(got, ref, **TOL)
-  d_import = float(np.abs(got - ref).max()) if not bert else float(np.abs(got[mask > 0] - ref[mask > 0]).max())
+  sel = (mask > 0) if bert else ...
+  d_import = float(np.abs(got[sel] - ref[sel]).max())
 
   # The in-memory transformers model gives the same params as its saved directory.
   assert_same_params(load_hf(m)[1], params)
@@ -122,7 +124,6 @@ def roundtrip(case_cfg, tmp_path, length: int = 12, bert_inputs: bool = False):
   save_hf(model, params, tmp_path / "out")
   m2 = reload(tmp_path / "out", bert)
   ref2 = hf_out(m2, tokens, mask, types)
-  sel = (mask > 0) if bert else ...
   np.testing.assert_allclose(got[sel], ref2[sel], **TOL)
   d_export = float(np.abs(got[sel] - ref2[sel]).max())
   model3, params3 = load_hf(tmp_path / "out")
@@ -171,7 +172,8 @@ def test_window_and_experts_files(tmp_path):
 ROPE_SCALINGS = {
     "linear": dict(rope_type="linear", factor=2.0),
     "dynamic": dict(rope_type="dynamic", factor=2.0),
-    "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=8.0, beta_slow=1.0),
+    "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=8.0,
+                 beta_slow=1.0),
     "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=16),
 }
@@ -258,7 +260,8 @@ def test_sharded_and_bin_checkpoints(gpt2_dir, tmp_path):
   b = tmp_path / "bin"
   b.mkdir()
   (b / "config.json").write_text((gpt2_dir / "config.json").read_text())
-  sd = {k: torch.from_numpy(np.array(v)) for k, v in hfi.read_safetensors(gpt2_dir / "model.safetensors").items()}
+  weights = hfi.read_safetensors(gpt2_dir / "model.safetensors")
+  sd = {k: torch.from_numpy(np.array(v)) for k, v in weights.items()}
   torch.save(sd, b / "pytorch_model.bin")
   assert_same_params(load_hf(b)[1], params)
 
@@ -305,3 +308,24 @@ def test_convert_cli_roundtrip(tmp_path):
                        "--family", "llama"]) == 0
   assert (tmp_path / "back" / "tokenizer.json").read_text() == "{}"
   np.testing.assert_allclose(hf_out(reload(tmp_path / "back", bert=False), tokens), ref, **TOL)
+
+
+def test_older_config_spellings():
+  """transformers 4 config.json keys (top-level rope_theta / rope_scaling, rotary_pct, n_embed)."""
+  llama = dict(model_type="llama", vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+               num_attention_heads=4, max_position_embeddings=4096, rope_theta=5e5, rms_norm_eps=1e-5,
+               rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 1024})
+  cfg = hfi.model_config_from_hf(llama)
+  assert (cfg.rope_theta, cfg.kv_heads, cfg.tie_embeddings) == (5e5, 4, False)
+  assert cfg.rope_scaling == RopeScaling(type="llama3", factor=8.0, original_max_len=1024)
+  neox = dict(model_type="gpt_neox", vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, rotary_pct=0.25, rotary_emb_base=1000, use_parallel_residual=True)
+  cfg = hfi.model_config_from_hf(neox)
+  assert (cfg.rotary_fraction, cfg.rope_theta, cfg.parallel_residual) == (0.25, 1000.0, True)
+  bloom = dict(model_type="bloom", vocab_size=V, n_embed=48, n_layer=2, num_attention_heads=6)
+  assert (hfi.model_config_from_hf(bloom).d_model, hfi.model_config_from_hf(bloom).num_heads) == (48, 6)
+  with pytest.raises(HFConfigError, match="apply_residual_connection_post_layernorm"):
+    hfi.model_config_from_hf({**bloom, "apply_residual_connection_post_layernorm": True})
+  with pytest.raises(HFConfigError, match="longrope"):
+    hfi.model_config_from_hf({**llama, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}})

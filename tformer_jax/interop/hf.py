@@ -37,8 +37,8 @@ from tformer_jax.nn import Transformer
 
 log = logging.getLogger(__name__)
 _MAX_LISTED = 20
-__all__ = ["HFConfigError", "HFWeightsError", "load_hf", "save_hf", "load_hf_tokenizer", "read_hf", "read_hf_config",
-           "model_config_from_hf", "hf_config_from_model", "infer_family"]
+__all__ = ["HFConfigError", "HFWeightsError", "load_hf", "save_hf", "load_hf_tokenizer", "read_hf",
+           "read_hf_config", "model_config_from_hf", "hf_config_from_model", "infer_family"]
 
 
 class HFWeightsError(ValueError):
@@ -75,7 +75,8 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     except ValueError as e:
       raise HFWeightsError(f"{path}: unreadable safetensors header: {e}") from None
   size = path.stat().st_size - 8 - n
-  data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n, shape=(size,)) if size > 0 else np.zeros(0, np.uint8)
+  data = (np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n, shape=(size,)) if size > 0
+          else np.zeros(0, np.uint8))
   out = {}
   for name, info in header.items():
     if name == "__metadata__":
@@ -361,8 +362,8 @@ def import_tensors(family: Family, cfg: ModelConfig, tensors: Mapping[str, np.nd
   for item in family.rules:
     for layer, options in _instances(item, cfg):
       rule_sets = [_applicable(opt, layer, want) for opt in options]
-      chosen = next((rs for rs in rule_sets if all(n in tensors for r in rs for n in _hf_names(r, layer, cfg))),
-                    rule_sets[0])
+      present = [all(n in tensors for r in rs for n in _hf_names(r, layer, cfg)) for rs in rule_sets]
+      chosen = rule_sets[present.index(True)] if any(present) else rule_sets[0]
       for rule in chosen:
         names = _hf_names(rule, layer, cfg)
         absent = [n for n in names if n not in tensors]
@@ -388,7 +389,8 @@ def import_tensors(family: Family, cfg: ModelConfig, tensors: Mapping[str, np.nd
   tied = "head" not in want
   unexpected, dropped = [], []
   for n in sorted(set(tensors) - used):
-    if any(re.search(p, n) for p in family.ignore) or (tied and any(re.search(p, n) for p in family.ignore_tied)):
+    skip = family.ignore + (family.ignore_tied if tied else ())
+    if any(re.search(p, n) for p in skip):
       continue
     (dropped if any(re.search(p, n) for p in family.drop) else unexpected).append(n)
   if dropped:
@@ -424,7 +426,8 @@ def export_tensors(family: Family, cfg: ModelConfig, params: Mapping[str, Any]) 
   """Our params -> {HF tensor name: float32 array} in the layout save_pretrained writes."""
   flat = {k: np.asarray(v, dtype=np.float32) for k, v in flatten(_unscan(nn.unbox(params), cfg)).items()}
   want = expected_shapes(cfg)
-  wrong = [f"{k} has shape {flat[k].shape}, expected {s}" for k, s in want.items() if k in flat and flat[k].shape != s]
+  wrong = [f"{k} has shape {flat[k].shape}, expected {s}" for k, s in want.items()
+           if k in flat and flat[k].shape != s]
   absent = sorted(set(want) - set(flat))
   if wrong or absent:
     raise HFWeightsError(f"params do not match the model config: missing {absent[:_MAX_LISTED]}; "

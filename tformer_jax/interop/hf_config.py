@@ -73,7 +73,8 @@ def rope_from_hf(hf: dict, *, default_theta: float, default_fraction: float = 1.
   rp.update(hf.get("rope_parameters") or {})
   if any(isinstance(v, dict) for v in rp.values()):
     raise HFConfigError(f"{hf.get('model_type')}: per-layer-type rope_parameters are not supported")
-  theta = float(get(rp, "rope_theta", default=get(hf, "rope_theta", "rotary_emb_base", default=default_theta)))
+  theta = get(hf, "rope_theta", "rotary_emb_base", default=default_theta)
+  theta = float(get(rp, "rope_theta", default=theta))
   frac = float(get(rp, "partial_rotary_factor",
                    default=get(hf, "partial_rotary_factor", "rotary_pct", default=default_fraction)))
   if frac != 1.0 and not allow_partial:
@@ -165,7 +166,8 @@ def gpt2_to_hf(cfg: ModelConfig) -> dict:
     raise HFConfigError(f"gpt2 cannot represent model.attention_scale={cfg.attention_scale}")
   return dict(
       architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=cfg.vocab_size, n_embd=cfg.d_model,
-      n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=cfg.ff, activation_function=activation_back(cfg, "gpt2"),
+      n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=cfg.ff,
+      activation_function=activation_back(cfg, "gpt2"),
       layer_norm_epsilon=cfg.norm_eps, n_positions=cfg.max_len, tie_word_embeddings=cfg.tie_embeddings,
       scale_attn_weights=cfg.attention_scale == 0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
       initializer_range=cfg.init_std)
@@ -173,14 +175,16 @@ def gpt2_to_hf(cfg: ModelConfig) -> dict:
 
 def _llama_like(hf: dict, default_theta: float, window: bool) -> dict:
   d, h = int(get(hf, "hidden_size")), int(get(hf, "num_attention_heads"))
+  bias = bool(get(hf, "attention_bias", default=False))
   out = dict(
       _common(hf), d_model=d, num_layers=int(get(hf, "num_hidden_layers")), num_heads=h,
-      num_kv_heads=int(get(hf, "num_key_value_heads", default=h)), head_dim=int(get(hf, "head_dim", default=d // h)),
+      num_kv_heads=int(get(hf, "num_key_value_heads", default=h)),
+      head_dim=int(get(hf, "head_dim", default=d // h)),
       d_ff=int(get(hf, "intermediate_size")), activation=activation(hf, "hidden_act", "silu", glu=True),
       norm="rmsnorm", norm_eps=float(get(hf, "rms_norm_eps", default=1e-6)), norm_bias=False,
       position="rope", rope_layout="half", max_len=int(get(hf, "max_position_embeddings", default=2048)),
       tie_embeddings=bool(get(hf, "tie_word_embeddings", default=False)),
-      qkv_bias=bool(get(hf, "attention_bias", default=False)), out_bias=bool(get(hf, "attention_bias", default=False)),
+      qkv_bias=bias, out_bias=bias,
       mlp_bias=bool(get(hf, "mlp_bias", default=False)),
       **rope_from_hf(hf, default_theta=default_theta))
   if window:
@@ -256,13 +260,15 @@ def bloom_to_model(hf: dict) -> dict:
 
 def bloom_to_hf(cfg: ModelConfig) -> dict:
   return dict(
-      architectures=["BloomForCausalLM"], model_type="bloom", vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+      architectures=["BloomForCausalLM"], model_type="bloom", vocab_size=cfg.vocab_size,
+      hidden_size=cfg.d_model,
       n_layer=cfg.num_layers, n_head=cfg.num_heads, layer_norm_epsilon=cfg.norm_eps, seq_length=cfg.max_len,
       tie_word_embeddings=cfg.tie_embeddings, apply_residual_connection_post_layernorm=False,
       hidden_dropout=0.0, attention_dropout=0.0, initializer_range=cfg.init_std)
 
 
 def gpt_neox_to_model(hf: dict) -> dict:
+  bias = bool(get(hf, "attention_bias", default=True))
   return dict(
       _common(hf), d_model=int(get(hf, "hidden_size")), num_layers=int(get(hf, "num_hidden_layers")),
       num_heads=int(get(hf, "num_attention_heads")), d_ff=int(get(hf, "intermediate_size")),
@@ -271,7 +277,7 @@ def gpt_neox_to_model(hf: dict) -> dict:
       max_len=int(get(hf, "max_position_embeddings", default=2048)),
       parallel_residual=bool(get(hf, "use_parallel_residual", default=True)),
       tie_embeddings=bool(get(hf, "tie_word_embeddings", default=False)),
-      qkv_bias=bool(get(hf, "attention_bias", default=True)), out_bias=bool(get(hf, "attention_bias", default=True)),
+      qkv_bias=bias, out_bias=bias,
       mlp_bias=True, **rope_from_hf(hf, default_theta=10000.0, default_fraction=0.25, allow_partial=True))
 
 
