@@ -148,9 +148,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for impl in impls:
       row = run_case(impl, seq, args)
       rows.append(row)
-      t = "skipped (" + row["skipped"] + ")" if row["time_s"] is None else f"{row['time_s'] * 1e3:10.1f} ms"
-      print(f"{impl:>10s} L={seq:6d}  peak {_fmt_bytes(row['peak_bytes'])}  temp {_fmt_bytes(row['temp_bytes'])}"
-            f"  time {t}  (compile {row['compile_s']:.1f} s)", flush=True)
+      t = f"skipped ({row['skipped']})" if row["time_s"] is None else f"{row['time_s'] * 1e3:10.1f} ms"
+      print(f"{impl:>10s} L={seq:6d}  peak {_fmt_bytes(row['peak_bytes'])}  "
+            f"temp {_fmt_bytes(row['temp_bytes'])}  time {t}  (compile {row['compile_s']:.1f} s)", flush=True)
   result = {"config": config, "results": rows, "targets": _targets(rows)}
   for name, value in result["targets"].items():
     print(f"target {name}: {value}")
