@@ -60,14 +60,17 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, tx: optax.Gr
                ) -> tuple[TrainState, dict[str, jax.Array]]:
   rng = jax.random.fold_in(state.rng, state.step)
   ls = state.loss_scale
+  # The loss is a token *sum* (exact under accumulation); dividing by the static token count keeps
+  # the fp16-scaled gradients at the size a mean loss would give.
+  tokens = batch["targets"].size // grad_accum
 
   def f(params, mb, r):
-    return loss_sum_fn(model, params, mb, r, train=True, scale=ls.scale)
+    return loss_sum_fn(model, params, mb, r, train=True, scale=ls.scale / tokens)
 
   grad_fn = jax.value_and_grad(f, has_aux=True)
   (scaled_loss, aux), grads = optim.accumulate_gradients(grad_fn, state.params, batch, rng, grad_accum)
-  grads = ls.unscale_grads(grads)
-  loss = scaled_loss / ls.scale
+  grads = jax.tree.map(lambda g: g * tokens, ls.unscale_grads(grads))
+  loss = scaled_loss * tokens / ls.scale
   finite = precision.all_finite((loss, grads))
   gnorm, gnorm_clipped = optim.grad_norms(grads, clip_norm)
   updates, new_opt = tx.update(grads, state.opt_state, state.params)

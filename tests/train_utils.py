@@ -1,0 +1,57 @@
+"""Shared helpers for tests that run the training loop: a tiny config and a subprocess launcher."""
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+from tformer_jax.config import default_config
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def tiny_config(steps: int = 20, **overrides):
+  c = default_config()
+  m = c.model
+  m.d_model, m.num_layers, m.num_heads, m.max_len = 64, 2, 4, 64
+  m.position, m.norm = "rope", "rmsnorm"
+  c.data.seq_len, c.data.batch_size = 32, 8
+  c.optim.peak_lr, c.optim.warmup_steps = 3e-3, 5
+  c.train.steps, c.train.log_every, c.train.eval_every, c.train.ckpt_every = steps, 1, steps, steps
+  c.train.eval_batches, c.train.sample_tokens = 2, 0
+  for key, value in overrides.items():
+    node = c
+    *path, last = key.split(".")
+    for p in path:
+      node = node[p]
+    node[last] = value
+  return c
+
+
+def overrides_to_flags(**overrides) -> list[str]:
+  return [f"--config.{k}={v}" for k, v in overrides.items()]
+
+
+TINY_FLAGS = overrides_to_flags(**{
+    "model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4, "model.max_len": 64,
+    "model.position": "rope", "model.norm": "rmsnorm", "data.seq_len": 32, "data.batch_size": 8,
+    "optim.peak_lr": 3e-3, "optim.warmup_steps": 5, "train.eval_batches": 2, "train.sample_tokens": 0,
+    "train.log_every": 1})
+
+
+def train_cmd(workdir, *flags: str) -> list[str]:
+  return [sys.executable, str(REPO / "scripts" / "train.py"), f"--config={REPO / 'configs' / 'shakespeare_char.py'}",
+          f"--workdir={workdir}", *TINY_FLAGS, *flags]
+
+
+def env() -> dict[str, str]:
+  e = dict(os.environ)
+  e.pop("XLA_FLAGS", None)  # one CPU device in subprocesses unless a test asks otherwise
+  e["JAX_PLATFORMS"] = "cpu"
+  e["PYTHONUNBUFFERED"] = "1"
+  return e
+
+
+def run(cmd, timeout=300, **kw) -> subprocess.CompletedProcess:
+  return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=kw.pop("env", env()), **kw)
