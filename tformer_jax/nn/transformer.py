@@ -48,6 +48,7 @@ class Transformer(nn.Module):
                  else attention_mask_BxL.astype(jnp.bool_))
 
     q_offset = jnp.zeros((), jnp.int32)
+    pos_offset_Bx1 = jnp.zeros((b, 1), jnp.int32)   # real tokens before this call (default positions)
     kv_valid_BxS = valid_BxL
     if decode:
       is_init = not self.has_variable("cache", "index")
@@ -55,11 +56,12 @@ class Transformer(nn.Module):
       kv_cache = self.variable("cache", "kv_valid", jnp.zeros, (b, l), jnp.bool_)
       if not is_init:
         q_offset = index.value
+        pos_offset_Bx1 = jnp.sum(kv_cache.value, axis=1, dtype=jnp.int32)[:, None]   # not slots: padding
         kv_cache.value = jax.lax.dynamic_update_slice(kv_cache.value, valid_BxL, (0, q_offset))
         index.value = index.value + l
         kv_valid_BxS = kv_cache.value
     if positions_BxL is None:
-      positions_BxL = jnp.maximum(jnp.cumsum(valid_BxL, axis=1) - 1, 0) + q_offset
+      positions_BxL = jnp.maximum(jnp.cumsum(valid_BxL, axis=1) - 1, 0) + pos_offset_Bx1
     elif cfg.position == "learned" and not isinstance(positions_BxL, jax.core.Tracer):
       if int(jnp.max(positions_BxL)) >= cfg.max_len:
         raise ValueError(f"position {int(jnp.max(positions_BxL))} is beyond model.max_len={cfg.max_len} "
