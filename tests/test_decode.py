@@ -1,5 +1,6 @@
 """KV-cache generation: cached logits == full forward, padding, sampling limits, isolation, errors, CLI."""
 import dataclasses
+import functools
 import importlib.util
 import json
 import pathlib
@@ -86,6 +87,22 @@ def test_cached_logits_equal_full_forward_at_every_step(name):
     np.testing.assert_array_equal(got[:, :n - 1], toks_BxN)
 
 
+def test_decode_default_positions_count_real_tokens_not_slots():
+  """model.apply(decode=True) without explicit positions, on a left-padded batch (a fixed bug)."""
+  model, params = build(CASES["learned-mqa"])
+  tok = np.array([[5, 9, 11, 3, 7, 1, 8], [0, 0, 0, 40, 2, 1, 8]])
+  mask = np.ones_like(tok, bool)
+  mask[1, :3] = False
+  full = np.asarray(jax.jit(model.apply)({"params": params}, tok, attention_mask_BxL=mask))
+  step = jax.jit(functools.partial(model.apply, decode=True, mutable=["cache"]))
+  cache = decode.init_cache(model, params, 2, 8)
+  logits, upd = step({"params": params, "cache": cache}, tok[:, :5], attention_mask_BxL=mask[:, :5])
+  np.testing.assert_allclose(np.asarray(logits), full[:, :5], atol=ATOL, rtol=0)
+  for t in (5, 6):
+    logits, upd = step({"params": params, "cache": upd["cache"]}, tok[:, t:t + 1])
+    np.testing.assert_allclose(np.asarray(logits[:, 0]), full[:, t], atol=ATOL, rtol=0, err_msg=f"t={t}")
+
+
 def test_left_padded_batch_equals_each_prompt_alone():
   model, params = build(CASES["learned-mqa"])          # absolute positions: the strictest case
   batch = decode.generate(model, params, PROMPTS, max_new_tokens=N_NEW, temperature=0.0)
@@ -129,6 +146,9 @@ def test_requests_are_independent_and_cache_starts_at_zero():
   decode.generate(model, params, a, **kw)
   b_after = decode.generate(model, params, b, **kw)
   np.testing.assert_array_equal(b_after, b_first)
+  compiled = len(decode.COMPILE_LOG)
+  decode.generate(model, params, b, **kw)                # same shapes: nothing is compiled again
+  assert len(decode.COMPILE_LOG) == compiled
   np.testing.assert_array_equal(b_after, decode.generate_recompute(model, params, b, **kw))
   cache = decode.init_cache(model, params, 2, 16)
   assert int(cache["index"]) == 0 and cache["kv_valid"].shape == (2, 16) and not cache["kv_valid"].any()
@@ -221,3 +241,12 @@ def test_cli_random_init_prints_text(tmp_path):
                        env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
   assert res.returncode == 0, res.stderr[-2000:]
   assert res.stdout.startswith("ROMEO:") and len(res.stdout.strip()) > len("ROMEO:")
+
+
+def test_decode_benchmark_smoke(tmp_path):
+  from tformer_jax.bench import decode as bench
+  out = tmp_path / "bench.json"
+  res = bench.main(["--d-model", "32", "--layers", "1", "--vocab", "64", "--prompt-len", "4",
+                    "--new-tokens", "6", "--runs", "1", "--recompute-runs", "1", "--json", str(out)])
+  assert res["tokens_match"] and res["new_tokens"] == 6 and res["speedup"] > 0
+  assert json.loads(out.read_text()) == res
