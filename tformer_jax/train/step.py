@@ -28,13 +28,22 @@ def _sum_leaves(tree: Any) -> jax.Array:
   return sum((jnp.sum(x) for x in leaves), jnp.zeros((), jnp.float32))
 
 
-def _mean_leaves(tree: Any) -> dict[str, jax.Array]:
-  """MoE metrics sown per layer -> one mean per metric name."""
-  out: dict[str, list] = {}
-  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    name = next((str(k.key) for k in reversed(path) if hasattr(k, "key")), "metric")
-    out.setdefault(name, []).append(jnp.mean(x, axis=tuple(range(x.ndim - 1))) if x.ndim > 1 else x)
-  return {k: jnp.mean(jnp.stack(v), axis=0) for k, v in out.items()}
+def moe_log_metrics(mut: Any) -> dict[str, jax.Array]:
+  """Scalar MoE metrics for the logs, from `nn.moe.collect_moe_metrics` (averaged over MoE layers):
+  load_max / load_min (expert load fractions, 1/E is balanced), load_ratio (max/min load of the worst
+  layer; 1.0 = perfectly balanced), dropped_fraction, router_entropy, load_balance and z_loss (the
+  coefficient-weighted aux losses, summed over layers). Empty for dense models."""
+  from tformer_jax.nn import moe as moe_nn
+  m = moe_nn.collect_moe_metrics(mut)
+  out = {k.removeprefix("moe_"): v for k, v in m.items() if k != "moe_load"}
+  loads = moe_nn._leaves_named(mut.get("moe_metrics", {}), "load")
+  if loads:
+    e = loads[0].shape[-1]
+    load_LxE = jnp.concatenate([v.reshape(-1, e) for v in loads], axis=0)
+    out["load_min"] = jnp.min(load_LxE)
+    # An expert with no tokens gives a large finite ratio (floor 1e-6), not inf.
+    out["load_ratio"] = jnp.max(jnp.max(load_LxE, -1) / jnp.maximum(jnp.min(load_LxE, -1), 1e-6))
+  return out
 
 
 def loss_sum_fn(model: nn.Module, params: Any, batch: dict, rng: jax.Array | None, *, train: bool,
@@ -51,7 +60,7 @@ def loss_sum_fn(model: nn.Module, params: Any, batch: dict, rng: jax.Array | Non
   nll_sum = jnp.sum(nll_BxL * mask)
   aux_loss = _sum_leaves(mut.get("aux_loss", {}))
   metrics = {"nll_sum": nll_sum, "aux_loss": aux_loss}
-  metrics.update({f"moe/{k}": v for k, v in _mean_leaves(mut.get("moe_metrics", {})).items()})
+  metrics.update({f"moe/{k}": v for k, v in moe_log_metrics(mut).items()})
   return (nll_sum + aux_loss * count) * scale, (count, metrics)
 
 
