@@ -1,0 +1,139 @@
+"""Attention maps: per-layer weights (B, H, L, S), per-head entropy, and collapse/blur flags.
+
+The weights come from the model's own Attention modules: the model is cloned with
+attention_impl='reference' (the only path that materialises weights) and applied with the
+'intermediates' collection mutable, so each Attention sows 'attention_weights'. Training code is
+untouched: without a mutable 'intermediates' collection nothing is sown.
+
+Flags follow the articles' troubleshooting tables:
+  collapse  the weight piles onto one key: mean over queries of the row max > 0.9 (scale missing or
+            init too large, softmax saturated).
+  blur      the weights are nearly uniform: entropy >= 0.95 x the entropy of a uniform spread over
+            the keys each query can see (softmax not separating: scale/temperature, or untrained).
+Queries that can see a single key (the first token of a causal model) carry no information and are
+left out of both statistics.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tformer_jax.nn.attention import index_mask
+
+COLLAPSE_MAX_WEIGHT = 0.9
+BLUR_ENTROPY_RATIO = 0.95
+
+
+def reference_model(model: nn.Module) -> nn.Module:
+  """The same model with attention_impl='reference' (weights can only be read there)."""
+  cfg = model.cfg
+  if cfg.attention_impl == "reference":
+    return model
+  return model.clone(cfg=dataclasses.replace(cfg, attention_impl="reference"))
+
+
+def _collect(tree: Any, name: str) -> list[jax.Array]:
+  """Values sown as `name`, in layer order. Unrolled layers live under 'layers_<i>'; a scanned stack
+  under 'layers' holds arrays with a leading (num_layers,) axis, split here into one per layer."""
+  found: list[tuple[int, int, jax.Array]] = []
+  for path, value in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    keys = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+    if name not in keys:
+      continue
+    layer = next((int(k[7:]) for k in keys if k.startswith("layers_") and k[7:].isdigit()), None)
+    if layer is None and "layers" in keys:
+      found.extend((i, 0, value[i]) for i in range(value.shape[0]))
+    else:
+      found.append((-1 if layer is None else layer, len(found), value))
+  found.sort(key=lambda t: (t[0], t[1]))
+  return [v for _, _, v in found]
+
+
+def sown(model: nn.Module, params: Any, tokens_BxL: jax.Array, name: str, **apply_kwargs: Any
+         ) -> tuple[jax.Array, list[jax.Array]]:
+  """(model output, the per-layer values sown under `name` in 'intermediates')."""
+  out, mut = model.apply({"params": params}, tokens_BxL, mutable=["intermediates"], **apply_kwargs)
+  return out, _collect(mut.get("intermediates", {}), name)
+
+
+def attention_weights(model: nn.Module, params: Any, tokens_BxL: jax.Array, **apply_kwargs: Any
+                      ) -> list[jax.Array]:
+  """Attention weights of every layer: a list of (B, H, L, S) float32 arrays (pure; jit-able).
+
+  apply_kwargs go to `Transformer.__call__` (attention_mask_BxL, positions_BxL, ...). The model is
+  run with attention_impl='reference'; its parameters are the same whatever the impl.
+  """
+  _, weights = sown(reference_model(model), nn.unbox(params), tokens_BxL, "attention_weights",
+                    **apply_kwargs)
+  if not weights:
+    raise ValueError("no attention weights were sown: is this a tformer_jax Transformer?")
+  return weights
+
+
+def visible_keys(cfg: Any, attention_mask_BxL: jax.Array | None, b: int, l: int) -> jax.Array:
+  """(B, L, L) bool: which keys each query may attend to (causality, window, padding)."""
+  valid_BxL = jnp.ones((b, l), bool) if attention_mask_BxL is None else attention_mask_BxL.astype(bool)
+  vis = jnp.broadcast_to(valid_BxL[:, None, :], (b, l, l))
+  structural = index_mask(cfg, jnp.arange(l), jnp.arange(l))
+  if structural is not None:
+    vis = vis & structural[None]
+  return vis & valid_BxL[:, :, None]   # padding queries are not analysed
+
+
+def head_statistics(weights_BxHxLxS: jax.Array, visible_BxLxS: jax.Array) -> dict[str, jax.Array]:
+  """Per-head (H,) statistics over the queries that see >= 2 keys: entropy (nats), the uniform
+  entropy log(#visible) averaged the same way, their ratio, and the mean row max."""
+  w = weights_BxHxLxS.astype(jnp.float32)
+  n_vis_BxL = jnp.sum(visible_BxLxS, axis=-1).astype(jnp.float32)
+  use_BxL = (n_vis_BxL >= 2).astype(jnp.float32)
+  denom = jnp.maximum(jnp.sum(use_BxL), 1.0)
+  ent_BxHxL = -jnp.sum(jnp.where(w > 0, w * jnp.log(jnp.where(w > 0, w, 1.0)), 0.0), axis=-1)
+  uni_BxL = jnp.log(jnp.maximum(n_vis_BxL, 1.0))
+  mx_BxHxL = jnp.max(w, axis=-1)
+  ent_H = jnp.sum(ent_BxHxL * use_BxL[:, None], axis=(0, 2)) / denom
+  uni = jnp.sum(uni_BxL * use_BxL) / denom
+  ratio_H = jnp.sum(ent_BxHxL / jnp.maximum(uni_BxL, 1e-9)[:, None] * use_BxL[:, None], axis=(0, 2)) / denom
+  max_H = jnp.sum(mx_BxHxL * use_BxL[:, None], axis=(0, 2)) / denom
+  return {"entropy": ent_H, "uniform_entropy": jnp.broadcast_to(uni, ent_H.shape),
+          "entropy_ratio": ratio_H, "max_weight": max_H}
+
+
+def summarize(weights: list[jax.Array], visible_BxLxS: jax.Array) -> list[dict[str, Any]]:
+  """One row per (layer, head): entropy, uniform entropy, ratio, mean max weight, collapse, blur."""
+  rows = []
+  for layer, w in enumerate(weights):
+    st = {k: np.asarray(v) for k, v in head_statistics(w, visible_BxLxS).items()}
+    for h in range(w.shape[1]):
+      ratio, mx = float(st["entropy_ratio"][h]), float(st["max_weight"][h])
+      rows.append({"layer": layer, "head": h, "entropy": float(st["entropy"][h]),
+                   "uniform_entropy": float(st["uniform_entropy"][h]), "entropy_ratio": ratio,
+                   "max_weight": mx, "collapse": mx > COLLAPSE_MAX_WEIGHT,
+                   "blur": ratio >= BLUR_ENTROPY_RATIO})
+  return rows
+
+
+def analyze(model: nn.Module, params: Any, tokens_BxL: Any, attention_mask_BxL: Any = None
+            ) -> tuple[list[np.ndarray], list[dict[str, Any]]]:
+  """(per-layer weights as numpy (B, H, L, S), per-head summary rows) for one batch of tokens."""
+  tokens_BxL = jnp.asarray(tokens_BxL, jnp.int32)
+  kw = {} if attention_mask_BxL is None else {"attention_mask_BxL": jnp.asarray(attention_mask_BxL)}
+  weights = attention_weights(model, params, tokens_BxL, **kw)
+  b, l = tokens_BxL.shape
+  vis = visible_keys(model.cfg, kw.get("attention_mask_BxL"), b, l)
+  return [np.asarray(w) for w in weights], summarize(weights, vis)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+  """A fixed-width text table of `summarize` rows."""
+  head = f"{'layer':>5} {'head':>4} {'entropy':>8} {'uniform':>8} {'ratio':>6} {'max_w':>6}  flags"
+  lines = [head, "-" * len(head)]
+  for r in rows:
+    flags = ",".join(f for f in ("collapse", "blur") if r[f]) or "-"
+    lines.append(f"{r['layer']:>5} {r['head']:>4} {r['entropy']:>8.3f} {r['uniform_entropy']:>8.3f} "
+                 f"{r['entropy_ratio']:>6.3f} {r['max_weight']:>6.3f}  {flags}")
+  return "\n".join(lines)
