@@ -30,6 +30,7 @@ Array = jax.Array
 # (name, seconds) for every lower+compile done here; the benchmark reports compile time from it.
 COMPILE_LOG: list[tuple[str, float]] = []
 _COMPILED: dict[Any, Any] = {}
+_MAX_COMPILED = 64  # executables kept (oldest dropped first)
 _STOP_BUCKET = 4  # stop-token arrays are padded (with -1) to a multiple of this: fewer recompiles
 
 
@@ -75,6 +76,8 @@ def _aot(name: str, key: Any, fn: Callable, *args: Any) -> Any:
     t0 = time.perf_counter()
     exe = jax.jit(fn).lower(*args).compile()
     COMPILE_LOG.append((name, time.perf_counter() - t0))
+    if len(_COMPILED) >= _MAX_COMPILED:
+      _COMPILED.pop(next(iter(_COMPILED)))
     _COMPILED[full_key] = exe
   return exe
 

@@ -8,7 +8,8 @@ weights. Greedy decoding, no stop tokens, so every run makes exactly --new-token
 Cached: prefill latency, then per-token latency and tokens/s of the compiled step loop.
 Recompute: one full forward over the whole (prompt + new) buffer per token, no cache.
 Times are medians over --runs after a warm-up call; compile time is reported separately. The slow
-recompute path has no warm-up: its first call counts, minus its logged compile time. Prints human-readable lines, then one JSON line.
+recompute path has no warm-up: its first call counts, minus its logged compile time.
+Prints human-readable lines, then one JSON line.
 """
 from __future__ import annotations
 
