@@ -140,6 +140,11 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[st
     jeval = jax.jit(lambda p, b: step_lib.eval_step(p, b, model=model),
                     in_shardings=(shardings.params, batch_sh))
 
+  stats_every, jstats = int(cfg.train.get("stats_every", 0)), None
+  if stats_every > 0 and cfg.mesh.parallelism != "pmap":  # layer statistics, tformer_jax/diagnostics/stats.py
+    from tformer_jax.diagnostics.stats import make_stats_fn
+    jstats = jax.jit(make_stats_fn(model, tx), in_shardings=(shardings, batch_sh))
+
   def to_global(local: dict) -> dict:
     return {k: jax.make_array_from_process_local_data(batch_sh, np.asarray(v)) for k, v in local.items()}
 
@@ -190,6 +195,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[st
   try:
     for step in range(start, cfg.train.steps):
       batch = to_global(next(it))
+      if jstats is not None and (step + 1) % stats_every == 0:  # before the step, which donates `state`
+        writer.write(step + 1, {f"stats/{k}": float(v) for k, v in jax.device_get(jstats(state, batch)).items()})
       state, metrics = jstep(state, batch)   # dispatch step N+1 ...
       if pending is not None:
         finish_step(*pending)                # ... before reading step N's metrics

@@ -1,0 +1,138 @@
+"""Training-time statistics, cheap enough to leave on (cfg.train.stats_every > 0).
+
+`make_stats_fn(model, tx)` returns a pure, jit-able `fn(state_or_params, batch, grads=None,
+prev_params=None) -> {name: float32 scalar}` with
+  act_mean|act_std|act_rms/layer_<i>   of each block's output (the residual stream, 'block_out')
+  attn_entropy/layer_<i>               mean attention entropy over heads and queries (nats), and
+  attn_entropy_ratio/layer_<i>         the same over log(#visible keys): 1 = uniform ("blurred")
+  attn_max_weight/layer_<i>            mean row max (-> 1 = collapsed onto one key)
+  grad_norm/<module>                   gradient norm per module (embed, pos_embed, layers_<i>/attn,
+                                       layers_<i>/mlp, layers_<i>/ln1, final_norm, ...)
+  update_ratio/<module>                ||update|| / ||param||: the optimizer update `tx` would apply
+                                       now (or params - prev_params when given)
+  grad_norm, update_ratio, loss        whole-model values
+  pos_embed_grad_norm, pos_embed_grad_ratio   the learned position table's gradient norm and its ratio
+                                       to the token embedding's (the second article's check that
+                                       positions are used: a ratio stuck near 0 means they are not)
+One forward+backward on the given batch (no dropout), with the model cloned to the 'reference'
+attention impl so the weights can be read: every `stats_every` steps this costs about one step.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from tformer_jax.diagnostics.attention_maps import _collect, head_statistics, reference_model
+from tformer_jax.nn.attention import index_mask
+
+
+def module_name(path: tuple) -> tuple[str, bool]:
+  """(module name, scanned) for a parameter path. Scanned stacks (scan_layers, leading
+  (num_layers,) axis) give a template 'layers_{}/<sub>' filled in per layer."""
+  keys = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+  if not keys:
+    return "params", False
+  if keys[0] == "layers" and len(keys) > 1:
+    return "layers_{}/" + keys[1], True
+  if keys[0].startswith("layers_") and len(keys) > 1:
+    return f"{keys[0]}/{keys[1]}", False
+  return keys[0], False
+
+
+def group_sq_norms(tree: Any) -> dict[str, jax.Array]:
+  """Squared L2 norm per module (see `module_name`), float32; scanned stacks split per layer."""
+  out: dict[str, jax.Array] = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(nn.unbox(tree))[0]:
+    x = jnp.asarray(x, jnp.float32)
+    name, scanned = module_name(path)
+    if not scanned:
+      out[name] = out.get(name, 0.0) + jnp.sum(x * x)
+      continue
+    per_layer = jnp.sum(x * x, axis=tuple(range(1, x.ndim)))
+    for i in range(x.shape[0]):
+      out[name.format(i)] = out.get(name.format(i), 0.0) + per_layer[i]
+  return out
+
+
+def _norms(tree: Any) -> tuple[dict[str, jax.Array], jax.Array]:
+  sq = group_sq_norms(tree)
+  total = jnp.sqrt(sum(sq.values(), jnp.zeros((), jnp.float32)))
+  return {k: jnp.sqrt(v) for k, v in sq.items()}, total
+
+
+def _lm_loss(logits_BxLxV: jax.Array, batch: dict) -> jax.Array:
+  logp = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
+  nll_BxL = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+  mask = batch.get("loss_mask")
+  mask = jnp.ones_like(nll_BxL) if mask is None else mask.astype(jnp.float32)
+  return jnp.sum(nll_BxL * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def make_stats_fn(model: nn.Module, tx: optax.GradientTransformation | None = None, *,
+                  attention: bool = True) -> Callable[..., dict[str, jax.Array]]:
+  """The statistics function (see the module docstring). `tx` gives the update ratio from the
+  optimizer state when a TrainState is passed; `attention=False` skips the entropy statistics and
+  keeps the model's own attention impl."""
+  probe = reference_model(model) if attention else model
+  cfg = model.cfg
+
+  def stats(state_or_params: Any, batch: dict, grads: Any = None, prev_params: Any = None
+            ) -> dict[str, jax.Array]:
+    params = getattr(state_or_params, "params", state_or_params)
+    opt_state = getattr(state_or_params, "opt_state", None)
+
+    def loss_fn(p):
+      logits, mut = probe.apply({"params": p}, batch["inputs"], deterministic=True,
+                                mutable=["intermediates"])
+      return _lm_loss(logits, batch), mut.get("intermediates", {})
+
+    if grads is None:
+      (loss, inter), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    else:
+      loss, inter = loss_fn(params)
+    out: dict[str, jax.Array] = {"loss": loss}
+
+    for i, x in enumerate(_collect(inter, "block_out")):
+      x = x.astype(jnp.float32)
+      out[f"act_mean/layer_{i}"] = jnp.mean(x)
+      out[f"act_std/layer_{i}"] = jnp.std(x)
+      out[f"act_rms/layer_{i}"] = jnp.sqrt(jnp.mean(x * x))
+
+    weights = _collect(inter, "attention_weights")
+    if weights:
+      b, l = batch["inputs"].shape
+      vis = jnp.ones((b, l, l), bool)
+      structural = index_mask(cfg, jnp.arange(l), jnp.arange(l))
+      if structural is not None:
+        vis = vis & structural[None]
+      for i, w in enumerate(weights):
+        st = head_statistics(w, vis)
+        out[f"attn_entropy/layer_{i}"] = jnp.mean(st["entropy"])
+        out[f"attn_entropy_ratio/layer_{i}"] = jnp.mean(st["entropy_ratio"])
+        out[f"attn_max_weight/layer_{i}"] = jnp.mean(st["max_weight"])
+
+    g_norms, g_total = _norms(grads)
+    p_norms, p_total = _norms(params)
+    out["grad_norm"] = g_total
+    out.update({f"grad_norm/{k}": v for k, v in g_norms.items()})
+    if "pos_embed" in g_norms:
+      out["pos_embed_grad_norm"] = g_norms["pos_embed"]
+      out["pos_embed_grad_ratio"] = g_norms["pos_embed"] / jnp.maximum(g_norms.get("embed", 1.0), 1e-30)
+
+    updates = None
+    if prev_params is not None:
+      updates = jax.tree.map(lambda a, b: jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32),
+                             nn.unbox(params), nn.unbox(prev_params))
+    elif tx is not None and opt_state is not None:
+      updates, _ = tx.update(grads, opt_state, params)
+    if updates is not None:
+      u_norms, u_total = _norms(updates)
+      out["update_ratio"] = u_total / jnp.maximum(p_total, 1e-30)
+      out.update({f"update_ratio/{k}": v / jnp.maximum(p_norms[k], 1e-30) for k, v in u_norms.items()})
+    return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
+
+  return stats
