@@ -1,0 +1,175 @@
+"""Long context at the model level: blockwise/xla attention inside a whole Transformer equal the
+reference path (logits and parameter gradients, float32, 1e-5), 'cudnn' without a GPU fails clearly,
+every RoPE scaling runs end to end past max_len, and the extrapolation experiment's pieces work."""
+import dataclasses
+import json
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tformer_jax.config import ModelConfig, RopeScaling, validate_model
+from tformer_jax.nn import Transformer
+
+TOL = 1e-5
+B, L = 2, 23  # 23 is not a multiple of the 8 x 4 blocks: the ragged last tiles are exercised
+
+
+def _cfg(**kw) -> ModelConfig:
+  base = dict(vocab_size=61, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, max_len=64,
+              position="rope", norm="rmsnorm", activation="swiglu", attention_block_q=8,
+              attention_block_k=4)
+  base.update(kw)
+  m = ModelConfig(**base)
+  validate_model(m)
+  return m
+
+
+def _tokens(seed: int = 0, length: int = L) -> jax.Array:
+  return jax.random.randint(jax.random.PRNGKey(seed), (B, length), 0, 61)
+
+
+def _init(m: ModelConfig, length: int = L):
+  return nn.unbox(Transformer(m).init(jax.random.PRNGKey(0), jnp.zeros((1, length), jnp.int32))["params"])
+
+
+def _logits_and_grads(m: ModelConfig, params, tokens, mask=None):
+  """Logits and d(sum(logits * w))/dparams for a fixed random w (so every logit's gradient counts)."""
+  model = Transformer(m)
+  w = jax.random.normal(jax.random.PRNGKey(7), tokens.shape + (m.vocab_size,))
+
+  def f(p):
+    logits = model.apply({"params": p}, tokens, attention_mask_BxL=mask)
+    return jnp.sum(logits * w), logits
+
+  (_, logits), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+  return np.asarray(logits), jax.device_get(grads)
+
+
+def _real_only(m: ModelConfig, params, tokens, mask):
+  """Like _logits_and_grads, but padding positions get zero logits and no gradient: a padding query
+  sees no key, which the reference and blockwise paths answer with zeros and jax.nn's XLA path with a
+  uniform average (a don't-care value either way)."""
+  model = Transformer(m)
+  w = jax.random.normal(jax.random.PRNGKey(7), tokens.shape + (m.vocab_size,)) * mask[..., None]
+
+  def f(p):
+    logits = model.apply({"params": p}, tokens, attention_mask_BxL=mask) * mask[..., None]
+    return jnp.sum(logits * w), logits
+
+  (_, logits), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+  return np.asarray(logits), jax.device_get(grads)
+
+
+def _assert_same(a, b):
+  la, ga = a
+  lb, gb = b
+  np.testing.assert_allclose(la, lb, rtol=TOL, atol=TOL)
+  flat_a = jax.tree_util.tree_flatten_with_path(ga)[0]
+  flat_b = jax.tree.leaves(gb)
+  assert len(flat_a) == len(flat_b)
+  for (path, x), y in zip(flat_a, flat_b):
+    scale = max(1.0, float(np.max(np.abs(x))))
+    np.testing.assert_allclose(x, y, rtol=TOL, atol=TOL * scale, err_msg=jax.tree_util.keystr(path))
+
+
+PAD = 6
+# Row 0 is unpadded, row 1 left-padded by PAD tokens: every case covers plain causal and padded rows.
+MASK = jnp.asarray(np.arange(L)[None, :] >= np.array([[0], [PAD]]), jnp.int32)
+CASES = {
+    "rope_gqa": dict(position="rope"),
+    "alibi": dict(position="alibi", num_kv_heads=0),
+    "window5": dict(position="rope", window=5),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_blockwise_model_matches_reference(name):
+  ref = _cfg(**CASES[name])
+  blk = dataclasses.replace(ref, attention_impl="blockwise")
+  params = _init(ref)
+  tokens = _tokens()
+  got = _logits_and_grads(blk, params, tokens, MASK)
+  want = _logits_and_grads(ref, params, tokens, MASK)
+  assert np.all(np.isfinite(got[0]))
+  _assert_same(got, want)
+  if name == "rope_gqa":  # padding is invisible: row 1's real tokens equal the unpadded sequence
+    alone = jax.jit(Transformer(blk).apply)({"params": params}, tokens[1:, PAD:])
+    np.testing.assert_allclose(got[0][1:, PAD:], np.asarray(alone), rtol=TOL, atol=TOL)
+  if name == "window5":  # the window really changes the model (so the comparison is not vacuous)
+    full = np.asarray(jax.jit(Transformer(dataclasses.replace(ref, window=0)).apply)(
+        {"params": params}, tokens[:1]))
+    assert np.max(np.abs(full[0, 5:] - want[0][0, 5:])) > 1e-4
+    np.testing.assert_allclose(full[0, :5], want[0][0, :5], rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("position", ["rope", "t5"])
+def test_xla_model_matches_reference(position):
+  ref = _cfg(position=position, window=5 if position == "rope" else 0)
+  params = _init(ref)
+  tokens = _tokens(1)
+  got = _real_only(dataclasses.replace(ref, attention_impl="xla"), params, tokens, MASK)
+  _assert_same(got, _real_only(ref, params, tokens, MASK))
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the error without a GPU")
+def test_cudnn_without_gpu_is_a_clear_error():
+  m = _cfg(attention_impl="cudnn")
+  with pytest.raises(ValueError, match="attention impl 'cudnn' needs a GPU"):
+    Transformer(m).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+
+
+SCALINGS = {
+    "linear": RopeScaling(type="linear", factor=2.0),
+    "ntk": RopeScaling(type="ntk", factor=2.0),
+    "dynamic": RopeScaling(type="dynamic", factor=2.0),
+    "yarn": RopeScaling(type="yarn", factor=2.0),
+    "llama3": RopeScaling(type="llama3", factor=2.0, original_max_len=16),
+}
+
+
+@pytest.mark.parametrize("kind", list(SCALINGS))
+def test_rope_scaling_end_to_end(kind):
+  """Each scaling: a model (max_len 32) runs forward and backward at twice its length, finite, and its
+  logits differ from unscaled RoPE there; dynamic NTK equals plain RoPE up to max_len."""
+  plain = _cfg(max_len=32, num_layers=1, init_std=0.2)
+  m = dataclasses.replace(plain, rope_scaling=SCALINGS[kind])
+  validate_model(m)
+  params = _init(m, 64)
+  tokens = _tokens(2, 64)
+  logits, grads = _logits_and_grads(m, params, tokens)
+  assert logits.shape == (B, 64, 61) and np.all(np.isfinite(logits))
+  assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+  assert any(float(np.max(np.abs(g))) > 0 for g in jax.tree.leaves(grads))
+  base = jax.jit(Transformer(plain).apply)({"params": params}, tokens)
+  assert float(jnp.max(jnp.abs(logits - base))) > 1e-3
+  if kind == "dynamic":
+    short = jax.jit(Transformer(m).apply)({"params": params}, tokens[:, :32])
+    np.testing.assert_allclose(np.asarray(short), np.asarray(base[:, :32]), rtol=TOL, atol=TOL)
+
+
+@pytest.mark.slow
+def test_extrapolation_experiment_smoke(tmp_path):
+  """The experiment library end to end at a toy size: every scheme gets a row, learned positions past
+  max_len are 'n/a', losses are finite, and the markdown/JSON/PNG are written."""
+  from tformer_jax.experiments import extrapolate
+  schemes = ("learned", "rope", "rope_ntk")
+  res = extrapolate.run(schemes=schemes, train_len=16, steps=3, d_model=32, layers=1, heads=2,
+                        batch_size=4, eval_mults=(1, 2), eval_windows=2, out=tmp_path)
+  rows = {r["scheme"]: r for r in res["rows"]}
+  assert set(rows) == set(schemes)
+  assert rows["learned"]["loss"]["2"] is None
+  for name in schemes:
+    assert math.isfinite(rows[name]["loss"]["1"])
+  # NTK with factor 1 at the training length is plain RoPE: the same trained params, the same loss.
+  assert rows["rope_ntk"]["loss"]["1"] == pytest.approx(rows["rope"]["loss"]["1"], rel=1e-6)
+  m = extrapolate.model_config("rope_ntk", train_len=16, d_model=32, layers=1, heads=2)
+  assert m.position == "rope" and m.rope_scaling.type == "none"
+  assert extrapolate.eval_config(m, "rope_ntk", 64, 16).rope_scaling == RopeScaling(type="ntk", factor=4.0)
+  assert json.loads((tmp_path / "extrapolation.json").read_text())["rows"]
+  md = (tmp_path / "extrapolation.md").read_text()
+  assert "n/a (cannot extrapolate)" in md and "rope_ntk" in md
+  assert (tmp_path / "extrapolation.png").stat().st_size > 1000
