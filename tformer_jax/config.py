@@ -197,7 +197,8 @@ def default_config() -> ml_collections.ConfigDict:
       shape=(-1, 1, 1),              # sizes of `axes`; -1 = the rest of the devices
       axes=("data", "fsdp", "tensor"),
       rules="dp",                    # dp | fsdp | tp | fsdp_tp | a name in tformer_jax.parallel.rules
-      parallelism="jit",             # jit (NamedSharding, what pjit became) | pmap
+      parallelism="jit",             # jit (NamedSharding, what pjit became) | pmap (data parallel)
+      num_devices=0,                 # 0 = all devices; N = the first N (single-process runs)
   ))
   c.decode = ml_collections.ConfigDict(dict(
       temperature=0.8, top_k=0, top_p=1.0, repetition_penalty=1.0,
@@ -345,4 +346,6 @@ def validate(cfg: ml_collections.ConfigDict) -> ModelConfig:
       _fail("mesh.shape", f"sizes must be positive or -1, got {tuple(mh.shape)}")
     if mh.parallelism not in ("jit", "pmap"):
       _fail("mesh.parallelism", f"unknown value {mh.parallelism!r}; expected 'jit' or 'pmap'")
+    if mh.get("num_devices", 0) < 0:
+      _fail("mesh.num_devices", f"must be >= 0 (0 = all devices), got {mh.num_devices}")
   return m

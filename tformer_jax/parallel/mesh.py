@@ -1,9 +1,16 @@
-"""Device mesh from config: `mesh.shape` over `mesh.axes` (data, fsdp, tensor[, expert]), -1 = the rest."""
+"""Device mesh from config: `mesh.shape` over `mesh.axes` (data, fsdp, tensor[, expert]), -1 = the rest.
+
+`mesh.num_devices` (0 = all) restricts the mesh to the first N devices. `check_layout` and
+`check_shardings` turn every layout the mesh cannot split evenly into a ConfigError before compiling;
+`traced_under` makes the model's logical sharding constraints effective inside a jitted function.
+"""
 from __future__ import annotations
 
+import functools
 import math
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
+import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
@@ -27,9 +34,22 @@ def resolve_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
   return shape
 
 
+def select_devices(mesh_cfg) -> list[jax.Device]:
+  """All devices, or the first `mesh.num_devices` of them (single-process runs only)."""
+  devices = jax.devices()
+  n = int(mesh_cfg.get("num_devices", 0) or 0)
+  if n < 0 or n > len(devices):
+    raise ConfigError(f"mesh.num_devices: {n} requested but {len(devices)} devices are available "
+                      "(0 = all)")
+  if n and n != len(devices) and jax.process_count() > 1:
+    raise ConfigError(f"mesh.num_devices: a subset ({n} of {len(devices)}) is not supported with "
+                      f"{jax.process_count()} processes; use 0 (all devices)")
+  return devices[:n] if n else devices
+
+
 def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A mesh with Auto axis types (what linen logical partitioning needs)."""
-  devices = list(jax.devices() if devices is None else devices)
+  devices = list(select_devices(mesh_cfg) if devices is None else devices)
   shape = resolve_shape(mesh_cfg.shape, len(devices))
   axes = tuple(mesh_cfg.axes)
   try:
@@ -54,8 +74,23 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
+def traced_under(fn: Callable, mesh: Mesh, rules) -> Callable:
+  """`fn` tracing under the logical axis `rules` and `mesh`, so that the model's
+  nn.with_logical_constraint calls become sharding constraints whenever (and wherever) it is jitted.
+  Without this they are silently no-ops: jit traces lazily, at the first call, outside any `with`."""
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(rules):
+      return fn(*args, **kwargs)
+  return wrapped
+
+
 def check_layout(cfg, mesh: Mesh) -> None:
   """Errors, before compiling, for batch/heads that the mesh cannot split evenly."""
+  if cfg.mesh.get("parallelism", "jit") == "pmap":
+    _check_pmap(mesh)
+    if int(cfg.train.get("stats_every", 0)) > 0:
+      raise ConfigError("train.stats_every: layer statistics need parallelism='jit'")
   dp = data_parallel_size(mesh)
   micro = cfg.data.batch_size // max(1, cfg.optim.grad_accum)
   if cfg.data.batch_size % dp or micro % dp:
@@ -73,3 +108,39 @@ def check_layout(cfg, mesh: Mesh) -> None:
   if ep > 1 and m.moe.num_experts % ep:
     raise ConfigError(f"model.moe.num_experts: {m.moe.num_experts} experts are not divisible by the "
                       f"expert axis size {ep}")
+
+
+def _check_pmap(mesh: Mesh) -> None:
+  others = {a: n for a, n in mesh.shape.items() if a != "data" and n > 1}
+  if others:
+    raise ConfigError(f"mesh.shape: parallelism='pmap' is data-parallel only (replicated parameters), "
+                      f"but the mesh has {others}; use shape (-1, 1, 1) or parallelism='jit'")
+  local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  if not local:
+    raise ConfigError(f"mesh: process {jax.process_index()} has no device in the mesh")
+
+
+def check_shardings(abstract: Any, mesh: Mesh) -> None:
+  """ConfigError naming the first tensor whose sharded dimensions the mesh cannot split evenly."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+    spec = getattr(getattr(leaf, "sharding", None), "spec", None)
+    if spec is None:
+      continue
+    for dim, (size, axes) in enumerate(zip(leaf.shape, tuple(spec) + (None,) * len(leaf.shape))):
+      axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+      ways = math.prod(mesh.shape[a] for a in axes)
+      if size % ways:
+        raise ConfigError(
+            f"mesh.rules: {jax.tree_util.keystr(path)} {tuple(leaf.shape)} has dimension {dim} of size "
+            f"{size}, which the mesh axes {axes} (size {ways}) cannot split evenly; change the model "
+            "size, mesh.shape or mesh.rules")
+
+
+def to_host(tree: Any) -> Any:
+  """Numpy copies of (possibly multi-host sharded) arrays. A collective when arrays span processes:
+  every process must call it."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    tree = jax.tree.map(lambda x: x if x.is_fully_addressable else multihost_utils.process_allgather(
+        x, tiled=True), tree)
+  return jax.device_get(tree)

@@ -40,7 +40,7 @@ def prepare_workdir(workdir: str | os.PathLike) -> pathlib.Path:
   path = pathlib.Path(workdir).expanduser()
   try:
     path.mkdir(parents=True, exist_ok=True)
-    probe = path / ".write_test"
+    probe = path / f".write_test.{os.getpid()}"  # one per process: multi-host runs share the workdir
     probe.write_text("ok")
     probe.unlink()
   except OSError as e:
@@ -114,6 +114,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[st
   rng = jax.random.PRNGKey(cfg.train.seed)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     abstract, shardings = state_lib.state_shardings(init, rng, mesh, rules)
+  mesh_lib.check_shardings(abstract, mesh)
   ckpt = Checkpointer(work / "checkpoints", max_to_keep=cfg.train.max_to_keep)
   restored = ckpt.restore(abstract)
   it = pipeline.train_iterator(ds, cfg.data, process_index=jax.process_index(),
@@ -134,10 +135,15 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[st
 
   train_step = step_lib.make_train_step(model, tx, schedule, cfg.optim)
   batch_sh = mesh_lib.batch_sharding(mesh)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    jstep = jax.jit(train_step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, None),
-                    donate_argnums=(0,))
-    jeval = jax.jit(lambda p, b: step_lib.eval_step(p, b, model=model),
+  use_pmap = cfg.mesh.parallelism == "pmap"
+  if use_pmap:  # replicated state, batch split over local devices (tformer_jax/parallel/pmap.py)
+    from tformer_jax.parallel import pmap as pmap_lib
+    jstep = pmap_lib.make_train_step(model, tx, schedule, cfg.optim, mesh, shardings)
+    jeval = pmap_lib.make_eval_step(model, mesh)
+  else:  # traced under the rules, so the model's activation constraints take effect
+    jstep = jax.jit(mesh_lib.traced_under(train_step, mesh, rules), in_shardings=(shardings, batch_sh),
+                    out_shardings=(shardings, None), donate_argnums=(0,))
+    jeval = jax.jit(mesh_lib.traced_under(lambda p, b: step_lib.eval_step(p, b, model=model), mesh, rules),
                     in_shardings=(shardings.params, batch_sh))
 
   stats_every, jstats = int(cfg.train.get("stats_every", 0)), None
@@ -146,6 +152,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[st
     jstats = jax.jit(make_stats_fn(model, tx), in_shardings=(shardings, batch_sh))
 
   def to_global(local: dict) -> dict:
+    if use_pmap:
+      return pmap_lib.split_batch(local, mesh)
     return {k: jax.make_array_from_process_local_data(batch_sh, np.asarray(v)) for k, v in local.items()}
 
   eval_set = [to_global(b) for b in pipeline.eval_batches(
@@ -232,8 +240,10 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[st
     ckpt.close()
     writer.close()
 
+  if not stop["signal"] and cfg.train.sample_tokens > 0:
+    host_params = mesh_lib.to_host(state.params)  # every process: a gather when params span hosts
   if is_main and not stop["signal"] and cfg.train.sample_tokens > 0:
-    final["sample"] = sample_text(model, jax.device_get(state.params), ds.tokenizer, cfg)
+    final["sample"] = sample_text(model, host_params, ds.tokenizer, cfg)
     print(f"\n--- sample (step {int(state.step)}) ---\n{final['sample']}\n---", flush=True)
   final["params"] = n_params
   final["step"] = int(state.step)

@@ -65,19 +65,28 @@ def loss_sum_fn(model: nn.Module, params: Any, batch: dict, rng: jax.Array | Non
 
 
 def train_step(state: TrainState, batch: dict, *, model: nn.Module, tx: optax.GradientTransformation,
-               schedule: optax.Schedule, grad_accum: int = 1, clip_norm: float = 0.0
-               ) -> tuple[TrainState, dict[str, jax.Array]]:
+               schedule: optax.Schedule, grad_accum: int = 1, clip_norm: float = 0.0,
+               axis_name: str | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One optimizer step. `axis_name` (pmap): `batch` is this device's shard; token counts, losses and
+  gradients are summed over the axis, so the loss is the same token-weighted global mean as under jit."""
   rng = jax.random.fold_in(state.rng, state.step)
+  if axis_name is not None:  # distinct dropout masks per device
+    rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
   ls = state.loss_scale
   # The loss is a token *sum* (exact under accumulation); dividing by the static token count keeps
   # the fp16-scaled gradients at the size a mean loss would give.
   tokens = batch["targets"].size // grad_accum
+  psum = (lambda x: x) if axis_name is None else functools.partial(jax.lax.psum, axis_name=axis_name)
 
   def f(params, mb, r):
-    return loss_sum_fn(model, params, mb, r, train=True, scale=ls.scale / tokens)
+    loss_sum, (count, metrics) = loss_sum_fn(model, params, mb, r, train=True, scale=ls.scale / tokens)
+    return loss_sum, (psum(count), metrics)  # normalised by the global token count
 
   grad_fn = jax.value_and_grad(f, has_aux=True)
   (scaled_loss, aux), grads = optim.accumulate_gradients(grad_fn, state.params, batch, rng, grad_accum)
+  if axis_name is not None:
+    scaled_loss, grads = psum((scaled_loss, grads))
+    aux = {k: psum(v) if k == "nll_sum" else jax.lax.pmean(v, axis_name) for k, v in aux.items()}
   grads = jax.tree.map(lambda g: g * tokens, ls.unscale_grads(grads))
   loss = scaled_loss * tokens / ls.scale
   finite = precision.all_finite((loss, grads))
@@ -91,7 +100,7 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, tx: optax.Gr
                             skipped=state.skipped + (1 - finite.astype(jnp.int32)))
   metrics = {
       "loss": loss,
-      "nll": aux["nll_sum"] / jnp.maximum(1.0, _batch_count(batch, grad_accum)),
+      "nll": aux["nll_sum"] / jnp.maximum(1.0, psum(_batch_count(batch, grad_accum))),
       "aux_loss": aux["aux_loss"],
       "lr": schedule(state.step),
       "grad_norm": gnorm,
@@ -122,6 +131,7 @@ def eval_step(params: Any, batch: dict, *, model: nn.Module) -> dict[str, jax.Ar
   return {"nll_sum": jnp.sum(nll_BxL * mask), "count": jnp.sum(mask), "correct": jnp.sum(correct * mask)}
 
 
-def make_train_step(model, tx, schedule, optim_cfg):
+def make_train_step(model, tx, schedule, optim_cfg, axis_name: str | None = None):
   return functools.partial(train_step, model=model, tx=tx, schedule=schedule,
-                           grad_accum=int(optim_cfg.grad_accum), clip_norm=float(optim_cfg.clip_norm))
+                           grad_accum=int(optim_cfg.grad_accum), clip_norm=float(optim_cfg.clip_norm),
+                           axis_name=axis_name)
