@@ -1,0 +1,135 @@
+"""JAX vs PyTorch (eager, torch.compile) on configs/bench/gpt2_cpu.py, side by side in one process.
+
+  python benchmarks/compare_torch.py [--rounds 4 --k 3 --json OUT]     (or: python -m tformer_jax.bench compare)
+
+Everything is built, compiled and warmed first (compile times reported apart). Then --rounds rounds;
+each runs --k steps of every contender back to back (the order rotates every round) plus one float32
+2048^3 matmul (best of 3), so all contenders and the matmul peak see the same machine load. Per
+contender: tokens/s = all timed tokens / all timed seconds, and the median over rounds. The FLOP
+count per step is the same formula for all (tformer_jax/bench/flops.py); MFU = JAX's FLOP/s over the
+best matmul rate of the run. torch.set_num_threads(--threads, default all cores); XLA uses all cores
+by default. Prints a table, then one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+from typing import Any, Sequence
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import torch_gpt2  # noqa: E402
+
+from tformer_jax.bench import flops as flops_lib  # noqa: E402
+from tformer_jax.bench import train as jbench  # noqa: E402
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog="compare_torch", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  jbench.add_model_args(p)
+  p.add_argument("--rounds", type=int, default=4)
+  p.add_argument("--k", type=int, default=3, help="steps per contender per round")
+  p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
+  p.add_argument("--attn", choices=("sdpa", "naive"), default="sdpa", help="torch attention")
+  p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+  p.add_argument("--fused-adam", action="store_true", help="torch AdamW(fused=True)")
+  p.add_argument("--peak-n", type=int, default=2048)
+  p.add_argument("--json")
+  return p.parse_args(jbench.split_config_flags(sys.argv[1:] if argv is None else list(argv)))
+
+
+def torch_config(m: Any, batch: int, seq: int, attn: str) -> torch_gpt2.GPTConfig:
+  """The torch twin of a tformer_jax GPT-2-style ModelConfig (checks it is one)."""
+  need = dict(position="learned", norm="layernorm", norm_position="pre", activation="gelu_tanh",
+              tie_embeddings=True, qkv_bias=True, out_bias=True, mlp_bias=True, parallel_residual=False)
+  bad = {k: getattr(m, k) for k, v in need.items() if getattr(m, k) != v}
+  if bad or m.kv_heads != m.num_heads or m.ff != 4 * m.d_model:
+    raise SystemExit(f"error: the torch reference only builds GPT-2-style models; this config differs: {bad}")
+  return torch_gpt2.GPTConfig(vocab_size=m.vocab_size, d_model=m.d_model, num_layers=m.num_layers,
+                              num_heads=m.num_heads, max_len=m.max_len, seq=seq, batch=batch, attn=attn)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  import jax
+  import torch
+  args = parse_args(argv)
+  torch.set_num_threads(args.threads)
+  cfg = jbench.load_config(args.config, args.set)
+  info = jbench.machine_info()
+  print(f"machine: {info['nproc']} cpus ({info['cpu']}), load {info['loadavg']}, jax {info['jax']}, "
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
+  jx = jbench.TrainBench(cfg)
+  fl = flops_lib.flops_per_step(jx.m, jx.batch, jx.seq)
+  tc = torch_config(jx.m, jx.batch, jx.seq, args.attn)
+  benches: dict[str, Any] = {"jax": jx}
+  errors: dict[str, str] = {}
+  jx.compile()
+  for mode in ("eager",) + (() if args.no_compile else ("compile",)):
+    b, err = torch_gpt2.try_bench(tc, compile=mode == "compile", fused_adam=args.fused_adam)
+    if b is None:
+      errors["torch_" + mode] = err.splitlines()[0]
+      print(f"torch {mode}: FAILED: {err}")
+    else:
+      benches["torch_" + mode] = b
+  print("compile/first step: " + ", ".join(f"{k} {b.compile_s:.1f}s" for k, b in benches.items()))
+  print(f"params: jax {jx.params:,}, torch {benches['torch_eager'].params:,}; flops/step "
+        f"{fl['flops_per_step'] / 1e9:.1f} G ({fl['formula']})")
+  for b in benches.values():
+    b.run(args.warmup)
+
+  names = list(benches)
+  wall = {n: 0.0 for n in names}
+  per_round: dict[str, list[float]] = {n: [] for n in names}
+  peaks, loads = [], []
+  for r in range(args.rounds):
+    order = names[r % len(names):] + names[:r % len(names)]
+    for n in order:
+      w, _ = benches[n].run(args.k)
+      wall[n] += w
+      per_round[n].append(args.k * jx.tokens_per_step / w)
+    peaks.append(jbench.matmul_peak_gflops(args.peak_n, 3) if args.peak_n else float("nan"))
+    loads.append(os.getloadavg()[0])
+    print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{n} {per_round[n][-1]:.0f} tok/s" for n in names)
+          + f", matmul {peaks[-1]:.1f} GFLOP/s, load {loads[-1]:.2f}")
+
+  peak = max(peaks)
+  rows: dict[str, dict[str, Any]] = {}
+  for n in names:
+    tok_s = args.rounds * args.k * jx.tokens_per_step / wall[n]
+    gf = tok_s / jx.tokens_per_step * fl["flops_per_step"] / 1e9
+    rows[n] = {"tokens_per_s": round(tok_s, 1), "tokens_per_s_median_round": round(statistics.median(per_round[n]), 1),
+               "achieved_gflops": round(gf, 2), "mfu": round(gf / peak, 4), "compile_s": round(benches[n].compile_s, 2),
+               "final_loss": benches[n].final_loss()}
+  ratios = {f"jax_over_{n}": round(rows["jax"]["tokens_per_s"] / rows[n]["tokens_per_s"], 3)
+            for n in names if n != "jax"}
+  print(f"\n{'contender':<15}{'tokens/s':>10}{'median/rnd':>12}{'GFLOP/s':>10}{'MFU':>8}{'compile s':>11}")
+  for n, row in rows.items():
+    print(f"{n:<15}{row['tokens_per_s']:>10.0f}{row['tokens_per_s_median_round']:>12.0f}"
+          f"{row['achieved_gflops']:>10.1f}{100 * row['mfu']:>7.1f}%{row['compile_s']:>11.1f}")
+  print(f"matmul peak (float32 {args.peak_n}^3, best of the run): {peak:.1f} GFLOP/s (median per round "
+        f"{statistics.median(peaks):.1f}); load avg during rounds {min(loads):.2f}-{max(loads):.2f}")
+  print("ratios: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+  res = {"bench": "compare_torch", "config": args.config, "overrides": list(args.set), "rounds": args.rounds,
+         "k": args.k, "tokens_per_step": jx.tokens_per_step, "flops_per_step": fl["flops_per_step"],
+         "flops_formula": fl["formula"], "peak_gflops": round(peak, 2),
+         "peak_gflops_median": round(statistics.median(peaks), 2), "results": rows, "ratios": ratios,
+         "errors": errors, "torch_attn": args.attn, "torch_threads": torch.get_num_threads(),
+         "params": {"jax": jx.params, "torch": benches["torch_eager"].params},
+         "loadavg_rounds": [round(x, 2) for x in loads], "machine": info,
+         "jax_backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+  if args.json:
+    pathlib.Path(args.json).write_text(json.dumps(res, indent=2))
+  print(json.dumps(res))
+  return res
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,72 @@
+"""`python -m tformer_jax.bench {train,attention,compile,decode,moe,compare} [args]`.
+
+  train      throughput, FLOP/s and MFU of the real train step       (tformer_jax/bench/train.py)
+  attention  memory and time of attention impls, fwd + bwd            (tformer_jax/bench/attention.py)
+  compile    compile time of the train step, scan_layers vs unrolled  (tformer_jax/bench/compile.py)
+  decode     KV-cache vs recompute generation                         (tformer_jax/bench/decode.py)
+  moe        MoE FFN fwd + bwd throughput and memory vs dense         (tformer_jax/bench/moe.py)
+  compare    JAX vs PyTorch eager / torch.compile, interleaved        (benchmarks/compare_torch.py)
+
+Each prints human-readable lines, then one JSON line; `... <name> --help` for its flags.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import pathlib
+import sys
+from typing import Any, Callable, Sequence
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+MODULES = {
+    "train": "tformer_jax.bench.train",
+    "attention": "tformer_jax.bench.attention",
+    "compile": "tformer_jax.bench.compile",
+    "decode": "tformer_jax.bench.decode",
+    "moe": "tformer_jax.bench.moe",
+}
+
+
+def _compare_main() -> Callable[[Sequence[str]], Any]:
+  path = REPO / "benchmarks" / "compare_torch.py"
+  if not path.is_file():
+    raise ModuleNotFoundError(f"{path} not found (it lives in the repository, not the installed package)")
+  spec = importlib.util.spec_from_file_location("compare_torch", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.main
+
+
+def available() -> dict[str, bool]:
+  """Which subcommands have their module present (decode/moe/attention are written separately)."""
+  out = {name: importlib.util.find_spec(mod) is not None for name, mod in MODULES.items()}
+  out["compare"] = (REPO / "benchmarks" / "compare_torch.py").is_file()
+  return out
+
+
+def usage() -> str:
+  lines = [__doc__.strip(), "", "available here:"]
+  for name, ok in available().items():
+    lines.append(f"  {name:<10} {'yes' if ok else 'MISSING (module not present in this checkout)'}")
+  return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if not argv or argv[0] in ("-h", "--help", "help"):
+    print(usage())
+    return None
+  name, rest = argv[0], argv[1:]
+  if name == "compare":
+    return _compare_main()(rest)
+  if name not in MODULES:
+    print(f"error: unknown benchmark {name!r}\n\n{usage()}", file=sys.stderr)
+    sys.exit(2)
+  if not available()[name]:
+    print(f"error: {MODULES[name]} is not present in this checkout", file=sys.stderr)
+    sys.exit(2)
+  return importlib.import_module(MODULES[name]).main(rest)
+
+
+if __name__ == "__main__":
+  main()

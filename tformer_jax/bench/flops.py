@@ -1,0 +1,83 @@
+"""FLOP accounting for a training step, stated exactly so every benchmark counts the same way.
+
+  flops_per_step = 6 * N_matmul * T  +  12 * n_layers * (n_heads * head_dim) * S * T * c
+
+  T          tokens per step (batch * seq)
+  S          the attention context (seq; keys every query is scored against)
+  N_matmul   parameters that take part in a matmul for every token: all parameters except the
+             token / position / token-type embedding tables (lookups, not matmuls), plus the LM
+             head (vocab * d_model) counted once whether or not it is tied to the embedding.
+             Norm scales and biases are included (they are < 0.2% of N here). MoE expert weights
+             count top_k / num_experts of their size (the experts a token actually runs).
+  6          2 FLOPs per multiply-add, forward (1x) + backward (2x: input and weight gradients).
+  12         QK^T and PV: 2 * 2 * S * head_dim per head per token forward, x3 for fwd + bwd.
+  c          1 for 'full' (what a masked dense kernel computes: causal-naive, the convention
+             used here by default); 0.5 for 'causal' (only the lower triangle, what a causal
+             flash kernel that skips masked blocks does).
+
+Elementwise work (softmax, norms, GELU, the optimizer) is not counted: MFU is matmul FLOPs over
+the machine's matmul rate, as in PaLM (Chowdhery et al. 2022, appendix B).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tformer_jax.config import ModelConfig
+
+EMBED_TABLES = ("embed", "pos_embed", "type_embed")
+FORMULA = {
+    "full": "6*N_matmul*T + 12*n_layers*n_heads*head_dim*seq*T",
+    "causal": "6*N_matmul*T + 6*n_layers*n_heads*head_dim*seq*T",
+}
+
+
+def _path_keys(path: tuple) -> list[str]:
+  return [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+
+
+def param_shapes(m: ModelConfig) -> Any:
+  """The parameter tree of `Transformer(m)` as ShapeDtypeStructs (nothing is allocated)."""
+  from tformer_jax.nn import Transformer
+  from tformer_jax.train.state import unbox_plain
+  tokens = jax.ShapeDtypeStruct((1, min(8, m.max_len)), jnp.int32)
+  boxed = jax.eval_shape(lambda r, t: Transformer(m).init(r, t)["params"], jax.random.PRNGKey(0), tokens)
+  return unbox_plain(boxed)
+
+
+def param_counts(m: ModelConfig) -> dict[str, int]:
+  """{'total', 'embedding', 'nonembed', 'head', 'matmul'} parameter counts of `Transformer(m)`."""
+  total = embedding = head = moe_total = moe_active = 0
+  e = m.moe.num_experts
+  for path, leaf in jax.tree_util.tree_flatten_with_path(param_shapes(m))[0]:
+    keys = _path_keys(path)
+    n = int(leaf.size)
+    total += n
+    if keys[-1] in EMBED_TABLES and len(keys) == 1:
+      embedding += n
+    elif keys[-1] == "head" and len(keys) == 1:
+      head += n
+    elif e and "moe" in keys and leaf.ndim >= 3 and not keys[-1].startswith("shared_"):
+      moe_total += n
+      moe_active += n * m.moe.top_k // e
+  if m.lm_head and m.tie_embeddings:
+    head = m.vocab_size * m.d_model
+  nonembed = total - embedding
+  matmul = nonembed - moe_total + moe_active + (head if m.tie_embeddings and m.lm_head else 0)
+  return {"total": total, "embedding": embedding, "nonembed": nonembed, "head": head, "matmul": matmul}
+
+
+def flops_per_step(m: ModelConfig, batch: int, seq: int, attn: str = "full") -> dict[str, Any]:
+  """Training FLOPs per optimizer step (see the module docstring) and their parts."""
+  if attn not in FORMULA:
+    raise ValueError(f"attn must be one of {tuple(FORMULA)}, got {attn!r}")
+  counts = param_counts(m)
+  t = batch * seq
+  dense = 6 * counts["matmul"] * t
+  c = 12 if attn == "full" else 6
+  attention = c * m.num_layers * m.num_heads * m.hd * seq * t
+  return {"flops_per_step": dense + attention, "dense_flops": dense, "attention_flops": attention,
+          "tokens_per_step": t, "n_matmul": counts["matmul"], "params": counts["total"],
+          "params_nonembed": counts["nonembed"], "formula": FORMULA[attn]}

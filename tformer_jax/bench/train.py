@@ -1,0 +1,256 @@
+"""Training-step throughput with honest accounting: tokens/s, FLOP/s and MFU of the real train step.
+
+  python -m tformer_jax.bench train --config=configs/bench/gpt2_cpu.py --steps 20 --warmup 3 --json OUT
+  python -m tformer_jax.bench train --set model.num_layers=2 --set data.batch_size=2   # overrides
+
+What is measured. The step is `tformer_jax.train.step.make_train_step` (forward, backward, clipping,
+AdamW, the non-finite guard) on the state of `train.state.init_fn`, jitted with the state donated,
+fed synthetic random tokens already on the device (no input pipeline). Compilation is timed apart
+(`compile_s`) and excluded; then --warmup untimed steps; then --steps timed steps, each dispatched
+before the previous step's metrics are read (the training loop's pattern), blocking only on those
+metrics and, at the end, on the state. tokens_per_s = steps * batch * seq / wall time of the timed
+steps; step_ms_median is the median interval between consecutive step completions.
+
+FLOPs (tformer_jax/bench/flops.py): flops = 6*N_matmul*T + 12*n_layers*n_heads*head_dim*seq*T
+(causal-naive attention, fwd + bwd; --attn-flops causal halves the attention term), T = batch*seq.
+peak_gflops is a jitted float32 (or --peak-dtype) NxN @ NxN matmul measured in the same process,
+best of --peak-reps; mfu = achieved / peak. With --nominal-peak-tflops (e.g. 989 for an H100/H200
+in dense bf16), mfu uses that figure and mfu_measured_peak keeps the measured one.
+Prints human-readable lines, then one JSON line (the returned dict).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+DEFAULT_CONFIG = "configs/bench/gpt2_cpu.py"
+JSON_KEYS = ("tokens_per_s", "step_ms_median", "compile_s", "params", "flops_per_step",
+             "flops_formula", "achieved_gflops", "peak_gflops", "mfu")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--config", default=DEFAULT_CONFIG, help=f"experiment file (default {DEFAULT_CONFIG})")
+  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                 help="override a config field, e.g. model.num_layers=2 (repeatable; "
+                      "--config.model.num_layers=2 works too)")
+
+
+def load_config(path: str, overrides: Sequence[str] = ()) -> Any:
+  """The experiment config at `path` (relative to the cwd or the repo root), with KEY=VALUE overrides."""
+  from tformer_jax.decode_io import load_config_file
+  p = pathlib.Path(path)
+  if not p.is_file() and (REPO / path).is_file():
+    p = REPO / path
+  cfg = load_config_file(p)
+  for item in overrides:
+    key, sep, raw = item.partition("=")
+    if not sep:
+      raise SystemExit(f"error: override {item!r} is not KEY=VALUE")
+    try:
+      value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+      value = raw
+    *parents, leaf = key.split(".")
+    node = cfg
+    for name in parents:
+      node = node[name]
+    if leaf not in node:
+      raise SystemExit(f"error: unknown config field {key!r}")
+    node[leaf] = type(node[leaf])(value) if isinstance(node[leaf], float) else value
+  return cfg
+
+
+def split_config_flags(argv: Sequence[str]) -> list[str]:
+  """--config.a.b=v -> --set a.b=v (the scripts/train.py spelling)."""
+  out = []
+  for a in argv:
+    if a.startswith("--config.") and "=" in a:
+      out += ["--set", a[len("--config."):]]
+    else:
+      out.append(a)
+  return out
+
+
+class TrainBench:
+  """The real train step on synthetic tokens: compile once, then run timed rounds of k steps."""
+
+  def __init__(self, cfg: Any, seed: int = 0, num_batches: int = 4):
+    from tformer_jax.nn import Transformer
+    from tformer_jax.train import loop, optim, precision, state as state_lib, step as step_lib
+    self.cfg = cfg
+    self.m = loop.resolve_model_config(cfg)
+    self.batch, self.seq = int(cfg.data.batch_size), int(cfg.data.seq_len)
+    self.tokens_per_step = self.batch * self.seq
+    model = Transformer(self.m)
+    tx, schedule = optim.make_optimizer(cfg.optim, int(cfg.train.steps))
+    policy = precision.get_policy(cfg.train.precision)
+    init = state_lib.init_fn(model, tx, policy.initial_loss_scale(), self.seq)
+    self.state = jax.jit(lambda r: state_lib.unbox_plain(init(r)))(jax.random.PRNGKey(seed))
+    self.params = state_lib.param_count(self.state.params)
+    step = step_lib.make_train_step(model, tx, schedule, cfg.optim)
+    self._jit = jax.jit(step, donate_argnums=(0,))
+    rng = np.random.default_rng(seed)
+    self.batches = []
+    for _ in range(num_batches):
+      toks = rng.integers(0, self.m.vocab_size, (self.batch, self.seq + 1), dtype=np.int32)
+      self.batches.append({"inputs": jnp.asarray(toks[:, :-1]), "targets": jnp.asarray(toks[:, 1:])})
+    self.compiled = None
+    self.compile_s = float("nan")
+    self.steps_done = 0
+    self.last_metrics: dict[str, Any] = {}
+
+  def compile(self) -> float:
+    t0 = time.perf_counter()
+    self.compiled = self._jit.lower(self.state, self.batches[0]).compile()
+    self.compile_s = time.perf_counter() - t0
+    return self.compile_s
+
+  def xla_flops(self) -> float | None:
+    """XLA's own FLOP count of the compiled step (cost_analysis), for a cross-check."""
+    try:
+      ca = self.compiled.cost_analysis()
+      ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+      return float(ca.get("flops")) if ca and ca.get("flops") is not None else None
+    except Exception:  # noqa: BLE001 - not every backend reports it
+      return None
+
+  def run(self, steps: int) -> tuple[float, list[float]]:
+    """Run `steps` steps pipelined; returns (wall seconds, per-step completion intervals)."""
+    if self.compiled is None:
+      self.compile()
+    t0 = time.perf_counter()
+    marks, pending = [], None
+    for i in range(steps):
+      self.state, metrics = self.compiled(self.state, self.batches[(self.steps_done + i) % len(self.batches)])
+      if pending is not None:
+        pending["loss"].block_until_ready()
+        marks.append(time.perf_counter())
+      pending = metrics
+    jax.block_until_ready((self.state, pending))
+    marks.append(time.perf_counter())
+    self.steps_done += steps
+    self.last_metrics = pending
+    wall = marks[-1] - t0
+    intervals = list(np.diff([t0] + marks))
+    return wall, intervals
+
+  def final_loss(self) -> float:
+    return float(self.last_metrics["loss"]) if self.last_metrics else float("nan")
+
+
+def matmul_peak_gflops(n: int = 2048, reps: int = 5, dtype: str = "float32") -> float:
+  """Best-of-`reps` rate of a jitted n x n @ n x n matmul in GFLOP/s (2 n^3 FLOPs)."""
+  ka, kb = jax.random.split(jax.random.PRNGKey(0))
+  a = jax.random.normal(ka, (n, n), jnp.dtype(dtype))
+  b = jax.random.normal(kb, (n, n), jnp.dtype(dtype))
+  f = jax.jit(lambda x, y: x @ y)
+  f(a, b).block_until_ready()
+  best = float("inf")
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    f(a, b).block_until_ready()
+    best = min(best, time.perf_counter() - t0)
+  return 2 * n ** 3 / best / 1e9
+
+
+def machine_info() -> dict[str, Any]:
+  """nproc, CPU model, load average, jax backend and device: what a figure was measured on."""
+  cpu = ""
+  try:
+    for line in open("/proc/cpuinfo"):
+      if line.startswith("model name"):
+        cpu = line.split(":", 1)[1].strip()
+        break
+  except OSError:
+    pass
+  dev = jax.devices()[0]
+  return {"nproc": os.cpu_count(), "cpu": cpu, "loadavg": [round(x, 2) for x in os.getloadavg()],
+          "backend": jax.default_backend(), "device": getattr(dev, "device_kind", str(dev)),
+          "jax": jax.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog="python -m tformer_jax.bench train", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  add_model_args(p)
+  p.add_argument("--steps", type=int, default=20, help="timed steps")
+  p.add_argument("--warmup", type=int, default=3, help="untimed steps after compilation")
+  p.add_argument("--attn-flops", choices=("full", "causal"), default="full")
+  p.add_argument("--peak-n", type=int, default=2048, help="matmul size for the peak (0: skip)")
+  p.add_argument("--peak-reps", type=int, default=5)
+  p.add_argument("--peak-dtype", default="float32")
+  p.add_argument("--nominal-peak-tflops", type=float, default=0.0,
+                 help="a datasheet peak to compute mfu against (e.g. 989 for H100/H200 dense bf16)")
+  p.add_argument("--profile", help="write a jax.profiler trace of 3 extra steps to this directory")
+  p.add_argument("--json", help="also write the result dict to this file")
+  argv = sys.argv[1:] if argv is None else list(argv)
+  return p.parse_args(split_config_flags(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  from tformer_jax.bench import flops as flops_lib
+  args = parse_args(argv)
+  cfg = load_config(args.config, args.set)
+  bench = TrainBench(cfg)
+  m = bench.m
+  fl = flops_lib.flops_per_step(m, bench.batch, bench.seq, args.attn_flops)
+  info = machine_info()
+  print(f"machine: {info['nproc']} cpus ({info['cpu']}), load {info['loadavg']}, backend {info['backend']} "
+        f"({info['device']}), jax {info['jax']}")
+  print(f"model: {bench.params / 1e6:.2f}M params (N_matmul {fl['n_matmul'] / 1e6:.2f}M), layers={m.num_layers} "
+        f"d_model={m.d_model} heads={m.num_heads}/{m.kv_heads} attention={m.attention_impl} dtype={m.dtype} "
+        f"scan={m.scan_layers} remat={m.remat}; batch {bench.batch} x seq {bench.seq}")
+  compile_s = bench.compile()
+  xla_flops = bench.xla_flops()
+  print(f"compile: {compile_s:.2f}s; flops/step {fl['flops_per_step'] / 1e9:.2f} G ({fl['formula']})"
+        + (f"; XLA cost_analysis {xla_flops / 1e9:.2f} G" if xla_flops else ""))
+  if args.warmup:
+    bench.run(args.warmup)
+  peak = matmul_peak_gflops(args.peak_n, args.peak_reps, args.peak_dtype) if args.peak_n else float("nan")
+  wall, intervals = bench.run(args.steps)
+  if args.profile:
+    jax.profiler.start_trace(args.profile)
+    bench.run(3)
+    jax.profiler.stop_trace()
+  loss = bench.final_loss()
+  tok_s = args.steps * bench.tokens_per_step / wall
+  achieved = args.steps * fl["flops_per_step"] / wall / 1e9
+  nominal = args.nominal_peak_tflops * 1e3
+  mfu_measured = achieved / peak if peak == peak and peak > 0 else float("nan")
+  res: dict[str, Any] = dict(
+      bench="train", config=args.config, overrides=list(args.set), steps=args.steps, warmup=args.warmup,
+      batch=bench.batch, seq=bench.seq, tokens_per_step=bench.tokens_per_step,
+      tokens_per_s=round(tok_s, 1), step_ms_median=round(1e3 * statistics.median(intervals), 2),
+      step_ms_min=round(1e3 * min(intervals), 2), compile_s=round(compile_s, 3), params=bench.params,
+      n_matmul=fl["n_matmul"], flops_per_step=fl["flops_per_step"], attention_flops=fl["attention_flops"],
+      flops_formula=fl["formula"], xla_flops_per_step=xla_flops, achieved_gflops=round(achieved, 2),
+      peak_gflops=round(peak, 2), peak_dtype=args.peak_dtype, mfu_measured_peak=round(mfu_measured, 4),
+      mfu=round(achieved / nominal, 4) if nominal else round(mfu_measured, 4),
+      nominal_peak_gflops=nominal or None, final_loss=loss, loss_finite=bool(np.isfinite(loss)),
+      attention_impl=m.attention_impl, dtype=m.dtype, machine=info)
+  print(f"throughput: {tok_s:,.0f} tokens/s | step median {res['step_ms_median']:.1f} ms | "
+        f"{achieved:.1f} GFLOP/s achieved")
+  print(f"peak: {peak:.1f} GFLOP/s ({args.peak_dtype} {args.peak_n}^3 matmul, best of {args.peak_reps}) "
+        f"-> MFU {100 * res['mfu']:.1f}%" + (f" of nominal {nominal / 1e3:.0f} TFLOP/s "
+                                            f"({100 * mfu_measured:.1f}% of measured)" if nominal else ""))
+  print(f"final loss {loss:.4f}")
+  if args.json:
+    pathlib.Path(args.json).write_text(json.dumps(res, indent=2))
+  print(json.dumps(res))
+  return res
+
+
+if __name__ == "__main__":
+  main()
