@@ -1,7 +1,7 @@
 """Scale-out on fake CPU devices: sharded jit over (data, fsdp, tensor) meshes for every rules preset,
 the pmap data-parallel path, real multi-process runs (jax.distributed on 127.0.0.1 through
 scripts/launch_local.py), cross-mesh checkpoint restore, a dead process, and bad layouts."""
-import os
+import re
 import signal
 import subprocess
 import sys
@@ -61,10 +61,10 @@ def direct_losses(cfg, steps: int) -> tuple[list[float], str]:
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     state = state_lib.create_state(init, jax.random.PRNGKey(cfg.train.seed), shardings)
   it = pipeline.train_iterator(ds, cfg.data)
-  put = lambda b: {k: jax.device_put(np.asarray(v), mesh_lib.batch_sharding(mesh)) for k, v in b.items()}  # noqa: E731
+  batch_sh = mesh_lib.batch_sharding(mesh)
   out, text = [], ""
   for i in range(steps):
-    batch = put(next(it))
+    batch = {k: jax.device_put(np.asarray(v), batch_sh) for k, v in next(it).items()}
     if i == 0:
       text = step.lower(state, batch).as_text()
     state, metrics = step(state, batch)
@@ -183,7 +183,8 @@ def test_two_processes_match_one_process(tmp_path):
   assert "process 1 of 2, 2 local / 4 global devices" in r.stdout
   train(tiny_config(steps=3, **layout, **{"mesh.num_devices": 4}), tmp_path / "sp")
   mp, sp = losses_of(tmp_path / "mp"), losses_of(tmp_path / "sp")
-  assert sorted(mp) == [1, 2, 3]  # metrics only from process 0: one row per step
+  rows = [r["step"] for r in read_metrics(tmp_path / "mp") if "loss" in r]
+  assert rows == [1, 2, 3], rows  # metrics only from process 0: one row per step
   np.testing.assert_allclose([mp[s] for s in (1, 2, 3)], [sp[s] for s in (1, 2, 3)], rtol=RTOL)
   np.testing.assert_allclose(val_loss_of(tmp_path / "mp"), val_loss_of(tmp_path / "sp"), rtol=RTOL)
   assert (tmp_path / "mp" / "checkpoints" / "3").is_dir()
@@ -216,7 +217,8 @@ def test_survivor_exits_with_an_error_when_a_process_dies(tmp_path):
         p.kill()
         p.communicate()
   assert procs[0].returncode != 0
-  assert "another task died" in out or "unhealthy" in out, out[-3000:]
+  clear = ("another task died", "unhealthy", "closed by peer", "Connection reset")
+  assert any(c in out for c in clear), out[-3000:]
 
 
 def test_launcher_stops_the_others_when_one_fails(tmp_path):
@@ -250,17 +252,24 @@ BAD = [
 
 def test_bad_layouts_fail_before_compiling(tmp_path):
   compiles = []
-  jax.monitoring.register_event_duration_secs_listener(
-      lambda event, _secs, **_kw: compiles.append(event) if "backend_compile" in event else None)
-  jax.random.PRNGKey(0).block_until_ready()  # the loop's seed op, compiled once per process
-  for i, (overrides, needle) in enumerate(BAD):
-    compiles.clear()
-    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
-      train(tiny_config(steps=2, **overrides), tmp_path / str(i))
-    assert not compiles, (overrides, compiles)
-    assert not (tmp_path / str(i) / "checkpoints").exists()
-  jax.jit(lambda x: x * 3 + 1)(np.ones(3))  # the listener does see compiles
-  assert compiles
+
+  def listener(event, _secs, **_kw):
+    if "backend_compile" in event:
+      compiles.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    jax.random.PRNGKey(0).block_until_ready()  # the loop's seed op, compiled once per process
+    for i, (overrides, needle) in enumerate(BAD):
+      compiles.clear()
+      with pytest.raises(ConfigError, match=re.escape(needle)):
+        train(tiny_config(steps=2, **overrides), tmp_path / str(i))
+      assert not compiles, (overrides, compiles)
+      assert not (tmp_path / str(i) / "checkpoints").exists()
+    jax.jit(lambda x: x * 3 + 1)(np.ones(3))  # the listener does see compiles
+    assert compiles
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def test_distributed_settings_from_arguments_and_environment(monkeypatch):
