@@ -254,16 +254,16 @@ def load_init_params(source: str, abstract_params: Any) -> Any:
   """Parameters of another run (or a converted HF model) to fine-tune from, checked against ours."""
   from tformer_jax.checkpoint import CheckpointError, restore_params
   _, params = restore_params(source)
-  ours = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
-  theirs = dict((jax.tree_util.keystr(k), v) for k, v in jax.tree_util.tree_flatten_with_path(params)[0])
-  diffs = [f"{jax.tree_util.keystr(k)}: ours {tuple(a.shape)} vs {tuple(theirs[jax.tree_util.keystr(k)].shape) if jax.tree_util.keystr(k) in theirs else 'missing'}"
-           for k, a in ours if jax.tree_util.keystr(k) not in theirs
-           or tuple(theirs[jax.tree_util.keystr(k)].shape) != tuple(a.shape)]
+  flat = lambda t: {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(t)[0]}  # noqa: E731
+  ours, theirs = flat(abstract_params), flat(params)
+  diffs = [f"{k}: ours {a.shape} vs {theirs[k].shape if k in theirs else 'missing'}"
+           for k, a in ours.items() if k not in theirs or tuple(theirs[k].shape) != tuple(a.shape)]
+  diffs += [f"{k}: not in this model" for k in theirs if k not in ours]
   if diffs:
-    raise CheckpointError(f"train.init_from={source}: parameters do not match this config:\n  " + "\n  ".join(diffs[:20]))
-  return jax.tree.map(lambda a, x: jax.device_put(np.asarray(x, a.dtype), a.sharding), abstract_params,
-                      jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract_params),
-                                                   [theirs[jax.tree_util.keystr(k)] for k, _ in ours]))
+    raise CheckpointError(f"train.init_from={source}: parameters do not match this config:\n  "
+                          + "\n  ".join(diffs[:20]))
+  leaves = [jax.device_put(np.asarray(theirs[k], a.dtype), a.sharding) for k, a in ours.items()]
+  return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract_params), leaves)
 
 
 def sample_text(model, params, tokenizer, cfg, seed: int = 0) -> str:
