@@ -190,3 +190,24 @@ def test_bad_inputs_give_clear_errors(tmp_path):
   assert r.returncode == 2 and "UTF-8" in r.stderr
   r = run(train_cmd(tmp_path / "f", f"--config.data.corpus=text:{blob}", "--config.train.steps=2"))
   assert r.returncode == 0, r.stderr[-2000:]  # the byte tokenizer takes any bytes
+
+
+def test_init_from_and_generate_cli_on_a_trained_workdir(tmp_path):
+  base = tmp_path / "base"
+  train(tiny_config(steps=4), base)
+  _, p_base = restore_params(base)
+  # Fine-tune from it: the first logged loss equals the base model's loss on the same first batch.
+  ft = tmp_path / "ft"
+  train(tiny_config(steps=1, **{"train.init_from": str(base)}), ft)
+  fresh = tmp_path / "fresh"
+  train(tiny_config(steps=1), fresh)
+  loss = lambda d: [r["loss"] for r in read_metrics(d) if "loss" in r][0]  # noqa: E731
+  assert loss(ft) < loss(fresh) - 0.05
+  # A config whose shapes differ is refused with the tensor named.
+  from tformer_jax.checkpoint import CheckpointError
+  with pytest.raises(CheckpointError, match="embed"):
+    train(tiny_config(steps=1, **{"train.init_from": str(base), "model.d_model": 32}), tmp_path / "bad")
+  out = run([__import__("sys").executable, "scripts/generate.py", f"--workdir={base}", "--prompt=ROMEO:",
+             "--max_new_tokens=20", "--temperature=0.8"], cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "ROMEO:" in out.stdout and len(out.stdout.strip()) > len("ROMEO:")
