@@ -149,7 +149,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[st
   stats_every, jstats = int(cfg.train.get("stats_every", 0)), None
   if stats_every > 0 and cfg.mesh.parallelism != "pmap":  # layer statistics, tformer_jax/diagnostics/stats.py
     from tformer_jax.diagnostics.stats import make_stats_fn
-    jstats = jax.jit(make_stats_fn(model, tx), in_shardings=(shardings, batch_sh))
+    jstats = jax.jit(mesh_lib.traced_under(make_stats_fn(model, tx), mesh, rules),
+                     in_shardings=(shardings, batch_sh))
 
   def to_global(local: dict) -> dict:
     if use_pmap:
@@ -217,7 +218,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[st
         ev = evaluate(state.params)
         writer.write(done, ev)
         final.update(ev)
-        log.info("step %d: val_loss %.4f (%.3f bits/byte)", done, ev["val_loss"], ev["val_bpb"])
+        if is_main:
+          log.info("step %d: val_loss %.4f (%.3f bits/byte)", done, ev["val_loss"], ev["val_bpb"])
       if done % cfg.train.ckpt_every == 0 or done == cfg.train.steps or stop["signal"]:
         if pending is not None:
           finish_step(*pending)
