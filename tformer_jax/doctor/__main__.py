@@ -1,0 +1,86 @@
+"""`python -m tformer_jax.doctor --config=configs/X.py [--workdir=RUN] [--config.a.b=v ...]`
+
+Runs the articles' troubleshooting checklists as automatic checks and prints a PASS/WARN/FAIL table
+with the suggested action for every WARN/FAIL. Exit status: 0 without FAIL, 1 with one, 2 on usage
+or config errors. Options:
+  --workdir=RUN       use the checkpoint's parameters (and its config.json when --config is absent)
+  --only=a,b / --skip=a,b   select checks (data scale padding causal rows kv_cache order activations
+                      lr head_dim overfit)
+  --plant=FAULT       plant one of tformer_jax/doctor/faults.py's faults, to see it caught
+  --json=PATH         also write the results as JSON
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+
+def _injections(fault: str, ctx: Any) -> tuple[dict[str, str], dict[str, dict[str, Any]], Any]:
+  """(config overrides, per-check injected arguments, params) for a planted fault."""
+  from tformer_jax.doctor import checks, faults
+  if fault in faults.CONFIG_FAULTS:
+    return {k: repr(v) for k, v in faults.CONFIG_FAULTS[fault](ctx.m).items()}, {}, None
+  if fault in faults.ATTENTION_FAULTS:
+    fn = faults.ATTENTION_FAULTS[fault]
+    return {}, {k: {"attention_fn": fn} for k in ("scale", "padding", "causal", "rows")}, None
+  if fault == "zero_pos_embed":
+    return {}, {"order": {"params": faults.zero_pos_embed(ctx.params)}}, None
+  if fault == "positions_not_added":
+    fn = faults.positions_not_added
+    return {}, {"order": {"apply_fn": fn}, "causal": {"apply_fn": fn}}, None
+  if fault == "labels_not_shifted":
+    bad = faults.labels_not_shifted(checks.default_batch_fn(ctx.cfg))
+    return {}, {"data": {"batch_fn": bad}, "overfit": {"batch_fn": bad}}, None
+  raise ValueError(f"unknown fault {fault!r}; known: {', '.join(faults.ALL)}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  from tformer_jax.config import ConfigError
+  from tformer_jax.diagnostics.cli import apply_overrides, load_config, split_config_args
+  from tformer_jax.doctor import checks
+
+  path, overrides, rest = split_config_args(sys.argv[1:] if argv is None else argv)
+  p = argparse.ArgumentParser(prog="python -m tformer_jax.doctor", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--workdir", default=None)
+  p.add_argument("--only", default="")
+  p.add_argument("--skip", default="")
+  p.add_argument("--plant", default="")
+  p.add_argument("--json", dest="json_out", default=None)
+  p.add_argument("--seed", type=int, default=0)
+  args = p.parse_args(rest)
+  try:
+    cfg = load_config(path, overrides, args.workdir)
+    params = None
+    if args.workdir:
+      from tformer_jax.checkpoint import restore_params
+      _, params = restore_params(args.workdir)
+    ctx = checks.make_context(cfg, params, args.seed)
+    inject: dict[str, dict[str, Any]] = {}
+    if args.plant:
+      extra, inject, _ = _injections(args.plant, ctx)
+      if extra:
+        ctx = checks.make_context(apply_overrides(cfg, extra), params, args.seed)
+  except (ConfigError, ValueError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  only = [c for c in args.only.split(",") if c] or list(checks.CHECKS)
+  skip = {c for c in args.skip.split(",") if c}
+  try:
+    results = checks.run_checks(ctx, [c for c in only if c not in skip], inject)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  src = f"checkpoint {args.workdir}" if args.workdir else "fresh init"
+  print(f"tformer_jax doctor: {path or args.workdir} ({src})" + (f", planted fault {args.plant}" if args.plant else ""))
+  print(checks.format_table(results))
+  if args.json_out:
+    with open(args.json_out, "w") as f:
+      json.dump([r.to_dict() for r in results], f, indent=2)
+  return 1 if any(r.status == checks.FAIL for r in results) else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
