@@ -122,7 +122,7 @@ def analyze(model: nn.Module, params: Any, tokens_BxL: Any, attention_mask_BxL: 
   """(per-layer weights as numpy (B, H, L, S), per-head summary rows) for one batch of tokens."""
   tokens_BxL = jnp.asarray(tokens_BxL, jnp.int32)
   kw = {} if attention_mask_BxL is None else {"attention_mask_BxL": jnp.asarray(attention_mask_BxL)}
-  weights = attention_weights(model, params, tokens_BxL, **kw)
+  weights = jax.jit(lambda p, t, k: attention_weights(model, p, t, **k))(nn.unbox(params), tokens_BxL, kw)
   b, l = tokens_BxL.shape
   vis = visible_keys(model.cfg, kw.get("attention_mask_BxL"), b, l)
   return [np.asarray(w) for w in weights], summarize(weights, vis)

@@ -9,7 +9,7 @@ prev_params=None) -> {name: float32 scalar}` with
   grad_norm/<module>                   gradient norm per module (embed, pos_embed, layers_<i>/attn,
                                        layers_<i>/mlp, layers_<i>/ln1, final_norm, ...)
   update_ratio/<module>                ||update|| / ||param||: the optimizer update `tx` would apply
-                                       now (or params - prev_params when given)
+                                       now (or params - prev_params, over ||prev_params||, when given)
   grad_norm, update_ratio, loss        whole-model values
   pos_embed_grad_norm, pos_embed_grad_ratio   the learned position table's gradient norm and its ratio
                                        to the token embedding's (the second article's check that
@@ -124,9 +124,10 @@ def make_stats_fn(model: nn.Module, tx: optax.GradientTransformation | None = No
       out["pos_embed_grad_ratio"] = g_norms["pos_embed"] / jnp.maximum(g_norms.get("embed", 1.0), 1e-30)
 
     updates = None
-    if prev_params is not None:
+    if prev_params is not None:   # the update that produced `params`, relative to what it was applied to
       updates = jax.tree.map(lambda a, b: jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32),
                              nn.unbox(params), nn.unbox(prev_params))
+      p_norms, p_total = _norms(prev_params)
     elif tx is not None and opt_state is not None:
       updates, _ = tx.update(grads, opt_state, params)
     if updates is not None:
