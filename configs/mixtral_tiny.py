@@ -4,7 +4,11 @@ untied head, no biases. Load-balancing aux loss 0.01 (Switch) and router z-loss 
 
 Launch:  python scripts/train.py --config=configs/mixtral_tiny.py --workdir=runs/mixtral_tiny
 Expert parallel (8 devices):  add --config.mesh.axes="('data','expert')" --config.mesh.shape="(2,4)"
-Measured: see docs/moe.md (d_model 128, 2 layers, 300 steps on Shakespeare bytes, CPU).
+Measured (2026-11-29, 2 shared CPU cores, 360 s wall, 1.72M params): 300 steps, train loss 3.30 at
+step 25, val loss 2.434 at step 100 -> 2.017 nats/byte (2.91 bits/byte) at step 300; expert load
+max/min ratio 1.50 at the end (worst layer; 81.7 at step 25), no dropped tokens. Without the aux
+loss the router collapses (an expert gets no tokens); with 0.1 the loads are flatter (1.20) but val
+loss is worse (2.071). Details: docs/moe.md.
 """
 from tformer_jax.config import default_config
 
@@ -13,7 +17,7 @@ def get_config():
   c = default_config()
   m = c.model
   m.vocab_size = 256
-  m.d_model, m.num_layers, m.num_heads, m.num_kv_heads = 128, 4, 8, 2
+  m.d_model, m.num_layers, m.num_heads, m.num_kv_heads = 128, 2, 8, 2
   m.position, m.rope_theta, m.rope_layout = "rope", 1e6, "half"
   m.norm, m.norm_eps, m.activation = "rmsnorm", 1e-5, "swiglu"
   m.tie_embeddings = False
