@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from tformer_jax.config import ModelConfig
-from tformer_jax.nn.common import dtypes, normal, param, residual_std
+from tformer_jax.nn.common import dtypes, normal, param, project, residual_std
 from tformer_jax.ops import attention as attn_ops
 from tformer_jax.ops import positions as pos_ops
 
@@ -56,9 +56,9 @@ class Attention(nn.Module):
     wq = param(self, "wq", init, (d, h, hd), ("embed", "heads", "kv"), pdt)
     wk = param(self, "wk", init, (d, kh, hd), ("embed", "kv_heads", "kv"), pdt)
     wv = param(self, "wv", init, (d, kh, hd), ("embed", "kv_heads", "kv"), pdt)
-    q_BxLxHxD = jnp.einsum("bld,dhk->blhk", x, wq.astype(dt))
-    k_BxLxKxD = jnp.einsum("bld,dhk->blhk", x, wk.astype(dt))
-    v_BxLxKxD = jnp.einsum("bld,dhk->blhk", x, wv.astype(dt))
+    q_BxLxHxD = project("bld,dhk->blhk", x, wq.astype(dt))
+    k_BxLxKxD = project("bld,dhk->blhk", x, wk.astype(dt))
+    v_BxLxKxD = project("bld,dhk->blhk", x, wv.astype(dt))
     if cfg.qkv_bias:
       zeros = nn.initializers.zeros
       q_BxLxHxD += param(self, "bq", zeros, (h, hd), ("heads", "kv"), pdt).astype(dt)
@@ -124,7 +124,7 @@ class Attention(nn.Module):
 
     out_BxLxHxD = nn.with_logical_constraint(out_BxLxHxD, ("batch", "length", "heads", "kv"))
     wo = param(self, "wo", normal(residual_std(cfg)), (h, hd, d), ("heads", "kv", "embed"), pdt)
-    y_BxLxD = jnp.einsum("blhk,hkd->bld", out_BxLxHxD.astype(dt), wo.astype(dt))
+    y_BxLxD = project("blhk,hkd->bld", out_BxLxHxD.astype(dt), wo.astype(dt))
     if cfg.out_bias:
       y_BxLxD += param(self, "bo", nn.initializers.zeros, (d,), ("embed",), pdt).astype(dt)
     return y_BxLxD
