@@ -73,6 +73,8 @@ class ModelConfig:
   final_norm: bool = True            # a norm before the head (Pre-LN models)
   parallel_residual: bool = False    # GPT-J/NeoX: x + attn(ln1 x) + mlp(ln2 x)
   embed_norm: bool = False           # Bloom/BERT: a norm right after the embeddings
+  embed_scale: bool = False          # multiply token embeddings by sqrt(d_model) (original Transformer;
+                                     # pairs with sinusoidal positions, whose amplitude is 1)
   position: str = "learned"
   max_len: int = 256
   rope_theta: float = 10000.0

@@ -75,6 +75,8 @@ class Transformer(nn.Module):
       x_BxLxD = jnp.take(embed, tokens_BxL, axis=0).astype(dt)
     else:
       x_BxLxD = inputs_embeds_BxLxD.astype(dt)
+    if cfg.embed_scale:
+      x_BxLxD = x_BxLxD * jnp.asarray(cfg.d_model ** 0.5, dt)
     if cfg.position == "learned":
       pos_emb = param(self, "pos_embed", normal(cfg.init_std), (cfg.max_len, cfg.d_model),
                       ("position", "embed"), pdt)
