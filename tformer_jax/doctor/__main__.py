@@ -17,22 +17,22 @@ import sys
 from typing import Any, Sequence
 
 
-def _injections(fault: str, ctx: Any) -> tuple[dict[str, str], dict[str, dict[str, Any]], Any]:
-  """(config overrides, per-check injected arguments, params) for a planted fault."""
+def _injections(fault: str, ctx: Any) -> tuple[dict[str, str], dict[str, dict[str, Any]]]:
+  """(config overrides, per-check injected arguments) for a planted fault."""
   from tformer_jax.doctor import checks, faults
   if fault in faults.CONFIG_FAULTS:
-    return {k: repr(v) for k, v in faults.CONFIG_FAULTS[fault](ctx.m).items()}, {}, None
+    return {k: repr(v) for k, v in faults.CONFIG_FAULTS[fault](ctx.m).items()}, {}
   if fault in faults.ATTENTION_FAULTS:
     fn = faults.ATTENTION_FAULTS[fault]
-    return {}, {k: {"attention_fn": fn} for k in ("scale", "padding", "causal", "rows")}, None
+    return {}, {k: {"attention_fn": fn} for k in ("scale", "padding", "causal", "rows")}
   if fault == "zero_pos_embed":
-    return {}, {"order": {"params": faults.zero_pos_embed(ctx.params)}}, None
+    return {}, {"order": {"params": faults.zero_pos_embed(ctx.params)}}
   if fault == "positions_not_added":
     fn = faults.positions_not_added
-    return {}, {"order": {"apply_fn": fn}, "causal": {"apply_fn": fn}}, None
+    return {}, {"order": {"apply_fn": fn}, "causal": {"apply_fn": fn}}
   if fault == "labels_not_shifted":
     bad = faults.labels_not_shifted(checks.default_batch_fn(ctx.cfg))
-    return {}, {"data": {"batch_fn": bad}, "overfit": {"batch_fn": bad}}, None
+    return {}, {"data": {"batch_fn": bad}, "overfit": {"batch_fn": bad}}
   raise ValueError(f"unknown fault {fault!r}; known: {', '.join(faults.ALL)}")
 
 
@@ -60,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ctx = checks.make_context(cfg, params, args.seed)
     inject: dict[str, dict[str, Any]] = {}
     if args.plant:
-      extra, inject, _ = _injections(args.plant, ctx)
+      extra, inject = _injections(args.plant, ctx)
       if extra:
         ctx = checks.make_context(apply_overrides(cfg, extra), params, args.seed)
   except (ConfigError, ValueError, FileNotFoundError) as e:
