@@ -83,13 +83,27 @@ def split_config_flags(argv: Sequence[str]) -> list[str]:
   return out
 
 
+def parse_xla_options(items: Sequence[str]) -> dict[str, Any]:
+  """['name=value', ...] -> {name: bool | int | str} for `Lowered.compile(compiler_options=...)`."""
+  out: dict[str, Any] = {}
+  for item in items:
+    name, sep, raw = item.partition("=")
+    if not sep:
+      raise SystemExit(f"error: --xla-option {item!r} is not NAME=VALUE")
+    low = raw.lower()
+    out[name.lstrip("-")] = (low == "true") if low in ("true", "false") else (int(raw) if raw.isdigit() else raw)
+  return out
+
+
 class TrainBench:
   """The real train step on synthetic tokens: compile once, then run timed rounds of k steps."""
 
-  def __init__(self, cfg: Any, seed: int = 0, num_batches: int = 4):
+  def __init__(self, cfg: Any, seed: int = 0, num_batches: int = 4,
+               compiler_options: dict[str, Any] | None = None, donate: bool = True):
     from tformer_jax.nn import Transformer
     from tformer_jax.train import loop, optim, precision, state as state_lib, step as step_lib
     self.cfg = cfg
+    self.compiler_options = dict(compiler_options or {})
     self.m = loop.resolve_model_config(cfg)
     self.batch, self.seq = int(cfg.data.batch_size), int(cfg.data.seq_len)
     self.tokens_per_step = self.batch * self.seq
@@ -100,7 +114,7 @@ class TrainBench:
     self.state = jax.jit(lambda r: state_lib.unbox_plain(init(r)))(jax.random.PRNGKey(seed))
     self.params = state_lib.param_count(self.state.params)
     step = step_lib.make_train_step(model, tx, schedule, cfg.optim)
-    self._jit = jax.jit(step, donate_argnums=(0,))
+    self._jit = jax.jit(step, donate_argnums=(0,) if donate else ())
     rng = np.random.default_rng(seed)
     self.batches = []
     for _ in range(num_batches):
@@ -113,7 +127,8 @@ class TrainBench:
 
   def compile(self) -> float:
     t0 = time.perf_counter()
-    self.compiled = self._jit.lower(self.state, self.batches[0]).compile()
+    self.compiled = self._jit.lower(self.state, self.batches[0]).compile(
+        compiler_options=self.compiler_options or None)
     self.compile_s = time.perf_counter() - t0
     return self.compile_s
 
@@ -150,19 +165,26 @@ class TrainBench:
     return float(self.last_metrics["loss"]) if self.last_metrics else float("nan")
 
 
-def matmul_peak_gflops(n: int = 2048, reps: int = 5, dtype: str = "float32") -> float:
-  """Best-of-`reps` rate of a jitted n x n @ n x n matmul in GFLOP/s (2 n^3 FLOPs)."""
+def matmul_rates(n: int = 2048, reps: int = 5, dtype: str = "float32") -> dict[str, float]:
+  """GFLOP/s of a jitted n x n @ n x n matmul (2 n^3 FLOPs) over `reps` timed calls after a warm-up:
+  'best' (fastest call), 'median', and 'mean' (all FLOPs over all time: the sustained rate)."""
   ka, kb = jax.random.split(jax.random.PRNGKey(0))
   a = jax.random.normal(ka, (n, n), jnp.dtype(dtype))
   b = jax.random.normal(kb, (n, n), jnp.dtype(dtype))
   f = jax.jit(lambda x, y: x @ y)
   f(a, b).block_until_ready()
-  best = float("inf")
+  times = []
   for _ in range(reps):
     t0 = time.perf_counter()
     f(a, b).block_until_ready()
-    best = min(best, time.perf_counter() - t0)
-  return 2 * n ** 3 / best / 1e9
+    times.append(time.perf_counter() - t0)
+  fl = 2 * n ** 3 / 1e9
+  return {"best": fl / min(times), "median": fl / statistics.median(times), "mean": fl * len(times) / sum(times)}
+
+
+def matmul_peak_gflops(n: int = 2048, reps: int = 5, dtype: str = "float32") -> float:
+  """Best-of-`reps` rate of a jitted n x n @ n x n matmul in GFLOP/s."""
+  return matmul_rates(n, reps, dtype)["best"]
 
 
 def machine_info() -> dict[str, Any]:
@@ -193,6 +215,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--peak-dtype", default="float32")
   p.add_argument("--nominal-peak-tflops", type=float, default=0.0,
                  help="a datasheet peak to compute mfu against (e.g. 989 for H100/H200 dense bf16)")
+  p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                 help="an XLA debug option for this step's compilation only, e.g. "
+                      "xla_cpu_enable_concurrency_optimized_scheduler=true (repeatable)")
+  p.add_argument("--no-donate", action="store_true",
+                 help="do not donate the state (the training loop donates; on CPU XLA then copies the "
+                      "AdamW moments it updates in place, ~5%% of a step)")
   p.add_argument("--profile", help="write a jax.profiler trace of 3 extra steps to this directory")
   p.add_argument("--json", help="also write the result dict to this file")
   argv = sys.argv[1:] if argv is None else list(argv)
@@ -203,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   from tformer_jax.bench import flops as flops_lib
   args = parse_args(argv)
   cfg = load_config(args.config, args.set)
-  bench = TrainBench(cfg)
+  bench = TrainBench(cfg, compiler_options=parse_xla_options(args.xla_option), donate=not args.no_donate)
   m = bench.m
   fl = flops_lib.flops_per_step(m, bench.batch, bench.seq, args.attn_flops)
   info = machine_info()
@@ -218,7 +246,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         + (f"; XLA cost_analysis {xla_flops / 1e9:.2f} G" if xla_flops else ""))
   if args.warmup:
     bench.run(args.warmup)
-  peak = matmul_peak_gflops(args.peak_n, args.peak_reps, args.peak_dtype) if args.peak_n else float("nan")
+  rates = (matmul_rates(args.peak_n, args.peak_reps, args.peak_dtype) if args.peak_n
+           else {"best": float("nan"), "median": float("nan"), "mean": float("nan")})
+  peak = rates["best"]
   wall, intervals = bench.run(args.steps)
   if args.profile:
     jax.profiler.start_trace(args.profile)
@@ -236,10 +266,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       step_ms_min=round(1e3 * min(intervals), 2), compile_s=round(compile_s, 3), params=bench.params,
       n_matmul=fl["n_matmul"], flops_per_step=fl["flops_per_step"], attention_flops=fl["attention_flops"],
       flops_formula=fl["formula"], xla_flops_per_step=xla_flops, achieved_gflops=round(achieved, 2),
-      peak_gflops=round(peak, 2), peak_dtype=args.peak_dtype, mfu_measured_peak=round(mfu_measured, 4),
+      peak_gflops=round(peak, 2), peak_gflops_median=round(rates["median"], 2), peak_dtype=args.peak_dtype, mfu_measured_peak=round(mfu_measured, 4),
       mfu=round(achieved / nominal, 4) if nominal else round(mfu_measured, 4),
       nominal_peak_gflops=nominal or None, final_loss=loss, loss_finite=bool(np.isfinite(loss)),
-      attention_impl=m.attention_impl, dtype=m.dtype, machine=info)
+      attention_impl=m.attention_impl, dtype=m.dtype, donate=not args.no_donate, xla_options=parse_xla_options(args.xla_option),
+      machine=info)
   print(f"throughput: {tok_s:,.0f} tokens/s | step median {res['step_ms_median']:.1f} ms | "
         f"{achieved:.1f} GFLOP/s achieved")
   print(f"peak: {peak:.1f} GFLOP/s ({args.peak_dtype} {args.peak_n}^3 matmul, best of {args.peak_reps}) "
