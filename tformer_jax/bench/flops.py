@@ -20,6 +20,7 @@ the machine's matmul rate, as in PaLM (Chowdhery et al. 2022, appendix B).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -39,7 +40,9 @@ def _path_keys(path: tuple) -> list[str]:
 
 
 def param_shapes(m: ModelConfig) -> Any:
-  """The parameter tree of `Transformer(m)` as ShapeDtypeStructs (nothing is allocated)."""
+  """The parameter tree of `Transformer(m)` as ShapeDtypeStructs (nothing is allocated or run; the
+  attention impl does not change parameters, so it is traced with 'reference', which runs anywhere)."""
+  m = dataclasses.replace(m, attention_impl="reference")
   from tformer_jax.nn import Transformer
   from tformer_jax.train.state import unbox_plain
   tokens = jax.ShapeDtypeStruct((1, min(8, m.max_len)), jnp.int32)

@@ -1,0 +1,29 @@
+"""~0.9B-parameter Llama-style model for the H100/H200 MFU benchmark (scripts/gpu_bench.sh).
+
+d_model 2048, 16 layers, 16 query / 8 KV heads (head_dim 128), SwiGLU d_ff 5632, RoPE, RMSNorm,
+untied head, vocab 32000, seq 2048; bf16 compute with float32 params and AdamW state
+(train.precision='bf16'), cuDNN attention, scanned layers, no remat (the script retries with
+remat 'dots' / a smaller batch if the first choice does not fit). Parameters: 0.89B, of which
+0.75B in the layers.
+
+  bash scripts/gpu_bench.sh                 # on the GPU machine: table + JSON, non-zero exit on failure
+  bash scripts/gpu_bench.sh --smoke         # anywhere: a tiny CPU override of the same pipeline
+"""
+from tformer_jax.config import default_config
+
+
+def get_config():
+  c = default_config()
+  m = c.model
+  m.vocab_size, m.d_model, m.num_layers, m.num_heads, m.num_kv_heads = 32000, 2048, 16, 16, 8
+  m.d_ff, m.activation, m.norm, m.norm_eps = 5632, "swiglu", "rmsnorm", 1e-5
+  m.position, m.rope_theta, m.max_len = "rope", 10000.0, 2048
+  m.tie_embeddings, m.qkv_bias, m.out_bias, m.mlp_bias = False, False, False, False
+  m.attention_impl, m.scan_layers, m.remat = "cudnn", True, "none"
+  m.embed_dropout = m.attn_dropout = m.resid_dropout = 0.0
+  c.data.seq_len, c.data.batch_size = 2048, 16
+  c.train.precision = "bf16"
+  o = c.optim
+  o.peak_lr, o.b1, o.b2, o.weight_decay, o.clip_norm, o.warmup_steps = 3e-4, 0.9, 0.95, 0.1, 1.0, 100
+  c.train.steps = 1000
+  return c
