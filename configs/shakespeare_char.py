@@ -18,7 +18,7 @@ def get_config():
   c.data.seq_len, c.data.batch_size = 128, 32
   c.optim.peak_lr, c.optim.warmup_steps, c.optim.min_lr_ratio = 2e-3, 100, 0.1
   c.optim.weight_decay, c.optim.clip_norm = 0.1, 1.0
-  c.train.steps, c.train.log_every, c.train.eval_every, c.train.ckpt_every = 2000, 50, 500, 500
+  c.train.steps, c.train.log_every, c.train.eval_every, c.train.ckpt_every = 400, 25, 100, 100
   c.train.eval_batches = 16
   c.train.sample_prompt, c.train.sample_tokens = "ROMEO:\n", 300
   return c
