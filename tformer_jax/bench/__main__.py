@@ -33,6 +33,7 @@ def _compare_main() -> Callable[[Sequence[str]], Any]:
     raise ModuleNotFoundError(f"{path} not found (it lives in the repository, not the installed package)")
   spec = importlib.util.spec_from_file_location("compare_torch", path)
   mod = importlib.util.module_from_spec(spec)
+  sys.modules["compare_torch"] = mod
   spec.loader.exec_module(mod)
   return mod.main
 

@@ -1,0 +1,179 @@
+"""Benchmarks: CLIs print a valid final JSON line, the FLOP formula, the torch twin, perf edits' equivalence.
+
+No timing is asserted anywhere: speed lives in the benchmarks' JSON, not in tests.
+"""
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tformer_jax.bench import flops
+from tformer_jax.bench import train as train_bench
+from tformer_jax.config import ModelConfig
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TINY = ["model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.max_len=32",
+        "data.seq_len=32", "data.batch_size=2"]
+
+
+def _sets(items):
+  return [a for s in items for a in ("--set", s)]
+
+
+def _last_json(out: str) -> dict:
+  line = out.strip().splitlines()[-1]
+  return json.loads(line)
+
+
+def test_train_cli_prints_documented_json(capsys):
+  from tformer_jax.bench.__main__ import main
+  res = main(["train", "--steps", "2", "--warmup", "1", "--peak-n", "128", "--peak-reps", "2", *_sets(TINY)])
+  out = _last_json(capsys.readouterr().out)
+  assert out == json.loads(json.dumps(res))
+  for key in train_bench.JSON_KEYS:
+    assert key in out, key
+  for key in ("tokens_per_s", "step_ms_median", "compile_s", "achieved_gflops", "peak_gflops", "mfu"):
+    assert out[key] > 0 and math.isfinite(out[key]), key
+  assert out["loss_finite"] and out["tokens_per_step"] == 2 * 32
+  m = ModelConfig(vocab_size=256, d_model=32, num_layers=1, num_heads=2, max_len=32, position="learned",
+                  activation="gelu_tanh", qkv_bias=True, out_bias=True, mlp_bias=True)
+  assert out["flops_per_step"] == flops.flops_per_step(m, 2, 32)["flops_per_step"]
+  assert out["flops_formula"] == flops.FORMULA["full"]
+
+
+def test_config_flag_spelling_and_unknown_field():
+  assert train_bench.split_config_flags(["--config.model.d_model=8", "--steps", "2"]) == [
+      "--set", "model.d_model=8", "--steps", "2"]
+  cfg = train_bench.load_config("configs/bench/gpt2_cpu.py", ["model.num_layers=3", "optim.peak_lr=1e-3"])
+  assert cfg.model.num_layers == 3 and cfg.optim.peak_lr == 1e-3
+  with pytest.raises(SystemExit):
+    train_bench.load_config("configs/bench/gpt2_cpu.py", ["model.not_a_field=1"])
+
+
+def test_compile_cli_prints_json(capsys):
+  from tformer_jax.bench.__main__ import main
+  main(["compile", "--layers", "1,2", *_sets(TINY)])
+  out = _last_json(capsys.readouterr().out)
+  assert out["bench"] == "compile" and out["layers"] == [1, 2]
+  modes = {(r["mode"], r["layers"]) for r in out["results"]}
+  assert modes == {("scan", 1), ("scan", 2), ("unrolled", 1), ("unrolled", 2)}
+  assert all(r["compile_s"] > 0 and r["trace_lower_s"] > 0 for r in out["results"])
+  assert out["scan_growth"] > 0 and out["unrolled_growth"] > 0
+
+
+def test_dispatcher_help_lists_subcommands(capsys):
+  from tformer_jax.bench.__main__ import main
+  main(["--help"])
+  text = capsys.readouterr().out
+  for name in ("train", "attention", "compile", "decode", "moe", "compare"):
+    assert name in text
+
+
+def _hand_flops(v, d, layers, heads, f, b, s, *, tied, biases, attn_full=True):
+  per_layer = 4 * d * d + 2 * d * f + 2 * 2 * d                  # q k v o, mlp in/out, two LayerNorms
+  if biases:
+    per_layer += 3 * d + d + f + d                               # q k v biases, out bias, mlp biases
+  n_matmul = layers * per_layer + 2 * d + v * d                   # + final norm + LM head
+  t = b * s
+  attn = (12 if attn_full else 6) * layers * d * s * t
+  return 6 * n_matmul * t + attn, n_matmul
+
+
+@pytest.mark.parametrize("tied,biases", [(True, True), (False, False)])
+def test_flops_formula_matches_hand_count(tied, biases):
+  m = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, max_len=16, position="learned",
+                  tie_embeddings=tied, qkv_bias=biases, out_bias=biases, mlp_bias=biases)
+  want, n_matmul = _hand_flops(64, 32, 2, 4, 128, 3, 16, tied=tied, biases=biases)
+  got = flops.flops_per_step(m, 3, 16)
+  assert got["n_matmul"] == n_matmul
+  assert got["flops_per_step"] == want
+  causal, _ = _hand_flops(64, 32, 2, 4, 128, 3, 16, tied=tied, biases=biases, attn_full=False)
+  assert flops.flops_per_step(m, 3, 16, attn="causal")["flops_per_step"] == causal
+  counts = flops.param_counts(m)
+  assert counts["embedding"] == 64 * 32 + 16 * 32                # token + position tables
+  assert counts["total"] == counts["nonembed"] + counts["embedding"]
+
+
+def test_matmul_rates_keys():
+  r = train_bench.matmul_rates(64, 2)
+  assert set(r) == {"best", "median", "mean"} and r["best"] >= r["median"] > 0
+
+
+def _torch_gpt2():
+  spec = importlib.util.spec_from_file_location("torch_gpt2", REPO / "benchmarks" / "torch_gpt2.py")
+  mod = importlib.util.module_from_spec(spec)
+  sys.modules["torch_gpt2"] = mod   # dataclasses look their module up there
+  spec.loader.exec_module(mod)
+  return mod
+
+
+@pytest.mark.reference
+def test_torch_reference_matches_param_count_and_flops():
+  pytest.importorskip("torch")
+  tg = _torch_gpt2()
+  from tformer_jax.train.loop import resolve_model_config
+  m = resolve_model_config(train_bench.load_config("configs/bench/gpt2_cpu.py"))
+  c = tg.GPTConfig()
+  assert (c.vocab_size, c.d_model, c.num_layers, c.num_heads, c.seq, c.batch) == (
+      m.vocab_size, m.d_model, m.num_layers, m.num_heads, 256, 8)
+  assert tg.param_count(tg.GPT(c)) == flops.param_counts(m)["total"]
+  assert tg.flops_per_step(c)["flops_per_step"] == flops.flops_per_step(m, 8, 256)["flops_per_step"]
+
+
+@pytest.mark.reference
+def test_torch_reference_trains_a_step():
+  pytest.importorskip("torch")
+  tg = _torch_gpt2()
+  c = tg.GPTConfig(d_model=32, num_layers=1, num_heads=2, seq=16, batch=2, max_len=16, attn="naive")
+  b = tg.TorchBench(c)
+  b.compile()
+  wall, iv = b.run(2)
+  assert wall > 0 and len(iv) == 2 and math.isfinite(b.final_loss())
+
+
+@pytest.mark.parametrize("spec,xs,ws", [
+    ("bld,dhk->blhk", (2, 5, 8), (8, 2, 3)),
+    ("blhk,hkd->bld", (2, 5, 2, 3), (2, 3, 8)),
+    ("blf,fd->bld", (2, 5, 6), (6, 8)),
+    ("lbd,df->lbf", (3, 2, 8), (8, 6)),        # not the 2-D fast path: einsum fallback
+])
+def test_project_matches_einsum_values_and_gradients(spec, xs, ws):
+  from tformer_jax.nn.common import project
+  x = jax.random.normal(jax.random.PRNGKey(0), xs)
+  w = jax.random.normal(jax.random.PRNGKey(1), ws)
+  np.testing.assert_array_equal(np.asarray(project(spec, x, w)), np.asarray(jnp.einsum(spec, x, w)))
+
+  def loss(fn):
+    return lambda a, b: jnp.sum(jnp.sin(fn(spec, a, b)))
+
+  got = jax.grad(loss(project), (0, 1))(x, w)
+  want = jax.grad(loss(jnp.einsum), (0, 1))(x, w)
+  for g, e in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-5)
+
+
+def test_llama_gpu_config_validates():
+  from tformer_jax.train.loop import resolve_model_config
+  m = resolve_model_config(train_bench.load_config("configs/bench/llama_1b_gpu.py"))
+  assert (m.d_model, m.num_layers, m.kv_heads, m.ff, m.attention_impl, m.dtype) == (
+      2048, 16, 8, 5632, "cudnn", "bfloat16")
+  assert 0.8e9 < flops.param_counts(m)["total"] < 1.2e9
+
+
+@pytest.mark.slow
+def test_gpu_bench_script_smoke_on_cpu():
+  env = dict(os.environ, PYTHON=sys.executable, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  p = subprocess.run(["bash", str(REPO / "scripts" / "gpu_bench.sh"), "--smoke"], cwd=REPO, env=env,
+                     capture_output=True, text=True, timeout=600)
+  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+  out = _last_json(p.stdout)
+  assert out["ok"] and out["smoke"] and math.isfinite(out["result"]["final_loss"])
