@@ -42,7 +42,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
   p.add_argument("--attn", choices=("sdpa", "naive"), default="sdpa", help="torch attention")
   p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
-  p.add_argument("--fused-adam", action="store_true", help="torch AdamW(fused=True)")
+  p.add_argument("--foreach-adam", action="store_true", help="torch AdamW(foreach) instead of fused")
   p.add_argument("--peak-n", type=int, default=2048)
   p.add_argument("--peak-reps", type=int, default=3, help="matmuls per round")
   p.add_argument("--json")
@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   errors: dict[str, str] = {}
   jx.compile()
   for mode in ("eager",) + (() if args.no_compile else ("compile",)):
-    b, err = torch_gpt2.try_bench(tc, compile=mode == "compile", fused_adam=args.fused_adam)
+    b, err = torch_gpt2.try_bench(tc, compile=mode == "compile", fused_adam=not args.foreach_adam)
     if b is None:
       errors["torch_" + mode] = err.splitlines()[0]
       print(f"torch {mode}: FAILED: {err}")
@@ -131,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
          "k": args.k, "tokens_per_step": jx.tokens_per_step, "flops_per_step": fl["flops_per_step"],
          "flops_formula": fl["formula"], "peak_gflops": round(peak, 2),
          "peak_gflops_sustained": round(peak_sustained, 2), "results": rows, "ratios": ratios,
-         "errors": errors, "torch_attn": args.attn, "torch_threads": torch.get_num_threads(),
+         "errors": errors, "torch_attn": args.attn,
+         "torch_adamw": "foreach" if args.foreach_adam else "fused", "torch_threads": torch.get_num_threads(),
          "params": {"jax": jx.params, "torch": benches["torch_eager"].params},
          "loadavg_rounds": [round(x, 2) for x in loads], "machine": info,
          "jax_backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}

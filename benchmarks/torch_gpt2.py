@@ -8,7 +8,8 @@ LayerNorm -> fused qkv Linear (bias) -> causal attention -> out Linear (bias) ->
 token embedding. Same parameter count as the JAX model (a fused (d, 3d) qkv holds what wq/wk/wv hold).
 Init: normal(0.02), residual projections 0.02/sqrt(2 * layers), zero biases. Optimiser: clip the
 global grad norm to 1.0, then AdamW (b1 0.9, b2 0.95, eps 1e-8, wd 0.1 on every >= 2-D parameter,
-embeddings included; none on norms and biases), as tformer_jax.train.optim does.
+embeddings included; none on norms and biases), as tformer_jax.train.optim does; AdamW(fused=True),
+the faster of torch's CPU implementations here (--foreach-adam for the other).
 Attention: --attn sdpa (F.scaled_dot_product_attention(is_causal=True), the fast path a PyTorch user
 gets) or naive (masked softmax(QK^T)V, what tformer_jax's 'reference' impl computes).
 FLOPs: the same formula as tformer_jax/bench/flops.py: 6*N_matmul*T + 12*n_layers*d_model*seq*T.
@@ -115,7 +116,7 @@ def flops_per_step(c: GPTConfig) -> dict[str, Any]:
           "attention_flops": attention, "formula": "6*N_matmul*T + 12*n_layers*n_heads*head_dim*seq*T"}
 
 
-def make_optimizer(model: nn.Module, c: GPTConfig, fused: bool = False) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, c: GPTConfig, fused: bool = True) -> torch.optim.Optimizer:
   decay = [p for p in model.parameters() if p.dim() >= 2]
   no_decay = [p for p in model.parameters() if p.dim() < 2]
   groups = [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -126,7 +127,7 @@ def make_optimizer(model: nn.Module, c: GPTConfig, fused: bool = False) -> torch
 class TorchBench:
   """One training setup (eager or torch.compile), with the interface of tformer_jax's TrainBench."""
 
-  def __init__(self, c: GPTConfig, compile: bool = False, seed: int = 0, fused_adam: bool = False,
+  def __init__(self, c: GPTConfig, compile: bool = False, seed: int = 0, fused_adam: bool = True,
                num_batches: int = 4):
     torch.manual_seed(seed)
     self.c, self.mode = c, ("compile" if compile else "eager")
@@ -192,7 +193,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--mode", choices=("eager", "compile", "both"), default="both")
   p.add_argument("--attn", choices=("sdpa", "naive"), default="sdpa")
   p.add_argument("--threads", type=int, default=os.cpu_count())
-  p.add_argument("--fused-adam", action="store_true", help="AdamW(fused=True) instead of foreach")
+  p.add_argument("--foreach-adam", action="store_true",
+                 help="AdamW(foreach) instead of AdamW(fused=True) (fused is ~14%% faster per step here)")
   p.add_argument("--layers", type=int, default=6)
   p.add_argument("--d-model", type=int, default=384)
   p.add_argument("--heads", type=int, default=6)
@@ -213,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                          "flops_formula": fl["formula"], "loadavg": list(os.getloadavg())}
   modes = ["eager", "compile"] if args.mode == "both" else [args.mode]
   for mode in modes:
-    bench, err = try_bench(c, compile=mode == "compile", fused_adam=args.fused_adam)
+    bench, err = try_bench(c, compile=mode == "compile", fused_adam=not args.foreach_adam)
     if bench is None:
       print(f"{mode}: FAILED: {err}")
       res[mode] = {"error": err.splitlines()[0]}
