@@ -1,6 +1,7 @@
 """JAX vs PyTorch (eager, torch.compile) on configs/bench/gpt2_cpu.py, side by side in one process.
 
-  python benchmarks/compare_torch.py [--rounds 4 --k 3 --json OUT]     (or: python -m tformer_jax.bench compare)
+  python benchmarks/compare_torch.py [--rounds 4 --k 3 --json OUT]
+  python -m tformer_jax.bench compare [same flags]
 
 Everything is built, compiled and warmed first (compile times reported apart). Then --rounds rounds;
 each runs --k steps of every contender back to back (the order rotates every round) plus one float32
@@ -98,7 +99,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       w, _ = benches[n].run(args.k)
       wall[n] += w
       per_round[n].append(args.k * jx.tokens_per_step / w)
-    rates = jbench.matmul_rates(args.peak_n, args.peak_reps) if args.peak_n else {"best": float("nan"), "mean": float("nan")}
+    nan = float("nan")
+    rates = jbench.matmul_rates(args.peak_n, args.peak_reps) if args.peak_n else {"best": nan, "mean": nan}
     peaks.append(rates["best"])
     sustained.append(rates["mean"])
     loads.append(os.getloadavg()[0])
@@ -111,7 +113,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   for n in names:
     tok_s = args.rounds * args.k * jx.tokens_per_step / wall[n]
     gf = tok_s / jx.tokens_per_step * fl["flops_per_step"] / 1e9
-    rows[n] = {"tokens_per_s": round(tok_s, 1), "tokens_per_s_median_round": round(statistics.median(per_round[n]), 1),
+    rows[n] = {"tokens_per_s": round(tok_s, 1),
+               "tokens_per_s_median_round": round(statistics.median(per_round[n]), 1),
                "achieved_gflops": round(gf, 2), "mfu": round(gf / peak, 4),
                "mfu_vs_sustained": round(gf / peak_sustained, 4), "compile_s": round(benches[n].compile_s, 2),
                "final_loss": benches[n].final_loss()}

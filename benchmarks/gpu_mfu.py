@@ -1,4 +1,4 @@
-"""Self-checking MFU run of configs/bench/llama_1b_gpu.py on one GPU (the Python side of scripts/gpu_bench.sh).
+"""Self-checking MFU run of configs/bench/llama_1b_gpu.py on one GPU (Python side of scripts/gpu_bench.sh).
 
   python benchmarks/gpu_mfu.py [--steps 10 --warmup 3 --json OUT]      # on the GPU machine
   python benchmarks/gpu_mfu.py --smoke                                  # anywhere: tiny CPU override
@@ -40,7 +40,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--nominal-tflops", type=float, default=989.0)
   p.add_argument("--target", type=float, default=0.55)
-  p.add_argument("--smoke", action="store_true", help="tiny model on whatever backend (CPU): checks the pipeline")
+  p.add_argument("--smoke", action="store_true",
+                 help="tiny model on whatever backend (CPU): checks the pipeline")
   p.add_argument("--json")
   return p.parse_args(argv)
 
@@ -57,12 +58,14 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     import jax
     backend, devices = jax.default_backend(), jax.devices()
-    checks.append(("jax imports", True, f"jax {jax.__version__}, backend {backend}, {devices[0].device_kind}"))
+    checks.append(("jax imports", True,
+                   f"jax {jax.__version__}, backend {backend}, {devices[0].device_kind}"))
   except Exception as e:  # noqa: BLE001
     checks.append(("jax imports", False, repr(e)))
     return _finish(args, checks, res)
   checks.append(("GPU visible", backend == "gpu" or args.smoke,
-                 f"{len(devices)} x {devices[0].device_kind}" + (" (smoke: not required)" if args.smoke else "")))
+                 f"{len(devices)} x {devices[0].device_kind}"
+                 + (" (smoke: not required)" if args.smoke else "")))
   from tformer_jax.bench import train as train_bench
   from tformer_jax.config import ConfigError
   from tformer_jax.train.loop import resolve_model_config
@@ -82,7 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     attempts = [["2", "none"]]
   peak_args = (["--peak-n", "256", "--peak-reps", "2", "--peak-dtype", "float32"] if args.smoke
                else ["--peak-n", "8192", "--peak-reps", "5", "--peak-dtype", "bfloat16"])
-  steps = ["--steps", "2", "--warmup", "1"] if args.smoke else ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+  steps = (["--steps", "2", "--warmup", "1"] if args.smoke
+           else ["--steps", str(args.steps), "--warmup", str(args.warmup)])
   out = None
   tried = []
   for batch, remat in attempts:
@@ -113,7 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _finish(args: argparse.Namespace, checks: list[tuple[str, bool, str]], res: dict[str, Any]) -> int:
   ok = all(c for _, c, _ in checks)
   out = res.get("result")
-  print("\n== GPU MFU benchmark " + ("(SMOKE: tiny model, numbers meaningless) " if args.smoke else "") + "==")
+  smoke = "(SMOKE: tiny model, numbers meaningless) " if args.smoke else ""
+  print(f"\n== GPU MFU benchmark {smoke}==")
   print(f"{'check':<24}{'status':<8}detail")
   for name, c, detail in checks:
     print(f"{name:<24}{'ok' if c else 'FAIL':<8}{detail}")

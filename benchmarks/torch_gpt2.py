@@ -210,7 +210,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   c = GPTConfig(num_layers=args.layers, d_model=args.d_model, num_heads=args.heads, batch=args.batch,
                 seq=args.seq, max_len=max(256, args.seq), attn=args.attn)
   fl = flops_per_step(c)
-  res: dict[str, Any] = {"bench": "torch_gpt2", "torch": torch.__version__, "threads": torch.get_num_threads(),
+  res: dict[str, Any] = {"bench": "torch_gpt2", "torch": torch.__version__,
+                         "threads": torch.get_num_threads(),
                          "config": asdict(c), "flops_per_step": fl["flops_per_step"],
                          "flops_formula": fl["formula"], "loadavg": list(os.getloadavg())}
   modes = ["eager", "compile"] if args.mode == "both" else [args.mode]

@@ -91,7 +91,8 @@ def parse_xla_options(items: Sequence[str]) -> dict[str, Any]:
     if not sep:
       raise SystemExit(f"error: --xla-option {item!r} is not NAME=VALUE")
     low = raw.lower()
-    out[name.lstrip("-")] = (low == "true") if low in ("true", "false") else (int(raw) if raw.isdigit() else raw)
+    value: Any = int(raw) if raw.isdigit() else raw
+    out[name.lstrip("-")] = (low == "true") if low in ("true", "false") else value
   return out
 
 
@@ -179,7 +180,8 @@ def matmul_rates(n: int = 2048, reps: int = 5, dtype: str = "float32") -> dict[s
     f(a, b).block_until_ready()
     times.append(time.perf_counter() - t0)
   fl = 2 * n ** 3 / 1e9
-  return {"best": fl / min(times), "median": fl / statistics.median(times), "mean": fl * len(times) / sum(times)}
+  return {"best": fl / min(times), "median": fl / statistics.median(times),
+          "mean": fl * len(times) / sum(times)}
 
 
 def matmul_peak_gflops(n: int = 2048, reps: int = 5, dtype: str = "float32") -> float:
@@ -237,7 +239,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   info = machine_info()
   print(f"machine: {info['nproc']} cpus ({info['cpu']}), load {info['loadavg']}, backend {info['backend']} "
         f"({info['device']}), jax {info['jax']}")
-  print(f"model: {bench.params / 1e6:.2f}M params (N_matmul {fl['n_matmul'] / 1e6:.2f}M), layers={m.num_layers} "
+  print(f"model: {bench.params / 1e6:.2f}M params (N_matmul {fl['n_matmul'] / 1e6:.2f}M), "
+        f"layers={m.num_layers} "
         f"d_model={m.d_model} heads={m.num_heads}/{m.kv_heads} attention={m.attention_impl} dtype={m.dtype} "
         f"scan={m.scan_layers} remat={m.remat}; batch {bench.batch} x seq {bench.seq}")
   compile_s = bench.compile()
@@ -266,10 +269,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       step_ms_min=round(1e3 * min(intervals), 2), compile_s=round(compile_s, 3), params=bench.params,
       n_matmul=fl["n_matmul"], flops_per_step=fl["flops_per_step"], attention_flops=fl["attention_flops"],
       flops_formula=fl["formula"], xla_flops_per_step=xla_flops, achieved_gflops=round(achieved, 2),
-      peak_gflops=round(peak, 2), peak_gflops_median=round(rates["median"], 2), peak_dtype=args.peak_dtype, mfu_measured_peak=round(mfu_measured, 4),
+      peak_gflops=round(peak, 2), peak_gflops_median=round(rates["median"], 2), peak_dtype=args.peak_dtype,
+      mfu_measured_peak=round(mfu_measured, 4),
       mfu=round(achieved / nominal, 4) if nominal else round(mfu_measured, 4),
       nominal_peak_gflops=nominal or None, final_loss=loss, loss_finite=bool(np.isfinite(loss)),
-      attention_impl=m.attention_impl, dtype=m.dtype, donate=not args.no_donate, xla_options=parse_xla_options(args.xla_option),
+      attention_impl=m.attention_impl, dtype=m.dtype, donate=not args.no_donate,
+      xla_options=parse_xla_options(args.xla_option),
       machine=info)
   print(f"throughput: {tok_s:,.0f} tokens/s | step median {res['step_ms_median']:.1f} ms | "
         f"{achieved:.1f} GFLOP/s achieved")
