@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Short trainings over the cartesian product of config sweeps: a results table and loss curves.
+r"""Short trainings over the cartesian product of config sweeps: a results table and loss curves.
 
   python scripts/ablate.py --config=configs/shakespeare_char.py --sweep model.num_heads=1,4,8 \
       --sweep model.position=none,sinusoidal,rope,alibi --steps 300 --out ablations/heads_pos \

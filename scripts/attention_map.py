@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""Attention heatmaps of one text: a PNG grid of per-head maps per layer, plus an entropy/flags table.
+r"""Attention heatmaps of one text: a PNG grid of per-head maps per layer, plus an entropy/flags table.
 
   python scripts/attention_map.py --workdir=runs/shakespeare --text "ROMEO: But soft" --out maps/
-  python scripts/attention_map.py --config=configs/gpt2_tiny.py --random_init --text "To be" [--config.model.num_heads=8]
+  python scripts/attention_map.py --config=configs/gpt2_tiny.py --random_init --text "To be" \
+      [--config.model.num_heads=8]
 
 Writes OUT/layer_<i>.png (rows = queries, columns = keys, tokens on both axes) and OUT/summary.json
 (per layer and head: entropy, uniform entropy over the visible keys, their ratio, mean max weight,

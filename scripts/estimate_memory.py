@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""Memory and FLOPs of a training step, from the config (formulas) and from XLA (compiled), side by side.
+r"""Memory and FLOPs of a training step, from the config (formulas) and from XLA (compiled), side by side.
 
   python scripts/estimate_memory.py --config=configs/gpt2_tiny.py --batch 8 --seq 128
-  python scripts/estimate_memory.py --config=configs/llama_tiny.py --batch 8 --seq 256 --remat --kv-batch 1 --kv-len 4096
-  python scripts/estimate_memory.py --config=configs/gpt2_tiny.py --batch 8 --seq 128 --no-compile --config.model.num_layers=12
+  python scripts/estimate_memory.py --config=configs/llama_tiny.py --batch 8 --seq 256 --remat \
+      --kv-batch 1 --kv-len 4096
+  python scripts/estimate_memory.py --config=configs/gpt2_tiny.py --batch 8 --seq 128 --no-compile \
+      --config.model.num_layers=12
 
 Parameters are counted exactly with jax.eval_shape (nothing materialised); gradients, AdamW state
 (2 x params float32), activations (per-layer formula, with or without remat), the loss working set and

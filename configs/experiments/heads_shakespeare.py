@@ -1,4 +1,4 @@
-"""Heads ablation on Shakespeare (article 2, 2.2: 8 heads vs 1 head of equal parameters, ~15% perplexity;
+r"""Heads ablation on Shakespeare (article 2, 2.2: 8 heads vs 1 head of equal parameters, ~15% perplexity;
 article 1, 3.2: head_dim below 32 hurts). d_model 128 fixed, so every head count has the same parameters.
 
   python scripts/ablate.py --config=configs/experiments/heads_shakespeare.py \

@@ -1,4 +1,4 @@
-"""Pre-LN vs Post-LN, with and without warmup (article 2, 2.4: "Pre-LN trains without careful warmup,
+r"""Pre-LN vs Post-LN, with and without warmup (article 2, 2.4: "Pre-LN trains without careful warmup,
 Post-LN is sensitive"; article 1, 6.3): 4 layers, peak lr 3e-3.
 
   python scripts/ablate.py --config=configs/experiments/norm_warmup.py \

@@ -1,4 +1,4 @@
-"""Positions on the reverse task (article 1, 8: "without positions the model could not learn anything
+r"""Positions on the reverse task (article 1, 8: "without positions the model could not learn anything
 order-dependent"): synthetic:reverse with 8 items of 16 symbols, loss on the answer span only.
 
   python scripts/ablate.py --config=configs/experiments/positions_reverse.py \

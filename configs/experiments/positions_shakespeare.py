@@ -1,4 +1,4 @@
-"""Positions ablation on Shakespeare (article 1, 4; article 2, 2.3): none, sinusoidal, learned, RoPE, ALiBi
+r"""Positions ablation on Shakespeare (article 1, 4; article 2, 2.3): none, sinusoidal, learned, RoPE, ALiBi
 on the same small byte-level model (d_model 128, 4 heads, 2 layers, seq 128).
 
   python scripts/ablate.py --config=configs/experiments/positions_shakespeare.py \

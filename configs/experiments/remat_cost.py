@@ -1,4 +1,4 @@
-"""Step-time cost of rematerialisation (article 2, 4.1: "activation recomputation trades compute for
+r"""Step-time cost of rematerialisation (article 2, 4.1: "activation recomputation trades compute for
 memory, training 20-30% slower"): the same model with remat none / full / dots, timed interleaved.
 
   python -m tformer_jax.diagnostics.timing --config=configs/experiments/remat_cost.py \

@@ -1,4 +1,4 @@
-"""No 1/sqrt(d_k) at d_k = 64 (article 1, 2.1: "removed it at d_k=64 and after a few hundred steps the loss
+r"""No 1/sqrt(d_k) at d_k = 64 (article 1, 2.1: "removed it at d_k=64 and after a few hundred steps the loss
 started to oscillate"): attention_scale 1.0 against the default 1/sqrt(64), 2 heads of 64 dims.
 
   python scripts/ablate.py --config=configs/experiments/scale_no_sqrt.py \

@@ -157,7 +157,8 @@ def markdown_table(results: Sequence[RunResult]) -> str:
   return "\n".join(lines)
 
 
-def write_results(results: Sequence[RunResult], out_dir: str | pathlib.Path, title: str = "") -> dict[str, pathlib.Path]:
+def write_results(results: Sequence[RunResult], out_dir: str | pathlib.Path, title: str = ""
+                  ) -> dict[str, pathlib.Path]:
   """results.json, results.md and loss_curves.png in `out_dir`."""
   from tformer_jax.diagnostics.plots import loss_curves
   out = pathlib.Path(out_dir)

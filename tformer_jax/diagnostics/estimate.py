@@ -193,7 +193,8 @@ def format_report(m: ModelConfig, est: Estimate, batch: int, seq: int, xla: dict
   for k, v in est.bytes.items():
     lines.append(f"  {k:<12}{mb(v)}")
   lines.append(f"  {'total':<12}{mb(est.total)}   (activations per layer {est.activation_per_layer / MiB:.2f} MiB)")
-  lines.append(f"  FLOPs/token  {est.flops_per_token:,.0f}  ({'8 N_matmul + 16' if est.remat else '6 N_matmul + 12'} n L h hd)")
+  formula = "8 N_matmul + 16 n L h hd" if est.remat else "6 N_matmul + 12 n L h hd"
+  lines.append(f"  FLOPs/token  {est.flops_per_token:,.0f}  ({formula})")
   if xla is not None:
     ratio = est.total / xla["total"]
     lines += ["", "XLA compiled train step (memory_analysis / cost_analysis):",

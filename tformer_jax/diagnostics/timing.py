@@ -1,4 +1,4 @@
-"""Step time of model variants: the real compiled train step, timed in interleaved rounds.
+r"""Step time of model variants: the real compiled train step, timed in interleaved rounds.
 
   python -m tformer_jax.diagnostics.timing --config=configs/experiments/remat_cost.py \
       --sweep model.remat=none,full,dots --batch 8 --seq 256 --rounds 7 --steps 5
@@ -16,7 +16,6 @@ import time
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 
 
