@@ -6,7 +6,9 @@
 Everything is built, compiled and warmed first (compile times reported apart). Then --rounds rounds;
 each runs --k steps of every contender back to back (the order rotates every round) plus one float32
 2048^3 matmul (best of 3), so all contenders and the matmul peak see the same machine load. Per
-contender: tokens/s = all timed tokens / all timed seconds, and the median over rounds. The FLOP
+contender: tokens/s = all timed tokens / all timed seconds, and the median over rounds; the ratios
+also as the median of per-round pairs (adjacent in time) and per process CPU-second (less sensitive to
+other programs' load; torch's OpenMP spin-waiting counts as its CPU time). The FLOP
 count per step is the same formula for all (tformer_jax/bench/flops.py). MFU = achieved FLOP/s over
 the fastest single matmul call of the run (strict: a lucky moment on a loaded machine raises it);
 'MFU sust.' = over the sustained matmul rate (all matmul FLOPs / all matmul time, every round).
@@ -87,16 +89,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   print(f"params: jax {jx.params:,}, torch {benches['torch_eager'].params:,}; flops/step "
         f"{fl['flops_per_step'] / 1e9:.1f} G ({fl['formula']})")
   for b in benches.values():
-    b.run(args.warmup)
+    if args.warmup:
+      b.run(args.warmup)
 
   names = list(benches)
   wall = {n: 0.0 for n in names}
+  cpu = {n: 0.0 for n in names}
   per_round: dict[str, list[float]] = {n: [] for n in names}
   peaks, sustained, loads = [], [], []
   for r in range(args.rounds):
     order = names[r % len(names):] + names[:r % len(names)]
     for n in order:
+      c0 = time.process_time()
       w, _ = benches[n].run(args.k)
+      cpu[n] += time.process_time() - c0
       wall[n] += w
       per_round[n].append(args.k * jx.tokens_per_step / w)
     nan = float("nan")
@@ -117,23 +123,33 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                "tokens_per_s_median_round": round(statistics.median(per_round[n]), 1),
                "achieved_gflops": round(gf, 2), "mfu": round(gf / peak, 4),
                "mfu_vs_sustained": round(gf / peak_sustained, 4), "compile_s": round(benches[n].compile_s, 2),
+               "cpu_s_per_step": round(cpu[n] / (args.rounds * args.k), 3),
+               "tokens_per_cpu_s": round(args.rounds * args.k * jx.tokens_per_step / cpu[n], 1),
                "final_loss": benches[n].final_loss()}
   ratios = {f"jax_over_{n}": round(rows["jax"]["tokens_per_s"] / rows[n]["tokens_per_s"], 3)
             for n in names if n != "jax"}
+  # Paired per round (adjacent in time, so the same load): the median of JAX / contender.
+  ratios_paired = {f"jax_over_{n}": round(statistics.median(
+      a / b for a, b in zip(per_round["jax"], per_round[n])), 3) for n in names if n != "jax"}
+  ratios_cpu = {f"jax_over_{n}": round(rows["jax"]["tokens_per_cpu_s"] / rows[n]["tokens_per_cpu_s"], 3)
+                for n in names if n != "jax"}
   print(f"\n{'contender':<15}{'tokens/s':>10}{'median/rnd':>12}{'GFLOP/s':>10}{'MFU':>8}{'MFU sust.':>10}"
-        f"{'compile s':>11}")
+        f"{'CPU s/step':>11}{'compile s':>11}")
   for n, row in rows.items():
     print(f"{n:<15}{row['tokens_per_s']:>10.0f}{row['tokens_per_s_median_round']:>12.0f}"
           f"{row['achieved_gflops']:>10.1f}{100 * row['mfu']:>7.1f}%{100 * row['mfu_vs_sustained']:>9.1f}%"
-          f"{row['compile_s']:>11.1f}")
+          f"{row['cpu_s_per_step']:>11.2f}{row['compile_s']:>11.1f}")
   print(f"matmul (float32 {args.peak_n}^3): best single call of the run {peak:.1f} GFLOP/s (= MFU's peak); "
         f"sustained (all matmul time of all rounds) {peak_sustained:.1f} GFLOP/s (= 'MFU sust.'); "
         f"load avg during rounds {min(loads):.2f}-{max(loads):.2f}")
-  print("ratios: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+  print("ratios (tokens/s over the run): " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+  print("ratios (median of per-round pairs): " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios_paired.items()))
+  print("ratios (tokens per CPU-second): " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios_cpu.items()))
   res = {"bench": "compare_torch", "config": args.config, "overrides": list(args.set), "rounds": args.rounds,
          "k": args.k, "tokens_per_step": jx.tokens_per_step, "flops_per_step": fl["flops_per_step"],
          "flops_formula": fl["formula"], "peak_gflops": round(peak, 2),
          "peak_gflops_sustained": round(peak_sustained, 2), "results": rows, "ratios": ratios,
+         "ratios_paired_median": ratios_paired, "ratios_cpu": ratios_cpu,
          "errors": errors, "torch_attn": args.attn,
          "torch_adamw": "foreach" if args.foreach_adam else "fused", "torch_threads": torch.get_num_threads(),
          "params": {"jax": jx.params, "torch": benches["torch_eager"].params},
