@@ -84,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.smoke:
     attempts = [["2", "none"]]
   peak_args = (["--peak-n", "256", "--peak-reps", "2", "--peak-dtype", "float32"] if args.smoke
-               else ["--peak-n", "8192", "--peak-reps", "5", "--peak-dtype", "bfloat16"])
+               else ["--peak-n", "8192", "--peak-reps", "3", "--peak-dtype", "bfloat16"])
   steps = (["--steps", "2", "--warmup", "1"] if args.smoke
            else ["--steps", str(args.steps), "--warmup", str(args.warmup)])
   out = None
