@@ -4,8 +4,10 @@
   python -m tformer_jax.bench compare [same flags]
 
 Everything is built, compiled and warmed first (compile times reported apart). Then --rounds rounds;
-each runs --k steps of every contender back to back (the order rotates every round) plus one float32
-2048^3 matmul (best of 3), so all contenders and the matmul peak see the same machine load. Per
+each runs --k steps of every contender back to back (the order rotates every round) plus float32
+2048^3 matmuls (--peak-reps calls with XLA's default options and with the JAX step's; the faster set
+counts), so all contenders and the matmul peak see the same machine load. The JAX step compiles with
+tformer_jax.bench.train.CPU_XLA_OPTIONS on CPU (matmuls on Eigen; --xla-default: without). Per
 contender: tokens/s = all timed tokens / all timed seconds, and the median over rounds; the ratios
 also as the median of per-round pairs (adjacent in time) and per process CPU-second (less sensitive to
 other programs' load; torch's OpenMP spin-waiting counts as its CPU time). The FLOP
@@ -45,6 +47,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
   p.add_argument("--attn", choices=("sdpa", "naive"), default="sdpa", help="torch attention")
   p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+  p.add_argument("--xla-default", action="store_true",
+                 help="JAX step with XLA's defaults (no tformer_jax.bench.train.CPU_XLA_OPTIONS)")
   p.add_argument("--foreach-adam", action="store_true", help="torch AdamW(foreach) instead of fused")
   p.add_argument("--peak-n", type=int, default=2048)
   p.add_argument("--peak-reps", type=int, default=3, help="matmuls per round")
@@ -72,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   info = jbench.machine_info()
   print(f"machine: {info['nproc']} cpus ({info['cpu']}), load {info['loadavg']}, jax {info['jax']}, "
         f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
-  jx = jbench.TrainBench(cfg)
+  jx = jbench.TrainBench(cfg, compiler_options={} if args.xla_default else None)
   fl = flops_lib.flops_per_step(jx.m, jx.batch, jx.seq)
   tc = torch_config(jx.m, jx.batch, jx.seq, args.attn)
   benches: dict[str, Any] = {"jax": jx}
@@ -106,7 +110,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       wall[n] += w
       per_round[n].append(args.k * jx.tokens_per_step / w)
     nan = float("nan")
-    rates = jbench.matmul_rates(args.peak_n, args.peak_reps) if args.peak_n else {"best": nan, "mean": nan}
+    rates = (jbench.matmul_rates(args.peak_n, args.peak_reps, option_sets=[{}, jx.compiler_options])
+             if args.peak_n else {"best": nan, "mean": nan})
     peaks.append(rates["best"])
     sustained.append(rates["mean"])
     loads.append(os.getloadavg()[0])
@@ -151,7 +156,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
          "peak_gflops_sustained": round(peak_sustained, 2), "results": rows, "ratios": ratios,
          "ratios_paired_median": ratios_paired, "ratios_cpu": ratios_cpu,
          "errors": errors, "torch_attn": args.attn,
-         "torch_adamw": "foreach" if args.foreach_adam else "fused", "torch_threads": torch.get_num_threads(),
+         "torch_adamw": "foreach" if args.foreach_adam else "fused",
+         "xla_options": jx.compiler_options, "torch_threads": torch.get_num_threads(),
          "params": {"jax": jx.params, "torch": benches["torch_eager"].params},
          "loadavg_rounds": [round(x, 2) for x in loads], "machine": info,
          "jax_backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}

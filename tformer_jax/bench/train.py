@@ -99,15 +99,39 @@ def parse_xla_options(items: Sequence[str]) -> dict[str, Any]:
   return out
 
 
+# XLA options the benchmarks compile with on CPU (this step only, nothing global): matmuls go to
+# XLA's Eigen dot runtime instead of YNNPACK fusions (reductions stay in YNNPACK). On a 2-core
+# AMD EPYC, unloaded: 2048x384x1536 matmuls 205 vs 147 GFLOP/s, the gpt2_cpu step ~8% faster.
+CPU_XLA_OPTIONS: dict[str, Any] = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
+
+
+def default_xla_options() -> dict[str, Any]:
+  """CPU_XLA_OPTIONS on the CPU backend, none elsewhere."""
+  return dict(CPU_XLA_OPTIONS) if jax.default_backend() == "cpu" else {}
+
+
+def compile_with(lowered: Any, options: dict[str, Any]) -> Any:
+  """lowered.compile(options); an option this jaxlib does not know is dropped (with a note)."""
+  try:
+    return lowered.compile(compiler_options=options or None)
+  except Exception as e:  # noqa: BLE001 - jaxlib raises a plain runtime error for unknown options
+    if options and "compile option" in str(e):
+      print(f"note: XLA options {options} rejected ({str(e).splitlines()[0][:120]}); compiling without")
+      return lowered.compile()
+    raise
+
+
 class TrainBench:
-  """The real train step on synthetic tokens: compile once, then run timed rounds of k steps."""
+  """The real train step on synthetic tokens: compile once, then run timed rounds of k steps.
+
+  compiler_options: XLA options for this step's compilation; None = `default_xla_options()`."""
 
   def __init__(self, cfg: Any, seed: int = 0, num_batches: int = 4,
                compiler_options: dict[str, Any] | None = None, donate: bool = True):
     from tformer_jax.nn import Transformer
     from tformer_jax.train import loop, optim, precision, state as state_lib, step as step_lib
     self.cfg = cfg
-    self.compiler_options = dict(compiler_options or {})
+    self.compiler_options = default_xla_options() if compiler_options is None else dict(compiler_options)
     self.m = loop.resolve_model_config(cfg)
     self.batch, self.seq = int(cfg.data.batch_size), int(cfg.data.seq_len)
     self.tokens_per_step = self.batch * self.seq
@@ -131,8 +155,7 @@ class TrainBench:
 
   def compile(self) -> float:
     t0 = time.perf_counter()
-    self.compiled = self._jit.lower(self.state, self.batches[0]).compile(
-        compiler_options=self.compiler_options or None)
+    self.compiled = compile_with(self._jit.lower(self.state, self.batches[0]), self.compiler_options)
     self.compile_s = time.perf_counter() - t0
     return self.compile_s
 
@@ -169,13 +192,18 @@ class TrainBench:
     return float(self.last_metrics["loss"]) if self.last_metrics else float("nan")
 
 
-def matmul_rates(n: int = 2048, reps: int = 5, dtype: str = "float32") -> dict[str, float]:
+def matmul_rates(n: int = 2048, reps: int = 5, dtype: str = "float32",
+                 option_sets: Sequence[dict[str, Any]] = ({},)) -> dict[str, float]:
   """GFLOP/s of a jitted n x n @ n x n matmul (2 n^3 FLOPs) over `reps` timed calls after a warm-up:
-  'best' (fastest call), 'median', and 'mean' (all FLOPs over all time: the sustained rate)."""
+  'best' (fastest call), 'median', and 'mean' (all FLOPs over all time: the sustained rate).
+  With several XLA option sets (e.g. the default and the step's), each is timed and the fastest set
+  (by its mean) is reported, so the peak is never lower than what XLA's default reaches."""
+  if len(option_sets) > 1:
+    return max((matmul_rates(n, reps, dtype, [o]) for o in option_sets), key=lambda r: r["mean"])
   ka, kb = jax.random.split(jax.random.PRNGKey(0))
   a = jax.random.normal(ka, (n, n), jnp.dtype(dtype))
   b = jax.random.normal(kb, (n, n), jnp.dtype(dtype))
-  f = jax.jit(lambda x, y: x @ y)
+  f = compile_with(jax.jit(lambda x, y: x @ y).lower(a, b), dict(option_sets[0]))
   f(a, b).block_until_ready()
   times = []
   for _ in range(reps):
@@ -226,6 +254,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                  help="an XLA debug option for this step's compilation only, e.g. "
                       "xla_cpu_enable_concurrency_optimized_scheduler=true (repeatable)")
+  p.add_argument("--xla-default", action="store_true",
+                 help="compile with XLA's defaults (no CPU_XLA_OPTIONS on CPU)")
   p.add_argument("--no-donate", action="store_true",
                  help="do not donate the state (the training loop donates; on CPU XLA then copies the "
                       "AdamW moments it updates in place, ~5%% of a step)")
@@ -239,7 +269,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   from tformer_jax.bench import flops as flops_lib
   args = parse_args(argv)
   cfg = load_config(args.config, args.set)
-  bench = TrainBench(cfg, compiler_options=parse_xla_options(args.xla_option), donate=not args.no_donate)
+  options = {} if args.xla_default else default_xla_options()
+  options.update(parse_xla_options(args.xla_option))
+  bench = TrainBench(cfg, compiler_options=options, donate=not args.no_donate)
+  peak_option_sets = [{}] + ([options] if options else [])
   m = bench.m
   fl = flops_lib.flops_per_step(m, bench.batch, bench.seq, args.attn_flops)
   info = machine_info()
@@ -263,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   samples, wall, intervals = [], 0.0, []
   for i, size in enumerate(sizes + [0]):
     if args.peak_n:
-      samples.append(matmul_rates(args.peak_n, args.peak_reps, args.peak_dtype))
+      samples.append(matmul_rates(args.peak_n, args.peak_reps, args.peak_dtype, peak_option_sets))
     if size:
       w, iv = bench.run(size)
       wall, intervals = wall + w, intervals + iv
@@ -292,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       mfu=round(achieved / nominal, 4) if nominal else round(mfu_measured, 4),
       nominal_peak_gflops=nominal or None, final_loss=loss, loss_finite=bool(np.isfinite(loss)),
       attention_impl=m.attention_impl, dtype=m.dtype, donate=not args.no_donate,
-      xla_options=parse_xla_options(args.xla_option),
+      xla_options=options,
       machine=info)
   print(f"throughput: {tok_s:,.0f} tokens/s | step median {res['step_ms_median']:.1f} ms | "
         f"{achieved:.1f} GFLOP/s achieved")
