@@ -35,6 +35,7 @@ import torch_gpt2  # noqa: E402
 
 from tformer_jax.bench import flops as flops_lib  # noqa: E402
 from tformer_jax.bench import train as jbench  # noqa: E402
+from tformer_jax.bench import emit
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -161,10 +162,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
          "params": {"jax": jx.params, "torch": benches["torch_eager"].params},
          "loadavg_rounds": [round(x, 2) for x in loads], "machine": info,
          "jax_backend": jax.default_backend(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-  if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(res, indent=2))
-  print(json.dumps(res))
-  return res
+  return emit(res, args.json)
 
 
 if __name__ == "__main__":

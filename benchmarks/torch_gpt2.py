@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tformer_jax.bench import emit
 
 
 @dataclass(frozen=True)
@@ -231,11 +232,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                  "final_loss": bench.final_loss()}
     print(f"torch {mode}: {tok_s:,.0f} tokens/s | step median {res[mode]['step_ms_median']:.1f} ms | "
           f"{gflops:.1f} GFLOP/s | first step {bench.compile_s:.1f}s | params {bench.params:,}")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(res, f, indent=2)
-  print(json.dumps(res))
-  return res
+  return emit(res, args.json)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from tformer_jax.bench import train as train_bench
+from tformer_jax.bench import emit
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -92,10 +93,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       res[f"{mode}_growth"] = round(growth, 3)
       print(f"{mode}: {hi} layers take {growth:.2f}x the time of {lo}" +
             (" (target <= 1.5x)" if mode == "scan" else ""))
-  if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(res, indent=2))
-  print(json.dumps(res))
-  return res
+  return emit(res, args.json)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import numpy as np
 
 from tformer_jax import decode, decode_io
 from tformer_jax.config import default_config
+from tformer_jax.bench import emit
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -117,11 +118,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           f"total {rec_s:.3f}s = {res['recompute_tok_s']:.0f} tok/s")
     print(f"speedup (cached vs recompute, end to end): {res['speedup']:.1f}x; "
           f"same greedy tokens: {res['tokens_match']}")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(res, f, indent=2)
-  print(json.dumps(res))
-  return res
+  return emit(res, args.json)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tformer_jax.bench import emit
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = "configs/bench/gpt2_cpu.py"
@@ -336,10 +337,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   if samples:
     print(f"MFU vs the sustained matmul rate: {100 * res['mfu_vs_sustained']:.1f}%")
   print(f"final loss {loss:.4f}")
-  if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(res, indent=2))
-  print(json.dumps(res))
-  return res
+  return emit(res, args.json)
 
 
 if __name__ == "__main__":
