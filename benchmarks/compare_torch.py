@@ -76,7 +76,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   cfg = jbench.load_config(args.config, args.set)
   info = jbench.machine_info()
   print(f"machine: {info['nproc']} cpus ({info['cpu']}), load {info['loadavg']}, jax {info['jax']}, "
-        f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads), allocator {info['allocator']} "
+        "(both contenders)")
   jx = jbench.TrainBench(cfg, compiler_options={} if args.xla_default else None)
   fl = flops_lib.flops_per_step(jx.m, jx.batch, jx.seq)
   tc = torch_config(jx.m, jx.batch, jx.seq, args.attn)
@@ -166,4 +167,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+  from tformer_jax.host_alloc import maybe_reexec
+  maybe_reexec()  # both contenders run in this process, so both get the same allocator
   main()

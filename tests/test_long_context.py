@@ -1,4 +1,4 @@
-"""Long context at the model level: blockwise/xla attention inside a whole Transformer equal the
+"""Long context at the model level: blockwise/chunked/xla attention inside a whole Transformer equal the
 reference path (logits and parameter gradients, float32, 1e-5), 'cudnn' without a GPU fails clearly,
 every RoPE scaling runs end to end past max_len, and the extrapolation experiment's pieces work."""
 import dataclasses
@@ -86,10 +86,11 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("impl", ["blockwise", "chunked"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_blockwise_model_matches_reference(name):
+def test_blockwise_model_matches_reference(name, impl):
   ref = _cfg(**CASES[name])
-  blk = dataclasses.replace(ref, attention_impl="blockwise")
+  blk = dataclasses.replace(ref, attention_impl=impl)
   params = _init(ref)
   tokens = _tokens()
   got = _logits_and_grads(blk, params, tokens, MASK)

@@ -19,7 +19,7 @@ NORM_POSITIONS = ("pre", "post")
 POSITIONS = ("none", "sinusoidal", "learned", "rope", "alibi", "t5")
 ROPE_LAYOUTS = ("half", "interleaved")
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
-ATTENTION_IMPLS = ("reference", "blockwise", "xla", "cudnn")
+ATTENTION_IMPLS = ("reference", "chunked", "blockwise", "xla", "cudnn")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 DTYPES = ("float32", "bfloat16", "float16")
 MOE_DISPATCH = ("dropless", "capacity")
@@ -98,8 +98,8 @@ class ModelConfig:
   scale_residual_init: bool = True   # GPT-2: residual output projections std / sqrt(2 * num_layers)
   attention_scale: float = 0.0       # 0 = 1/sqrt(head_dim)
   attention_impl: str = "reference"
-  attention_block_q: int = 128
-  attention_block_k: int = 128
+  attention_block_q: int = 128       # blockwise query tile; 'chunked': the query chunk
+  attention_block_k: int = 128       # blockwise key tile
   window: int = 0                    # sliding window (each query sees the last `window` keys); 0 = full
   num_global_tokens: int = 0         # Longformer-style global tokens (reference/xla path)
   dtype: str = "float32"             # compute dtype
@@ -240,6 +240,9 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
     v = getattr(m, name)
     if not 0.0 <= v < 1.0:
       _fail(p + name, f"dropout must be in [0, 1), got {v}")
+  if m.attn_dropout > 0 and m.attention_impl != "reference":
+    _fail(p + "attn_dropout", f"attention dropout is implemented by attention_impl 'reference' only, "
+          f"got {m.attention_impl!r}")
   if m.init_std <= 0:
     _fail(p + "init_std", f"must be > 0, got {m.init_std}")
   if m.attention_scale < 0:
@@ -264,15 +267,15 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
       _fail(p + "rope_scaling.factor", f"must be >= 1, got {rs.factor}")
   if m.position == "t5" and (m.t5_num_buckets <= 0 or m.t5_max_distance <= 0):
     _fail(p + "t5_num_buckets", "t5_num_buckets and t5_max_distance must be positive")
-  if m.position == "t5" and m.attention_impl == "blockwise":
+  if m.position == "t5" and m.attention_impl in ("blockwise", "chunked"):
     _fail(p + "attention_impl", "T5 relative bias needs a dense bias: use 'reference' or 'xla'")
   if m.num_global_tokens and not m.window:
     _fail(p + "num_global_tokens", "global tokens only matter with a window > 0")
-  if m.num_global_tokens and m.attention_impl == "blockwise":
+  if m.num_global_tokens and m.attention_impl in ("blockwise", "chunked"):
     _fail(p + "num_global_tokens", "global tokens need a dense mask: use attention_impl 'reference'")
   if m.norm_position == "post" and m.parallel_residual:
     _fail(p + "parallel_residual", "parallel residual is a Pre-LN layout; set norm_position='pre'")
-  if m.attention_impl == "blockwise" and (m.attention_block_q <= 0 or m.attention_block_k <= 0):
+  if m.attention_impl in ("blockwise", "chunked") and (m.attention_block_q <= 0 or m.attention_block_k <= 0):
     _fail(p + "attention_block_q", "block sizes must be positive")
   moe = m.moe
   if moe.num_experts < 0:

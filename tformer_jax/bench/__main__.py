@@ -70,4 +70,6 @@ def main(argv: Sequence[str] | None = None) -> Any:
 
 
 if __name__ == "__main__":
+  from tformer_jax.host_alloc import maybe_reexec
+  maybe_reexec()  # tcmalloc / hugetlb: see tformer_jax/host_alloc.py
   main()

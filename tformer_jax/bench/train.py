@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from tformer_jax.bench import emit
+from tformer_jax.host_alloc import loaded_allocator
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = "configs/bench/gpt2_cpu.py"
@@ -234,7 +235,8 @@ def machine_info() -> dict[str, Any]:
   dev = jax.devices()[0]
   return {"nproc": os.cpu_count(), "cpu": cpu, "loadavg": [round(x, 2) for x in os.getloadavg()],
           "backend": jax.default_backend(), "device": getattr(dev, "device_kind", str(dev)),
-          "jax": jax.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+          "jax": jax.__version__, "allocator": loaded_allocator(),
+          "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -278,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   fl = flops_lib.flops_per_step(m, bench.batch, bench.seq, args.attn_flops)
   info = machine_info()
   print(f"machine: {info['nproc']} cpus ({info['cpu']}), load {info['loadavg']}, backend {info['backend']} "
-        f"({info['device']}), jax {info['jax']}")
+        f"({info['device']}), jax {info['jax']}, allocator {info['allocator']}")
   print(f"model: {bench.params / 1e6:.2f}M params (N_matmul {fl['n_matmul'] / 1e6:.2f}M), "
         f"layers={m.num_layers} "
         f"d_model={m.d_model} heads={m.num_heads}/{m.kv_heads} attention={m.attention_impl} dtype={m.dtype} "
@@ -341,4 +343,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+  from tformer_jax.host_alloc import maybe_reexec
+  maybe_reexec()
   main()

@@ -100,8 +100,13 @@ class Attention(nn.Module):
           q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, causal=cfg.causal, window=cfg.window,
           alibi_slopes_H=slopes, kv_valid_BxS=kv_valid_BxS, scale=scale,
           block_q=cfg.attention_block_q, block_k=cfg.attention_block_k)
+    elif impl == "chunked" and not self.decode:
+      from tformer_jax.ops.chunked_attention import chunked_attention
+      out_BxLxHxD = chunked_attention(
+          q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, causal=cfg.causal, window=cfg.window,
+          alibi_slopes_H=slopes, kv_valid_BxS=kv_valid_BxS, scale=scale, chunk=cfg.attention_block_q)
     else:
-      if impl == "blockwise":
+      if impl in ("blockwise", "chunked"):
         impl = "reference"  # one query step against the cache: the dense path is already O(S)
       mask = kv_valid_BxS[:, None, None, :]
       structural = index_mask(cfg, q_idx, k_idx)

@@ -42,6 +42,8 @@ def _main(argv):
 
 
 def main():
+  from tformer_jax.host_alloc import maybe_reexec
+  maybe_reexec()  # tcmalloc / hugetlb: see tformer_jax/host_alloc.py
   flags.mark_flags_as_required(["config", "workdir"])
   app.run(_main)
 

@@ -1,0 +1,54 @@
+"""The CLIs' allocator choice (tformer_jax/host_alloc.py): the pure plan, and a real re-exec in a
+subprocess that ends up running under the planned allocator exactly once."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tformer_jax import host_alloc as ha
+
+TC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+
+
+@pytest.mark.parametrize("env,tc,glibc,want", [
+    ({}, TC, (2, 36), {"LD_PRELOAD": TC, ha.ENV_DONE: "tcmalloc"}),
+    ({"LD_PRELOAD": "/x/libfoo.so"}, TC, (2, 36), {"LD_PRELOAD": f"{TC}:/x/libfoo.so", ha.ENV_DONE: "tcmalloc"}),
+    ({}, None, (2, 36), {"GLIBC_TUNABLES": ha.HUGETLB, ha.ENV_DONE: "hugetlb"}),
+    ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, None, (2, 36),
+     {"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{ha.HUGETLB}", ha.ENV_DONE: "hugetlb"}),
+    ({ha.ENV_CHOICE: "hugetlb"}, TC, (2, 36), {"GLIBC_TUNABLES": ha.HUGETLB, ha.ENV_DONE: "hugetlb"}),
+    ({}, None, (2, 31), None),  # glibc too old for the tunable: run as is
+    ({ha.ENV_CHOICE: "system"}, TC, (2, 36), None),
+    ({ha.ENV_DONE: "tcmalloc"}, TC, (2, 36), None),  # already re-executed: never loop
+    ({"LD_PRELOAD": "/opt/libjemalloc.so.2"}, TC, (2, 36), None),  # the user's own allocator wins
+])
+def test_plan(env, tc, glibc, want):
+  assert ha.plan(env, tc, glibc, platform="linux") == want
+
+
+def test_plan_errors_and_other_platforms():
+  assert ha.plan({}, TC, (2, 36), platform="darwin") is None
+  with pytest.raises(ValueError, match="TFORMER_JAX_ALLOCATOR='fast'"):
+    ha.plan({ha.ENV_CHOICE: "fast"}, TC, (2, 36), platform="linux")
+  with pytest.raises(ValueError, match="no tcmalloc library"):
+    ha.plan({ha.ENV_CHOICE: "tcmalloc"}, None, (2, 36), platform="linux")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD / glibc tunables are Linux")
+@pytest.mark.parametrize("choice", ["auto", "system"])
+def test_reexec_runs_once_under_the_planned_allocator(choice):
+  code = ("import sys; from tformer_jax import host_alloc as ha; print('start', flush=True); "
+          "ha.maybe_reexec(); print('allocator', ha.loaded_allocator(), sys.argv[1:])")
+  env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "GLIBC_TUNABLES", ha.ENV_DONE)}
+  env[ha.ENV_CHOICE] = choice
+  p = subprocess.run([sys.executable, "-c", code, "a1", "--b=2"], env=env, capture_output=True, text=True,
+                     timeout=60)
+  assert p.returncode == 0, p.stderr
+  planned = ha.plan(env, ha.find_tcmalloc(), ha.glibc_version())
+  lines = p.stdout.splitlines()
+  want = {None: "glibc", "tcmalloc": "tcmalloc", "hugetlb": "glibc+hugetlb"}[
+      planned and planned[ha.ENV_DONE]]
+  assert lines[-1] == f"allocator {want} ['a1', '--b=2']", p.stdout
+  assert lines.count("start") == (2 if planned else 1)  # re-executed exactly once, arguments kept
+  assert ("note: re-running under" in p.stderr) == bool(planned)

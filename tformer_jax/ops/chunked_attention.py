@@ -1,0 +1,205 @@
+"""Chunked exact attention: each query chunk runs a full softmax over only the keys it can see.
+
+The queries are cut into static chunks of `chunk` rows. With a causal mask chunk i (rows
+[i*c, (i+1)*c)) can only see keys [0, (i+1)*c), and with a sliding window also none below
+i*c - window + 1, so the key range of every chunk is a static slice: the masked upper triangle is
+skipped at chunk granularity (c = L/4 computes 10 of 16 tiles, 62.5% of the dense work; c = L/8, 56%)
+and no online softmax is needed. The forward keeps each chunk's probabilities and the backward is a
+hand-written VJP (`jax.custom_vjp`) with the 4 matmuls of the dense backward on the same static
+slices (no recompute, unlike `ops.blockwise`; delta = rowsum(dO * O) as in FlashAttention-2).
+
+When to use which (all exact, same semantics):
+  `ops.attention` reference  one L x S softmax; simplest; O(L*S) memory; every tile computed.
+  this module                 short and medium sequences (up to a few thousand): O(L*S/2) memory for
+                              causal; the fastest on CPU (docs/benchmarks.md).
+  `ops.blockwise`             long sequences: O(L) memory, recomputes in the backward.
+
+Semantics match `ops.attention.dot_product_attention` with the equivalent dense mask: query i at
+absolute position q_offset + i, key j at j; causal j <= p; window w adds j > p - w (|p - j| < w when
+not causal); ALiBi bias -slope_h * (p - j) (|p - j| when not causal); kv_valid and segment ids
+(0 = padding) as in `ops.blockwise`. A query row that sees no key returns zeros, never NaN.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jnp.ndarray
+
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+class _Static(NamedTuple):
+  causal: bool
+  window: int
+  q_offset: int
+  chunk: int
+
+
+def chunk_key_range(i: int, chunk: int, l: int, s: int, *, causal: bool, window: int,
+                    q_offset: int) -> tuple[int, int]:
+  """Static [lo, hi) of the keys that query chunk i (rows [i*chunk, min(l, (i+1)*chunk))) can see."""
+  p_min, p_max = q_offset + i * chunk, q_offset + min(l, (i + 1) * chunk) - 1
+  lo, hi = 0, s
+  if causal:
+    hi = p_max + 1
+    if window > 0:
+      lo = p_min - window + 1
+  elif window > 0:
+    lo, hi = p_min - window + 1, p_max + window
+  lo = min(max(lo, 0), s)
+  return lo, min(max(hi, lo), s)
+
+
+def _chunks(st: _Static, l: int, s: int):
+  """(row0, row1, lo, hi) of every query chunk, static."""
+  for i in range(-(-l // st.chunk)):
+    lo, hi = chunk_key_range(i, st.chunk, l, s, causal=st.causal, window=st.window, q_offset=st.q_offset)
+    yield i * st.chunk, min(l, (i + 1) * st.chunk), lo, hi
+
+
+def _probs(st: _Static, q_i: Array, k_c: Array, r0: int, r1: int, lo: int, hi: int, aux: dict) -> Array:
+  """Softmax probabilities (B, K, G, Q, C) in float32 of one query chunk over keys [lo, hi); rows that
+  see no key are all zero."""
+  s_BxKxGxQxC = jnp.einsum("bkgqd,bkcd->bkgqc", q_i, k_c, preferred_element_type=jnp.float32)
+  dist_QxC = (st.q_offset + np.arange(r0, r1))[:, None] - np.arange(lo, hi)[None, :]
+  mask = None  # (1 or B, Q, C)
+  if st.causal or st.window:
+    m = (dist_QxC >= 0) if st.causal else np.ones(dist_QxC.shape, bool)
+    if st.window:
+      m &= (dist_QxC < st.window) if st.causal else (np.abs(dist_QxC) < st.window)
+    if not m.all():
+      mask = jnp.asarray(m)[None]
+  if aux["slopes"] is not None:
+    dist = dist_QxC if st.causal else np.abs(dist_QxC)
+    s_BxKxGxQxC = s_BxKxGxQxC - aux["slopes"][None, :, :, None, None] * jnp.asarray(dist, jnp.float32)
+  if aux["kv_valid"] is not None:
+    m = aux["kv_valid"][:, None, lo:hi]
+    mask = m if mask is None else mask & m
+  if aux["q_seg"] is not None:
+    qs, ks = aux["q_seg"][:, r0:r1, None], aux["kv_seg"][:, None, lo:hi]
+    m = (qs == ks) & (ks != 0)
+    mask = m if mask is None else mask & m
+  if mask is not None:
+    s_BxKxGxQxC = jnp.where(mask[:, None, None], s_BxKxGxQxC, MASK_VALUE)
+  p = jax.nn.softmax(s_BxKxGxQxC, axis=-1)
+  if mask is not None and (aux["kv_valid"] is not None or aux["q_seg"] is not None or st.window):
+    p = jnp.where(jnp.any(mask, axis=-1)[:, None, None, :, None], p, 0.0)  # rows with no key
+  return p
+
+
+def _forward(st: _Static, q: Array, k: Array, v: Array, aux: dict) -> tuple[Array, list]:
+  """Head-major q (B, K, G, L, D) pre-scaled, k/v (B, K, S, D) -> o like q, and the probabilities."""
+  l, s = q.shape[3], k.shape[2]
+  outs, probs = [], []
+  for r0, r1, lo, hi in _chunks(st, l, s):
+    q_i = q[:, :, :, r0:r1]
+    if hi == lo:  # this chunk sees no key at all
+      outs.append(jnp.zeros(q_i.shape, q.dtype))
+      probs.append(None)
+      continue
+    p = _probs(st, q_i, k[:, :, lo:hi], r0, r1, lo, hi, aux)
+    o_i = jnp.einsum("bkgqc,bkcd->bkgqd", p.astype(v.dtype), v[:, :, lo:hi],
+                     preferred_element_type=jnp.float32)
+    outs.append(o_i.astype(q.dtype))
+    probs.append(p)
+  return jnp.concatenate(outs, axis=3) if len(outs) > 1 else outs[0], probs
+
+
+def _backward(st: _Static, q: Array, k: Array, v: Array, o: Array, probs: list, do: Array):
+  l, s = q.shape[3], k.shape[2]
+  delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # (B, K, G, L)
+  dk = jnp.zeros(k.shape, jnp.float32)
+  dv = jnp.zeros(v.shape, jnp.float32)
+  dqs = []
+  for (r0, r1, lo, hi), p in zip(_chunks(st, l, s), probs):
+    if p is None:
+      dqs.append(jnp.zeros(q[:, :, :, r0:r1].shape, jnp.float32))
+      continue
+    do_i, q_i = do[:, :, :, r0:r1], q[:, :, :, r0:r1]
+    dv_c = jnp.einsum("bkgqc,bkgqd->bkcd", p.astype(do.dtype), do_i, preferred_element_type=jnp.float32)
+    dp = jnp.einsum("bkgqd,bkcd->bkgqc", do_i, v[:, :, lo:hi], preferred_element_type=jnp.float32)
+    ds = p * (dp - delta[:, :, :, r0:r1, None])
+    dqs.append(jnp.einsum("bkgqc,bkcd->bkgqd", ds.astype(k.dtype), k[:, :, lo:hi],
+                          preferred_element_type=jnp.float32))
+    dk_c = jnp.einsum("bkgqc,bkgqd->bkcd", ds.astype(q.dtype), q_i, preferred_element_type=jnp.float32)
+    if lo == 0 and hi == s:
+      dk, dv = dk + dk_c, dv + dv_c
+    else:
+      dk = jax.lax.dynamic_update_slice_in_dim(dk, dk[:, :, lo:hi] + dk_c, lo, axis=2)
+      dv = jax.lax.dynamic_update_slice_in_dim(dv, dv[:, :, lo:hi] + dv_c, lo, axis=2)
+  dq = jnp.concatenate(dqs, axis=3) if len(dqs) > 1 else dqs[0]
+  return dq, dk, dv
+
+
+def _zero_cotangent(x):
+  if x is None:
+    return None
+  if jnp.issubdtype(x.dtype, jnp.floating):
+    return jnp.zeros_like(x)
+  return np.zeros(x.shape, dtype=jax.dtypes.float0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked(st: _Static, q: Array, k: Array, v: Array, aux: dict) -> Array:
+  return _forward(st, q, k, v, aux)[0]
+
+
+def _chunked_fwd(st: _Static, q: Array, k: Array, v: Array, aux: dict):
+  o, probs = _forward(st, q, k, v, aux)
+  return o, (q, k, v, aux, o, probs)
+
+
+def _chunked_bwd(st: _Static, res, do: Array):
+  q, k, v, aux, o, probs = res
+  dq, dk, dv = _backward(st, q, k, v, o, probs, do)
+  aux_ct = jax.tree.map(_zero_cotangent, aux, is_leaf=lambda x: x is None)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), aux_ct
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def chunked_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, *, causal: bool = True,
+                      window: int = 0, q_offset: int = 0, alibi_slopes_H: Array | None = None,
+                      kv_valid_BxS: Array | None = None, q_segment_ids_BxL: Array | None = None,
+                      kv_segment_ids_BxS: Array | None = None, scale: float | None = None,
+                      chunk: int = 64) -> Array:
+  """Exact attention in static query chunks; returns (B, L, H, D). GQA/MQA: K divides H, K/V are
+  never repeated. `q_offset` must be a Python int (the chunk ranges are static). No gradient flows to
+  ALiBi slopes."""
+  b, l, h, d = q_BxLxHxD.shape
+  s, kh = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
+  if k_BxSxKxD.shape != v_BxSxKxD.shape or k_BxSxKxD.shape[-1] != d or h % kh:
+    raise ValueError(f"bad shapes q {q_BxLxHxD.shape}, k {k_BxSxKxD.shape}, v {v_BxSxKxD.shape}")
+  if window < 0 or chunk <= 0:
+    raise ValueError(f"window must be >= 0 and chunk > 0, got window={window}, chunk={chunk}")
+  if not isinstance(q_offset, (int, np.integer)):
+    raise ValueError("chunked_attention needs a static (Python int) q_offset; use ops.blockwise for "
+                     "a traced one")
+  if q_segment_ids_BxL is None and kv_segment_ids_BxS is not None:
+    raise ValueError("kv_segment_ids_BxS given without q_segment_ids_BxL")
+  g = h // kh
+  scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+  st = _Static(causal=bool(causal), window=int(window), q_offset=int(q_offset), chunk=int(chunk))
+  aux = {"slopes": None, "kv_valid": None, "q_seg": None, "kv_seg": None}
+  if alibi_slopes_H is not None:
+    aux["slopes"] = jnp.asarray(alibi_slopes_H, jnp.float32).reshape(kh, g)
+  if kv_valid_BxS is not None:
+    aux["kv_valid"] = kv_valid_BxS.astype(bool)
+  if q_segment_ids_BxL is not None:
+    kv_seg = q_segment_ids_BxL if kv_segment_ids_BxS is None else kv_segment_ids_BxS
+    aux["q_seg"], aux["kv_seg"] = q_segment_ids_BxL.astype(jnp.int32), kv_seg.astype(jnp.int32)
+  dt = q_BxLxHxD.dtype
+  # head-major, so every chunk product is a plain batched matmul over (B, K)
+  q_BxLxKxGxD = (q_BxLxHxD * jnp.asarray(scale, dt)).reshape(b, l, kh, g, d)
+  q_BxKxGxLxD = jnp.transpose(q_BxLxKxGxD, (0, 2, 3, 1, 4))
+  k_BxKxSxD = jnp.transpose(k_BxSxKxD, (0, 2, 1, 3))
+  v_BxKxSxD = jnp.transpose(v_BxSxKxD, (0, 2, 1, 3))
+  o_BxKxGxLxD = _chunked(st, q_BxKxGxLxD, k_BxKxSxD, v_BxKxSxD, aux)
+  return jnp.transpose(o_BxKxGxLxD, (0, 3, 1, 2, 4)).reshape(b, l, h, d)
