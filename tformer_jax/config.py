@@ -105,6 +105,7 @@ class ModelConfig:
   dtype: str = "float32"             # compute dtype
   param_dtype: str = "float32"
   scan_layers: bool = False
+  residual_grad_barrier: str = "auto"  # auto (CPU only) | on | off: nn.common.grad_fusion_barrier
   remat: str = "none"
   moe: MoEConfig = MoEConfig()
 
@@ -230,7 +231,7 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
     _fail(p + "mlp_ratio", f"must be > 0, got {m.mlp_ratio}")
   choices = dict(activation=ACTIVATIONS, norm=NORMS, norm_position=NORM_POSITIONS, position=POSITIONS,
                  rope_layout=ROPE_LAYOUTS, attention_impl=ATTENTION_IMPLS, remat=REMAT_POLICIES,
-                 dtype=DTYPES, param_dtype=DTYPES)
+                 dtype=DTYPES, param_dtype=DTYPES, residual_grad_barrier=("auto", "on", "off"))
   for name, allowed in choices.items():
     if getattr(m, name) not in allowed:
       _fail(p + name, f"unknown value {getattr(m, name)!r}; expected one of {allowed}")

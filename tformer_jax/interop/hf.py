@@ -181,7 +181,7 @@ def _write_safetensors(tensors: Mapping[str, np.ndarray], d: pathlib.Path, max_s
 
 _RUNTIME_FIELDS = ("embed_dropout", "attn_dropout", "resid_dropout", "init_std", "scale_residual_init",
                    "attention_impl", "attention_block_q", "attention_block_k", "dtype", "param_dtype",
-                   "scan_layers", "remat", "mlp_ratio")
+                   "scan_layers", "remat", "mlp_ratio", "residual_grad_barrier")
 _SCALING_FIELDS = {"none": (), "linear": ("factor",), "ntk": ("factor",),
                    "dynamic": ("factor", "original_max_len"),
                    "yarn": ("factor", "original_max_len", "beta_fast", "beta_slow", "attention_factor"),

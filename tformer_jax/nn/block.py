@@ -6,7 +6,7 @@ import jax
 
 from tformer_jax.config import ModelConfig
 from tformer_jax.nn.attention import Attention
-from tformer_jax.nn.common import Norm
+from tformer_jax.nn.common import Norm, residual_grad_barrier
 from tformer_jax.nn.mlp import MLP
 
 
@@ -21,6 +21,7 @@ class Block(nn.Module):
   def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, kv_valid_BxS: jax.Array,
                q_offset: jax.Array, bias_BxHxLxS: jax.Array | None):
     cfg = self.cfg
+    x_BxLxD = residual_grad_barrier(cfg, x_BxLxD)  # XLA:CPU would recompute the gradient chain
     attn = Attention(cfg, self.deterministic, self.decode, name="attn")
     if self.use_moe:
       from tformer_jax.nn.moe import MoEFFN

@@ -1,0 +1,57 @@
+"""nn.common.grad_fusion_barrier: an identity in values and gradients (also for NaN/inf cotangents),
+whose backward really keeps its one-trip loop in the compiled XLA:CPU program, and a Transformer with
+the barrier on equals the one with it off (logits and parameter gradients, float32, 1e-6)."""
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tformer_jax.config import ModelConfig, validate_model
+from tformer_jax.nn import Transformer
+from tformer_jax.nn.common import grad_fusion_barrier
+
+
+def test_identity_in_value_and_gradient():
+  x = jnp.linspace(-2.0, 3.0, 24).reshape(2, 3, 4)
+  np.testing.assert_array_equal(np.asarray(grad_fusion_barrier(x)), np.asarray(x))
+  f = lambda x: jnp.sum(jnp.sin(grad_fusion_barrier(x)) * x)  # noqa: E731
+  g = lambda x: jnp.sum(jnp.sin(x) * x)  # noqa: E731
+  np.testing.assert_allclose(np.asarray(jax.jit(jax.grad(f))(x)), np.asarray(jax.jit(jax.grad(g))(x)),
+                             rtol=1e-6, atol=1e-6)  # fusion may reorder the float sums
+  for bad in (jnp.nan, jnp.inf):  # the loop's trip count comes from the cotangent: still one trip
+    ct = jnp.full(x.shape, bad).at[0, 0, 1].set(1.0)
+    _, vjp = jax.vjp(grad_fusion_barrier, x)
+    np.testing.assert_array_equal(np.asarray(jax.jit(vjp)(ct)[0]), np.asarray(ct))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the XLA:CPU program")
+def test_compiled_backward_keeps_the_loop():
+  f = jax.grad(lambda x: jnp.sum(jnp.tanh(grad_fusion_barrier(x * 2.0)) ** 2))
+  hlo = jax.jit(f).lower(jnp.ones((8, 16))).compile().as_text()
+  assert " while(" in hlo  # XLA neither folded nor hoisted it: the cotangent is materialised
+
+
+@pytest.mark.parametrize("extra", [{}, {"scan_layers": True}])
+def test_model_same_with_and_without_barrier(extra):
+  base = ModelConfig(vocab_size=50, d_model=32, num_layers=3, num_heads=4, max_len=16,
+                     position="learned", norm="layernorm", activation="gelu_tanh", **extra)
+  validate_model(base)
+  on, off = (dataclasses.replace(base, residual_grad_barrier=m) for m in ("on", "off"))
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 16), 0, 50)
+  params = nn.unbox(Transformer(on).init(jax.random.PRNGKey(0), tokens)["params"])
+  w = jax.random.normal(jax.random.PRNGKey(2), (2, 16, 50))
+
+  def run(m):
+    def f(p):
+      logits = Transformer(m).apply({"params": p}, tokens)
+      return jnp.sum(logits * w), logits
+    (_, logits), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+    return logits, grads
+
+  (la, ga), (lb, gb) = run(on), run(off)
+  np.testing.assert_allclose(np.asarray(la), np.asarray(lb), rtol=1e-6, atol=1e-6)
+  for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
