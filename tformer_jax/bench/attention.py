@@ -23,8 +23,9 @@ import jax.numpy as jnp
 from tformer_jax.ops import masks
 from tformer_jax.ops.attention import dot_product_attention
 from tformer_jax.ops.blockwise import blockwise_attention
+from tformer_jax.ops.chunked_attention import chunked_attention
 
-IMPLS = ("reference", "xla", "blockwise")
+IMPLS = ("reference", "xla", "blockwise", "chunked")
 GB = 1024 ** 3
 
 
@@ -32,6 +33,8 @@ def _attention_fn(impl: str, seq: int, block: int, block_q: int, block_k: int) -
   if impl == "blockwise":
     return lambda q, k, v: blockwise_attention(q, k, v, causal=True, block_q=block_q or block,
                                                block_k=block_k or block)
+  if impl == "chunked":  # --block-q (else --block) is the query chunk
+    return lambda q, k, v: chunked_attention(q, k, v, causal=True, chunk=block_q or block)
   if impl in ("reference", "xla"):
     return lambda q, k, v: dot_product_attention(q, k, v, mask=masks.causal_mask(seq), impl=impl)
   raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
