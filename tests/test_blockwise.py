@@ -58,7 +58,8 @@ CASES = {
 }
 
 
-def _run_case(b, l, s, h, kh, d, kw):
+def case_and_reference(b, l, s, h, kh, d, kw):
+  """((q, k, v, ct), the op's keyword arguments, the dense reference fn) for one CASES entry."""
   q, k, v, ct = _inputs(b, l, s, h, kh, d)
   causal, window, q_offset = kw["causal"], kw.get("window", 0), kw.get("q_offset", 0)
   rng = np.random.default_rng(1)
@@ -72,27 +73,31 @@ def _run_case(b, l, s, h, kh, d, kw):
     q_seg = kv_seg = jnp.asarray(seg, jnp.int32)
   mask, bias = _dense_mask_bias(b, l, s, h, causal=causal, window=window, q_offset=q_offset,
                                 alibi=kw.get("alibi", False), kv_valid=kv_valid, q_seg=q_seg, kv_seg=kv_seg)
-  slopes = positions.alibi_slopes(h) if kw.get("alibi") else None
+  op_kw = dict(causal=causal, window=window, q_offset=q_offset,
+               alibi_slopes_H=positions.alibi_slopes(h) if kw.get("alibi") else None,
+               kv_valid_BxS=kv_valid, q_segment_ids_BxL=q_seg, kv_segment_ids_BxS=kv_seg)
+  return (q, k, v, ct), op_kw, lambda q, k, v: dot_product_attention(q, k, v, mask=mask, bias=bias)
 
-  def ref(q, k, v):
-    return dot_product_attention(q, k, v, mask=mask, bias=bias)
 
-  def blk(q, k, v):
-    return blockwise_attention(q, k, v, causal=causal, window=window, q_offset=q_offset,
-                               alibi_slopes_H=slopes, kv_valid_BxS=kv_valid, q_segment_ids_BxL=q_seg,
-                               kv_segment_ids_BxS=kv_seg, block_q=kw.get("blocks", (16, 16))[0],
-                               block_k=kw.get("blocks", (16, 16))[1])
-
+def assert_matches_reference(fn, ref, q, k, v, ct):
+  """fn's output and q/k/v gradients (for cotangent ct) equal ref's, finite, within TOL."""
   def out_and_grads(f):
     o, vjp = jax.vjp(f, q, k, v)
     return (o,) + vjp(ct)
 
   want = jax.jit(lambda: out_and_grads(ref))()
-  got = jax.jit(lambda: out_and_grads(blk))()
+  got = jax.jit(lambda: out_and_grads(fn))()
   for name, w, g in zip(("out", "dq", "dk", "dv"), want, got):
     assert np.all(np.isfinite(np.asarray(g))), name
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), err_msg=name, **TOL)
   return got
+
+
+def _run_case(b, l, s, h, kh, d, kw):
+  (q, k, v, ct), op_kw, ref = case_and_reference(b, l, s, h, kh, d, kw)
+  bq, bk = kw.get("blocks", (16, 16))
+  blk = lambda q, k, v: blockwise_attention(q, k, v, **op_kw, block_q=bq, block_k=bk)  # noqa: E731
+  return assert_matches_reference(blk, ref, q, k, v, ct)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -101,12 +106,16 @@ def test_matches_dense(name):
   _run_case(b, l, s, h, kh, d, kw)
 
 
-def test_fully_masked_rows_are_zero_not_nan():
+@pytest.mark.parametrize("impl", ["blockwise", "chunked"])
+def test_fully_masked_rows_are_zero_not_nan(impl):
+  from tformer_jax.ops.chunked_attention import chunked_attention
   b, l, h, kh, d = 2, 20, 4, 2, 8
   q, k, v, ct = _inputs(b, l, l, h, kh, d)
   kv_valid = jnp.zeros((b, l), bool).at[0, 10:].set(True)  # batch 1 sees nothing; batch 0 rows < 10 too
 
   def f(q, k, v):
+    if impl == "chunked":
+      return chunked_attention(q, k, v, causal=True, kv_valid_BxS=kv_valid, chunk=8)
     return blockwise_attention(q, k, v, causal=True, kv_valid_BxS=kv_valid, block_q=8, block_k=8)
 
   o, vjp = jax.vjp(jax.jit(f), q, k, v)
@@ -116,6 +125,7 @@ def test_fully_masked_rows_are_zero_not_nan():
   np.testing.assert_array_equal(np.asarray(o[1]), 0.0)
   np.testing.assert_array_equal(np.asarray(o[0, :10]), 0.0)
   np.testing.assert_array_equal(np.asarray(dq[1]), 0.0)
+  np.testing.assert_array_equal(np.asarray(dk[1]), 0.0)
   ref = dot_product_attention(q, k, v, mask=masks.causal_mask(l) & masks.padding_mask(kv_valid))
   np.testing.assert_allclose(np.asarray(o), np.asarray(ref), **TOL)
 
@@ -129,12 +139,8 @@ def test_traced_q_offset_under_jit():
     np.testing.assert_allclose(np.asarray(f(jnp.int32(off))), np.asarray(ref), **TOL)
 
 
-@pytest.mark.parametrize("causal,window,q_offset", [(True, 0, 0), (True, 7, 0), (True, 7, 13),
-                                                    (False, 9, 5), (False, 0, 0), (True, 40, 3)])
-def test_block_ranges_cover_band_tightly(causal, window, q_offset):
-  bq, bk, l, s = 8, 4, 40, 60
-  st = _Static(causal=causal, window=window, scale=1.0, block_q=bq, block_k=bk)
-  nq, nk = l // bq, s // bk
+def visibility(l, s, causal, window, q_offset):
+  """(l, s) bool: which key each query sees (query i at position q_offset + i)."""
   p = q_offset + np.arange(l)[:, None]
   j = np.arange(s)[None, :]
   vis = np.ones((l, s), bool)
@@ -144,6 +150,18 @@ def test_block_ranges_cover_band_tightly(causal, window, q_offset):
       vis &= j > p - window
   elif window:
     vis &= np.abs(p - j) < window
+  return vis
+
+
+BANDS = [(True, 0, 0), (True, 7, 0), (True, 7, 13), (False, 9, 5), (False, 0, 0), (True, 40, 3)]
+
+
+@pytest.mark.parametrize("causal,window,q_offset", BANDS)
+def test_block_ranges_cover_band_tightly(causal, window, q_offset):
+  bq, bk, l, s = 8, 4, 40, 60
+  st = _Static(causal=causal, window=window, scale=1.0, block_q=bq, block_k=bk)
+  nq, nk = l // bq, s // bk
+  vis = visibility(l, s, causal, window, q_offset)
   blocks = vis.reshape(nq, bq, nk, bk).any(axis=(1, 3))
   for i in range(nq):
     lo, hi = (int(x) for x in _kv_block_range(jnp.int32(i), st, jnp.int32(q_offset), nk))

@@ -7,10 +7,10 @@ benchmarks/torch_gpt2.py builds the same architecture and optimiser in PyTorch.
   python -m tformer_jax.bench train --config=configs/bench/gpt2_cpu.py --steps 20 --warmup 3
   python benchmarks/compare_torch.py          # JAX vs torch eager vs torch.compile, interleaved
 
-Measured (2026-11-29, 2-vCPU AMD EPYC, JAX 0.10.2, load 2.3): 1858 tokens/s, 132.9 GFLOP/s of
-146.5 GFLOP/step, MFU 61.8% of a 215 GFLOP/s float32 matmul; PyTorch 2.13 side by side on the quiet
-machine: eager 2136-2183, torch.compile 2261-2279 tokens/s (JAX 0.84-0.88x). Details and the loaded-
-machine numbers (where JAX is 2x faster): docs/benchmarks.md.
+Measured (2026-11-29 12:42 UTC, 2-vCPU AMD EPYC, JAX 0.10.2, load 1.4, under tcmalloc): 2300 tokens/s,
+164.6 GFLOP/s of 146.5 GFLOP/step, MFU 77.1% of a 213.5 GFLOP/s float32 matmul measured in the same
+run; PyTorch 2.13 side by side (same process, same allocator): eager 2167, torch.compile 2250 tokens/s
+against JAX 2288 (1.06x / 1.02x; 1.03x / 1.03x in a rerun). Details: docs/benchmarks.md.
 """
 from tformer_jax.config import default_config
 

@@ -29,9 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-Array = jnp.ndarray
+from tformer_jax.ops.blockwise import MASK_VALUE
+from tformer_jax.ops.blockwise import _zero_cotangent as zero_cotangent
 
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+Array = jnp.ndarray
 
 
 class _Static(NamedTuple):
@@ -137,14 +138,6 @@ def _backward(st: _Static, q: Array, k: Array, v: Array, o: Array, probs: list, 
   return dq, dk, dv
 
 
-def _zero_cotangent(x):
-  if x is None:
-    return None
-  if jnp.issubdtype(x.dtype, jnp.floating):
-    return jnp.zeros_like(x)
-  return np.zeros(x.shape, dtype=jax.dtypes.float0)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _chunked(st: _Static, q: Array, k: Array, v: Array, aux: dict) -> Array:
   return _forward(st, q, k, v, aux)[0]
@@ -158,7 +151,7 @@ def _chunked_fwd(st: _Static, q: Array, k: Array, v: Array, aux: dict):
 def _chunked_bwd(st: _Static, res, do: Array):
   q, k, v, aux, o, probs = res
   dq, dk, dv = _backward(st, q, k, v, o, probs, do)
-  aux_ct = jax.tree.map(_zero_cotangent, aux, is_leaf=lambda x: x is None)
+  aux_ct = jax.tree.map(zero_cotangent, aux, is_leaf=lambda x: x is None)
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), aux_ct
 
 
