@@ -116,6 +116,28 @@ def test_xla_model_matches_reference(position):
   _assert_same(got, _real_only(ref, params, tokens, MASK))
 
 
+@pytest.mark.parametrize("position,window", [("rope", 0), ("alibi", 0), ("rope", 5)])
+def test_unpadded_xla_matches_reference(position, window):
+  """Without an attention mask the layers get kv_valid=None and 'xla' runs in its causal mode
+  (is_causal, no dense mask; with a window it falls back to the mask): same logits and gradients."""
+  ref = _cfg(position=position, window=window, num_kv_heads=0 if position == "alibi" else 2)
+  params = _init(ref)
+  tokens = _tokens(2)
+  got = _logits_and_grads(dataclasses.replace(ref, attention_impl="xla"), params, tokens)
+  _assert_same(got, _logits_and_grads(ref, params, tokens))
+
+
+def test_is_causal_equals_the_causal_mask():
+  from tformer_jax.ops import masks
+  from tformer_jax.ops.attention import dot_product_attention
+  q = jax.random.normal(jax.random.PRNGKey(0), (2, 9, 4, 8))
+  kv = jax.random.normal(jax.random.PRNGKey(1), (2, 9, 2, 8))
+  want = dot_product_attention(q, kv, kv, mask=masks.causal_mask(9))
+  for impl in ("reference", "xla"):
+    got = dot_product_attention(q, kv, kv, is_causal=True, impl=impl)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=TOL, atol=TOL, err_msg=impl)
+
+
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the error without a GPU")
 def test_cudnn_without_gpu_is_a_clear_error():
   m = _cfg(attention_impl="cudnn")

@@ -43,10 +43,11 @@ class Attention(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, kv_valid_BxS: jax.Array,
+  def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, kv_valid_BxS: jax.Array | None,
                q_offset: jax.Array | int = 0, bias_BxHxLxS: jax.Array | None = None) -> jax.Array:
     """kv_valid_BxS: validity of every key this call attends to: (B, L) without a cache, the whole
-    cache's (B, S) when decoding. q_offset: cache slot of this call's first token (decode only)."""
+    cache's (B, S) when decoding; None = every key is valid (no padding: lets 'xla'/'cudnn' use
+    their causal mode). q_offset: cache slot of this call's first token (decode only)."""
     cfg = self.cfg
     dt, pdt = dtypes(cfg)
     b, l, d = x_BxLxD.shape
@@ -108,10 +109,14 @@ class Attention(nn.Module):
     else:
       if impl in ("blockwise", "chunked"):
         impl = "reference"  # one query step against the cache: the dense path is already O(S)
-      mask = kv_valid_BxS[:, None, None, :]
-      structural = index_mask(cfg, q_idx, k_idx)
+      # No padding and a plain causal mask: 'xla'/'cudnn' get is_causal (cuDNN's causal mode skips
+      # the masked tiles) rather than a dense (1, 1, L, S) mask.
+      is_causal = (kv_valid_BxS is None and cfg.causal and not cfg.window and not self.decode
+                   and impl in ("xla", "cudnn"))
+      mask = None if kv_valid_BxS is None else kv_valid_BxS[:, None, None, :]
+      structural = None if is_causal else index_mask(cfg, q_idx, k_idx)
       if structural is not None:
-        mask = mask & structural[None, None]
+        mask = structural[None, None] if mask is None else mask & structural[None, None]
       bias = bias_BxHxLxS
       if slopes is not None:
         alibi = pos_ops.alibi_bias(slopes, q_idx[None], k_idx[None], causal=cfg.causal)
@@ -125,7 +130,7 @@ class Attention(nn.Module):
       else:
         out_BxLxHxD = attn_ops.dot_product_attention(
             q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, mask=mask, bias=bias, scale=scale, impl=impl,
-            dropout_rate=dropout_rate, dropout_rng=rng)
+            dropout_rate=dropout_rate, dropout_rng=rng, is_causal=is_causal)
 
     out_BxLxHxD = nn.with_logical_constraint(out_BxLxHxD, ("batch", "length", "heads", "kv"))
     wo = param(self, "wo", normal(residual_std(cfg)), (h, hd, d), ("heads", "kv", "embed"), pdt)

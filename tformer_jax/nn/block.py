@@ -18,7 +18,7 @@ class Block(nn.Module):
   use_moe: bool = False
 
   @nn.compact
-  def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, kv_valid_BxS: jax.Array,
+  def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, kv_valid_BxS: jax.Array | None,
                q_offset: jax.Array, bias_BxHxLxS: jax.Array | None):
     cfg = self.cfg
     x_BxLxD = residual_grad_barrier(cfg, x_BxLxD)  # XLA:CPU would recompute the gradient chain

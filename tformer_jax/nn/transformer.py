@@ -103,7 +103,10 @@ class Transformer(nn.Module):
                      bidirectional=not cfg.causal, num_buckets=cfg.t5_num_buckets,
                      max_distance=cfg.t5_max_distance)
 
-    args = (positions_BxL, kv_valid_BxS, q_offset, bias)
+    # Without padding or a cache the layers get kv_valid=None ("all valid"), so fused kernels can use
+    # their causal mode.
+    no_padding = attention_mask_BxL is None and not decode
+    args = (positions_BxL, None if no_padding else kv_valid_BxS, q_offset, bias)
     cls = block_class(cfg)
     if cfg.scan_layers:
       scanned = nn.scan(cls, variable_axes={c: 0 for c in SCANNED_COLLECTIONS},

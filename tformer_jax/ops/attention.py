@@ -12,6 +12,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from tformer_jax.ops.masks import causal_mask
+
 Array = jnp.ndarray
 Impl = Literal["reference", "xla", "cudnn"]
 
@@ -62,10 +64,12 @@ def dot_product_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, 
                           mask: Array | None = None, bias: Array | None = None,
                           scale: float | None = None, return_weights: bool = False,
                           impl: Impl = "reference", dropout_rate: float = 0.0,
-                          dropout_rng: Array | None = None):
+                          dropout_rng: Array | None = None, is_causal: bool = False):
   """Multi-head attention core. Returns (B, L, H, D) (and weights (B, H, L, S) if asked).
 
   mask: bool, broadcastable to (B, H|1, L, S), True = attend. bias: additive float, same shapes.
+  is_causal: also apply the causal mask (query i sees keys j <= i); 'xla'/'cudnn' then use the
+  kernel's causal mode (cuDNN skips the masked tiles) instead of a dense mask tensor.
   impl: 'reference' (this einsum path), or 'xla' / 'cudnn' through `jax.nn.dot_product_attention`
   (same semantics; weights are not available there; no attention dropout).
   """
@@ -83,12 +87,15 @@ def dot_product_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, 
     return jax.nn.dot_product_attention(
         q_BxLxHxD, k_BxSxKxD, v_BxSxKxD,
         bias=None if bias is None else bias.astype(q_BxLxHxD.dtype),
-        mask=mask, scale=scale, implementation=impl)
+        mask=mask, scale=scale, is_causal=is_causal, implementation=impl)
   if impl != "reference":
     raise ValueError(f"unknown attention impl {impl!r}; expected 'reference', 'xla' or 'cudnn'")
 
   b, l, _, d = q_BxLxHxD.shape
   g = h // kh
+  if is_causal:
+    causal = causal_mask(l, k_BxSxKxD.shape[1])
+    mask = causal if mask is None else mask & causal
   weights_BxHxLxS = attention_weights(q_BxLxHxD, k_BxSxKxD, mask=mask, bias=bias, scale=scale)
   probs = weights_BxHxLxS
   if dropout_rate > 0.0 and dropout_rng is not None:
