@@ -81,8 +81,8 @@ def grad_fusion_barrier(x: jax.Array) -> jax.Array:
   Why: XLA:CPU fuses the residual-stream gradient, a sum over every later layer's contribution, into
   each of its consumers instead of computing it once, so layer l's backward recomputes the chain of
   all layers above it (O(L^2) elementwise work; gpt2_cpu: fusions with 27 to 113 operands). Put at
-  each block's input it cuts the chain per layer: +6.7% tokens/s on gpt2_cpu. Values and gradients
-  are unchanged (tested)."""
+  each block's input it cuts the chain per layer: on gpt2_cpu LayerNorm backward 55 -> 20 ms/step,
+  +2.8% tokens/s, 24-layer unrolled compile 30 -> 14 s. Values and gradients are unchanged (tested)."""
   return x
 
 
