@@ -19,6 +19,9 @@ the fastest call; mfu = achieved / peak. peak_gflops_sustained (all matmul FLOPs
 time) and mfu_vs_sustained are less sensitive to a shared machine's fluctuating load. With
 --nominal-peak-tflops (e.g. 989 for an H100/H200 in dense bf16), mfu uses that figure and
 mfu_measured_peak keeps the measured one.
+Host allocator: run as a command, this re-runs itself under tcmalloc when it is installed (else
+glibc's hugetlb tunable; tformer_jax/host_alloc.py, TFORMER_JAX_ALLOCATOR=system to skip): XLA:CPU's
+per-step temp buffer otherwise page-faults every step. machine.allocator in the JSON says which ran.
 Prints human-readable lines, then one JSON line (the returned dict).
 """
 from __future__ import annotations
