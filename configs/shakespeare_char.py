@@ -4,8 +4,8 @@ Launch:  python scripts/train.py --config=configs/shakespeare_char.py --workdir=
 Measured (2026-11-29, `bash scripts/main.sh` on a fresh clone, 2 quiet CPU cores, under tcmalloc):
 400 steps in 4 min 35 s of training (incl. compile and 4 evaluations; 5,000-6,600 tokens/s), validation
 loss 1.705 nats/byte (2.46 bits/byte; 1.909 at step 200), 3.2M parameters; the whole command took
-5 min 11 s. (Earlier, with glibc malloc and another job beside it: 9 min 26 s, same loss.) For better samples raise
---config.train.steps (the cosine schedule follows it).
+5 min 11 s. (Earlier, with glibc malloc and another job beside it: 9 min 26 s, same loss.)
+For better samples raise --config.train.steps (the cosine schedule follows it).
 """
 from tformer_jax.config import default_config
 
