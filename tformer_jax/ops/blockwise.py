@@ -224,6 +224,12 @@ def _zero_cotangent(x: Array | None):
   return np.zeros(x.shape, dtype=jax.dtypes.float0)
 
 
+def zero_cotangents(aux: dict) -> dict:
+  """Zero cotangents for a dict of non-differentiated mask/bias inputs (float0 for ints and bools,
+  None kept): what a custom VJP returns for them."""
+  return jax.tree.map(_zero_cotangent, aux, is_leaf=lambda x: x is None)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(st: _Static, q: Array, k: Array, v: Array, aux: dict) -> Array:
   return _forward(st, q, k, v, aux)[0]
@@ -237,8 +243,7 @@ def _flash_fwd(st: _Static, q: Array, k: Array, v: Array, aux: dict):
 def _flash_bwd(st: _Static, res, do: Array):
   q, k, v, aux, o, lse = res
   dq, dk, dv = _backward(st, q, k, v, aux, o, lse, do)
-  aux_ct = jax.tree.map(_zero_cotangent, aux, is_leaf=lambda x: x is None)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), aux_ct
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), zero_cotangents(aux)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -29,8 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tformer_jax.ops.blockwise import MASK_VALUE
-from tformer_jax.ops.blockwise import _zero_cotangent as zero_cotangent
+from tformer_jax.ops.blockwise import MASK_VALUE, zero_cotangents
 
 Array = jnp.ndarray
 
@@ -151,8 +150,7 @@ def _chunked_fwd(st: _Static, q: Array, k: Array, v: Array, aux: dict):
 def _chunked_bwd(st: _Static, res, do: Array):
   q, k, v, aux, o, probs = res
   dq, dk, dv = _backward(st, q, k, v, o, probs, do)
-  aux_ct = jax.tree.map(zero_cotangent, aux, is_leaf=lambda x: x is None)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), aux_ct
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), zero_cotangents(aux)
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
