@@ -86,7 +86,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("impl", ["blockwise", "chunked"])
+@pytest.mark.parametrize("impl", ["blockwise", "chunked", "chunked_cpu"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_blockwise_model_matches_reference(name, impl):
   ref = _cfg(**CASES[name])

@@ -19,7 +19,7 @@ NORM_POSITIONS = ("pre", "post")
 POSITIONS = ("none", "sinusoidal", "learned", "rope", "alibi", "t5")
 ROPE_LAYOUTS = ("half", "interleaved")
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
-ATTENTION_IMPLS = ("reference", "chunked", "blockwise", "xla", "cudnn")
+ATTENTION_IMPLS = ("reference", "chunked", "chunked_cpu", "blockwise", "xla", "cudnn")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 DTYPES = ("float32", "bfloat16", "float16")
 MOE_DISPATCH = ("dropless", "capacity")
@@ -268,16 +268,20 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
       _fail(p + "rope_scaling.factor", f"must be >= 1, got {rs.factor}")
   if m.position == "t5" and (m.t5_num_buckets <= 0 or m.t5_max_distance <= 0):
     _fail(p + "t5_num_buckets", "t5_num_buckets and t5_max_distance must be positive")
-  if m.position == "t5" and m.attention_impl in ("blockwise", "chunked"):
+  if m.position == "t5" and m.attention_impl in ("blockwise", "chunked", "chunked_cpu"):
     _fail(p + "attention_impl", "T5 relative bias needs a dense bias: use 'reference' or 'xla'")
   if m.num_global_tokens and not m.window:
     _fail(p + "num_global_tokens", "global tokens only matter with a window > 0")
-  if m.num_global_tokens and m.attention_impl in ("blockwise", "chunked"):
+  if m.num_global_tokens and m.attention_impl in ("blockwise", "chunked", "chunked_cpu"):
     _fail(p + "num_global_tokens", "global tokens need a dense mask: use attention_impl 'reference'")
   if m.norm_position == "post" and m.parallel_residual:
     _fail(p + "parallel_residual", "parallel residual is a Pre-LN layout; set norm_position='pre'")
-  if m.attention_impl in ("blockwise", "chunked") and (m.attention_block_q <= 0 or m.attention_block_k <= 0):
+  if m.attention_impl in ("blockwise", "chunked", "chunked_cpu") and (
+      m.attention_block_q <= 0 or m.attention_block_k <= 0):
     _fail(p + "attention_block_q", "block sizes must be positive")
+  if m.attention_impl == "chunked_cpu" and m.dtype != "float32":
+    _fail(p + "attention_impl", f"'chunked_cpu' (the C++ CPU kernel) is float32 only, got dtype "
+          f"{m.dtype!r}: use 'chunked'")
   moe = m.moe
   if moe.num_experts < 0:
     _fail(p + "moe.num_experts", f"must be >= 0, got {moe.num_experts}")
@@ -339,6 +343,9 @@ def validate(cfg: ml_collections.ConfigDict) -> ModelConfig:
       _fail("train.steps", f"must be positive, got {t.steps}")
     if t.precision not in ("float32", "bf16", "fp16"):
       _fail("train.precision", f"unknown value {t.precision!r}; expected float32, bf16 or fp16")
+    if t.precision != "float32" and m.attention_impl == "chunked_cpu":
+      _fail("train.precision", f"{t.precision!r} computes in half precision; attention_impl "
+            "'chunked_cpu' (the C++ CPU kernel) is float32 only: use 'chunked'")
     for name in ("log_every", "eval_every", "ckpt_every", "max_to_keep", "eval_batches", "max_nonfinite"):
       if t[name] <= 0:
         _fail("train." + name, f"must be positive, got {t[name]}")

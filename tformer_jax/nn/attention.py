@@ -106,8 +106,13 @@ class Attention(nn.Module):
       out_BxLxHxD = chunked_attention(
           q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, causal=cfg.causal, window=cfg.window,
           alibi_slopes_H=slopes, kv_valid_BxS=kv_valid_BxS, scale=scale, chunk=cfg.attention_block_q)
+    elif impl == "chunked_cpu" and not self.decode:
+      from tformer_jax.ops.cpu_kernel import chunked_attention_cpu
+      out_BxLxHxD = chunked_attention_cpu(
+          q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, causal=cfg.causal, window=cfg.window,
+          alibi_slopes_H=slopes, kv_valid_BxS=kv_valid_BxS, scale=scale, chunk=cfg.attention_block_q)
     else:
-      if impl in ("blockwise", "chunked"):
+      if impl in ("blockwise", "chunked", "chunked_cpu"):
         impl = "reference"  # one query step against the cache: the dense path is already O(S)
       # No padding and a plain causal mask: 'xla'/'cudnn' get is_causal (cuDNN's causal mode skips
       # the masked tiles) rather than a dense (1, 1, L, S) mask.

@@ -1,0 +1,115 @@
+"""The C++ CPU attention kernel (ops/cpu_kernel, attention_impl='chunked_cpu') equals dense
+dot_product_attention: outputs and q/k/v gradients on every case of the blockwise suite that it
+supports (all but segment ids), two chunk sizes; plus vmap, fully padded rows, argument errors and
+the build step's errors.
+
+Tolerance: float32, atol = rtol = 1e-5 (the kernel's exp is a polynomial with relative error < 2e-7).
+Skipped, with the reason, only where no C++ compiler exists (CI machines have g++).
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_blockwise import CASES, _inputs, assert_matches_reference, case_and_reference
+
+from tformer_jax.ops import masks
+from tformer_jax.ops.attention import dot_product_attention
+from tformer_jax.ops.cpu_kernel import KernelUnavailable, build, chunk_table, chunked_attention_cpu
+
+pytestmark = pytest.mark.skipif(
+    not any(shutil.which(c) for c in filter(None, (os.environ.get("CXX"), "g++", "c++", "clang++"))),
+    reason="no C++ compiler: the CPU kernels cannot be built here")
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+SUPPORTED = {n: c for n, c in CASES.items() if not c[-1].get("segments")}
+
+
+def _no_segments(op_kw):
+  assert all(v is None for k, v in op_kw.items() if "segment" in k)
+  return {k: v for k, v in op_kw.items() if "segment" not in k}
+
+
+@pytest.mark.parametrize("chunk", [16, 7])
+@pytest.mark.parametrize("name", list(SUPPORTED))
+def test_matches_dense(name, chunk):
+  (q, k, v, ct), op_kw, ref = case_and_reference(*SUPPORTED[name])
+  op_kw = _no_segments(op_kw)
+  fn = lambda q, k, v: chunked_attention_cpu(q, k, v, **op_kw, chunk=chunk)  # noqa: E731
+  assert_matches_reference(fn, ref, q, k, v, ct)
+
+
+def test_alibi_causal_without_segments():
+  b, l, s, h, kh, d, kw = CASES["alibi_causal_segments"]
+  (q, k, v, ct), op_kw, ref = case_and_reference(b, l, s, h, kh, d, dict(kw, segments=False))
+  op_kw = _no_segments(op_kw)
+  assert_matches_reference(lambda q, k, v: chunked_attention_cpu(q, k, v, **op_kw, chunk=16),
+                           ref, q, k, v, ct)
+
+
+def test_fully_padded_rows_are_zero_not_nan():
+  q, k, v, ct = _inputs(2, 12, 12, 4, 2, 8)
+  valid = jnp.asarray(np.arange(12)[None] >= np.array([[0], [12]]))  # row 1: every key is padding
+  f = lambda q, k, v: chunked_attention_cpu(q, k, v, causal=False, kv_valid_BxS=valid, chunk=5)  # noqa
+  o, vjp = jax.vjp(f, q, k, v)
+  grads = vjp(ct)
+  assert np.all(np.asarray(o[1]) == 0) and np.all(np.isfinite(np.asarray(o)))
+  for g in grads:
+    assert np.all(np.isfinite(np.asarray(g)))
+  assert np.all(np.asarray(grads[0][1]) == 0)
+
+
+def test_vmap_and_jit():
+  """vmap runs the custom call once per element ("sequential"): same as a loop."""
+  q, k, v, _ = _inputs(3, 20, 20, 4, 4, 8)
+  f = jax.jit(jax.vmap(lambda q, k, v: chunked_attention_cpu(q[None], k[None], v[None], chunk=8)[0]))
+  ref = dot_product_attention(q, k, v, mask=masks.causal_mask(20))
+  np.testing.assert_allclose(np.asarray(f(q, k, v)), np.asarray(ref), **TOL)
+
+
+def test_chunk_table_covers_every_query_once():
+  t = chunk_table(45, 45, causal=True, window=0, q_offset=0, chunk=16)
+  assert t.dtype == np.int32 and t.shape == (3, 4)
+  np.testing.assert_array_equal(t, [[0, 16, 0, 16], [16, 32, 0, 32], [32, 45, 0, 45]])
+
+
+def test_bad_arguments_are_clear_errors():
+  q, k, v, _ = _inputs(1, 8, 8, 2, 1, 4)
+  with pytest.raises(ValueError, match="float32 only"):
+    chunked_attention_cpu(q.astype(jnp.bfloat16), k, v)
+  with pytest.raises(ValueError, match="static"):
+    jax.jit(lambda off: chunked_attention_cpu(q, k, v, q_offset=off))(jnp.int32(3))
+  with pytest.raises(ValueError, match="bad shapes"):
+    chunked_attention_cpu(q, k[:, :, :, :2], v)
+  with pytest.raises(ValueError, match="chunk > 0"):
+    chunked_attention_cpu(q, k, v, chunk=0)
+
+
+def test_build_errors_name_the_problem(tmp_path, monkeypatch):
+  monkeypatch.setenv("TFORMER_JAX_KERNEL_CACHE", str(tmp_path))
+  with pytest.raises(KernelUnavailable, match="compiling the CPU kernels failed"):
+    build._build("/bin/false")
+  assert not list(tmp_path.iterdir())  # no half-written library left in the cache
+  monkeypatch.setenv("CXX", "/nonexistent/c++")
+  monkeypatch.setenv("PATH", str(tmp_path))
+  with pytest.raises(KernelUnavailable, match="no C\\+\\+ compiler"):
+    build._compiler()
+
+
+def test_fresh_process_builds_into_an_empty_cache(tmp_path):
+  """A new cache directory gets one library; a second process reuses it (same file, same mtime)."""
+  code = ("import tformer_jax.ops.cpu_kernel as c; ok, path = c.available(); assert ok, path; "
+          "print(path)")
+  env = dict(os.environ, TFORMER_JAX_KERNEL_CACHE=str(tmp_path), JAX_PLATFORMS="cpu")
+  first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+  assert first.returncode == 0, first.stderr[-2000:]
+  lib = first.stdout.strip().splitlines()[-1]
+  assert os.path.dirname(lib) == str(tmp_path) and os.path.exists(lib)
+  mtime = os.path.getmtime(lib)
+  second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+  assert second.returncode == 0 and second.stdout.strip().splitlines()[-1] == lib
+  assert os.path.getmtime(lib) == mtime and len(list(tmp_path.iterdir())) == 1

@@ -1,0 +1,122 @@
+"""Build, cache and register the C++ CPU kernels (XLA FFI custom calls) on first use.
+
+The source ships with the package (`*.cc` next to this file). `load()` compiles it once per source,
+jaxlib and CPU with the system C++ compiler (`$CXX`, else g++/c++/clang++) against the FFI headers
+jaxlib ships, caches the shared library under `$TFORMER_JAX_KERNEL_CACHE` (default
+~/.cache/tformer_jax/kernels), points it at OpenBLAS's sgemm from the `scipy-openblas32` wheel
+(forced single-threaded: the kernels parallelise over heads themselves) and registers the FFI
+targets for the 'cpu' platform. Any missing piece raises `KernelUnavailable` naming it.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import jax
+
+SOURCES = ("attention.cc",)
+TARGETS = {"tfj_chunked_attention_fwd": "TfjChunkedAttentionFwd",
+           "tfj_chunked_attention_bwd": "TfjChunkedAttentionBwd"}
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fopenmp-simd", "-w")
+
+
+class KernelUnavailable(RuntimeError):
+  """The CPU kernels cannot be built or loaded here; the message says which piece is missing."""
+
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _compiler() -> str:
+  for cand in filter(None, (os.environ.get("CXX"), "g++", "c++", "clang++")):
+    path = shutil.which(cand)
+    if path:
+      return path
+  raise KernelUnavailable("no C++ compiler found (set $CXX or install g++, e.g. `apt-get install g++`)")
+
+
+def _cpu_tag() -> str:
+  """What -march=native depends on: the CPU model and its feature flags."""
+  try:
+    info = pathlib.Path("/proc/cpuinfo").read_text()
+    lines = [l for l in info.splitlines() if l.startswith(("model name", "flags"))][:2]
+    return "\n".join(lines)
+  except OSError:
+    return platform.processor() or platform.machine()
+
+
+def cache_dir() -> pathlib.Path:
+  root = os.environ.get("TFORMER_JAX_KERNEL_CACHE") or os.path.join(
+      os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tformer_jax", "kernels")
+  return pathlib.Path(root)
+
+
+def _build(cxx: str) -> pathlib.Path:
+  here = pathlib.Path(__file__).parent
+  srcs = [here / s for s in SOURCES]
+  h = hashlib.sha256()
+  for s in srcs:
+    h.update(s.read_bytes())
+  h.update(" ".join(FLAGS).encode() + cxx.encode() + jax.__version__.encode() + _cpu_tag().encode())
+  out = cache_dir() / f"tfj_kernels_{h.hexdigest()[:16]}.so"
+  if out.exists():
+    return out
+  out.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+  os.close(fd)
+  cmd = [cxx, *FLAGS, "-isystem", jax.ffi.include_dir(), *map(str, srcs), "-o", tmp]
+  proc = subprocess.run(cmd, capture_output=True, text=True)
+  if proc.returncode:
+    os.unlink(tmp)
+    raise KernelUnavailable(f"compiling the CPU kernels failed ({' '.join(cmd)}):\n{proc.stderr[:3000]}")
+  os.replace(tmp, out)  # atomic: a concurrent build of the same source writes the same bytes
+  return out
+
+
+def _sgemm() -> tuple[int, ctypes.CDLL]:
+  try:
+    import scipy_openblas32
+  except ImportError as e:
+    raise KernelUnavailable("the CPU kernels call OpenBLAS from the `scipy-openblas32` wheel: "
+                            "`pip install scipy-openblas32`") from e
+  lib = ctypes.CDLL(str(pathlib.Path(scipy_openblas32.get_lib_dir()) /
+                        f"lib{scipy_openblas32.get_library()}.so"))
+  lib.scipy_openblas_set_num_threads(1)
+  return ctypes.cast(lib.scipy_cblas_sgemm, ctypes.c_void_p).value, lib
+
+
+def load() -> None:
+  """Build (or reuse), load and register the kernels; idempotent and thread-safe."""
+  with _lock:
+    if "error" in _state:
+      raise KernelUnavailable(_state["error"])
+    if "lib" in _state:
+      return
+    try:
+      path = _build(_compiler())
+      sgemm, blas = _sgemm()
+      lib = ctypes.CDLL(str(path))
+    except (KernelUnavailable, OSError) as e:
+      _state["error"] = str(e)
+      raise KernelUnavailable(str(e)) from e
+    lib.tfj_set_sgemm(ctypes.c_void_p(sgemm))
+    for name, symbol in TARGETS.items():
+      jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    _state.update(lib=lib, blas=blas, path=path)
+
+
+def available() -> tuple[bool, str]:
+  """(True, path) when the kernels load here, else (False, why)."""
+  try:
+    load()
+    return True, str(_state["path"])
+  except KernelUnavailable as e:
+    return False, str(e)
