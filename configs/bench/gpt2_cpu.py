@@ -28,7 +28,7 @@ def get_config():
   # Chunked attention (ops/chunked_attention.py): 4 query chunks of 64, each against only the keys it
   # can see (10 of 16 tiles), probabilities kept for a hand-written backward; 4-5% more tokens/s than
   # one-tile blockwise here. The FLOP formula still counts the full causal-naive attention term.
-  m.attention_impl, m.attention_block_q = "chunked", 64
+  m.attention_impl, m.attention_block_q = "chunked_cpu", 64
   c.data.seq_len, c.data.batch_size = 256, 8
   o = c.optim
   o.name, o.peak_lr, o.b1, o.b2, o.eps, o.weight_decay = "adamw", 6e-4, 0.9, 0.95, 1e-8, 0.1

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from tformer_jax.config import ModelConfig
+from tformer_jax.ops import norms as norm_ops
 
 
 def dtypes(cfg: ModelConfig) -> tuple[jnp.dtype, jnp.dtype]:
@@ -32,7 +33,8 @@ def param(module: nn.Module, name: str, init, shape: tuple[int, ...], axes: tupl
 
 
 class Norm(nn.Module):
-  """LayerNorm or RMSNorm over the last axis, computed in float32, cast back to the input dtype."""
+  """LayerNorm or RMSNorm over the last axis (ops.norms: closed-form backward), computed in float32,
+  cast back to the input dtype."""
   cfg: ModelConfig
 
   @nn.compact
@@ -41,16 +43,13 @@ class Norm(nn.Module):
     _, pdt = dtypes(cfg)
     d = x.shape[-1]
     x32 = x.astype(jnp.float32)
+    scale = param(self, "scale", nn.initializers.ones, (d,), ("norm",), pdt).astype(jnp.float32)
     if cfg.norm == "rmsnorm":
-      y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.norm_eps)
-    else:
-      mean = jnp.mean(x32, axis=-1, keepdims=True)
-      var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-      y = (x32 - mean) * jax.lax.rsqrt(var + cfg.norm_eps)
-    y = y * param(self, "scale", nn.initializers.ones, (d,), ("norm",), pdt).astype(jnp.float32)
-    if cfg.norm == "layernorm" and cfg.norm_bias:
-      y = y + param(self, "bias", nn.initializers.zeros, (d,), ("norm",), pdt).astype(jnp.float32)
-    return y.astype(x.dtype)
+      return norm_ops.rms_norm(x32, scale, cfg.norm_eps).astype(x.dtype)
+    bias = None
+    if cfg.norm_bias:
+      bias = param(self, "bias", nn.initializers.zeros, (d,), ("norm",), pdt).astype(jnp.float32)
+    return norm_ops.layer_norm(x32, scale, bias, cfg.norm_eps).astype(x.dtype)
 
 
 def activation_fn(name: str):
