@@ -7,10 +7,11 @@ benchmarks/torch_gpt2.py builds the same architecture and optimiser in PyTorch.
   python -m tformer_jax.bench train --config=configs/bench/gpt2_cpu.py --steps 20 --warmup 3
   python benchmarks/compare_torch.py          # JAX vs torch eager vs torch.compile, interleaved
 
-Measured (2026-11-29 12:42 UTC, 2-vCPU AMD EPYC, JAX 0.10.2, load 1.4, under tcmalloc): 2300 tokens/s,
-164.6 GFLOP/s of 146.5 GFLOP/step, MFU 77.1% of a 213.5 GFLOP/s float32 matmul measured in the same
-run; PyTorch 2.13 side by side (same process, same allocator): eager 2167, torch.compile 2250 tokens/s
-against JAX 2288 (1.06x / 1.02x; 1.03x / 1.03x in a rerun). Details: docs/benchmarks.md.
+Measured (2026-11-29 14:05 UTC, 2-vCPU AMD EPYC, JAX 0.10.2, load 2.2, under tcmalloc): 2481 tokens/s,
+177.6 GFLOP/s of 146.5 GFLOP/step, MFU 82.8% of a 214.4 GFLOP/s float32 matmul measured in the same
+run. PyTorch 2.13 side by side (14:07 UTC, same process, same allocator): eager 2236, torch.compile
+2260 tokens/s against JAX 2435 (1.09x / 1.08x; 1.06-1.09x over three runs). Details:
+docs/benchmarks.md.
 """
 from tformer_jax.config import default_config
 
@@ -25,9 +26,10 @@ def get_config():
   m.tie_embeddings, m.scale_residual_init = True, True
   m.embed_dropout = m.attn_dropout = m.resid_dropout = 0.0
   m.dtype = m.param_dtype = "float32"
-  # Chunked attention (ops/chunked_attention.py): 4 query chunks of 64, each against only the keys it
-  # can see (10 of 16 tiles), probabilities kept for a hand-written backward; 4-5% more tokens/s than
-  # one-tile blockwise here. The FLOP formula still counts the full causal-naive attention term.
+  # Chunked attention as the C++ CPU kernel (ops/cpu_kernel): 4 query chunks of 64, each against only
+  # the keys it can see (10 of 16 tiles), probabilities kept for the backward; one OpenBLAS sgemm per
+  # head and chunk, heads in parallel: +9-10% tokens/s over the XLA 'chunked' (same algorithm) here.
+  # float32 and CPU only; 'chunked' elsewhere. The FLOP formula counts the full causal-naive term.
   m.attention_impl, m.attention_block_q = "chunked_cpu", 64
   c.data.seq_len, c.data.batch_size = 256, 8
   o = c.optim
