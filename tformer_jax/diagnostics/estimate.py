@@ -8,7 +8,7 @@ V = vocab, n = num_layers, w = compute dtype bytes, 4 = float32):
   batch        inputs + targets (+ loss_mask): int32
   activations  per layer, what the backward pass keeps (no remat):
                  w * T * (c_norm*2*d + 2*d + (2h + 2kh)*hd + c_act*f)  +  3*4*B*h*L*S  +  2*B*h*L*S
-               c_norm = 3 (LayerNorm: centred input, normalised, output) | 2 (RMSNorm);
+               c_norm = 2 (ops.norms saves the normalised input and the output feeds the next matmul);
                the two residual sums 2*d; q, k, v and the attention output (2h + 2kh)*hd;
                c_act = FFN hidden copies: relu 1, gelu_tanh/silu 2, gelu (exact) 3, swiglu 4, geglu 5;
                attention: masked scores, probabilities and their gradient (3 float32 L x S per head)
@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from tformer_jax.config import ModelConfig
 
 ACT_COPIES = {"relu": 1, "gelu_tanh": 2, "silu": 2, "gelu": 3, "swiglu": 4, "geglu": 5}
-NORM_COPIES = {"layernorm": 3, "rmsnorm": 2}
+NORM_COPIES = {"layernorm": 2, "rmsnorm": 2}  # ops.norms keeps xhat (+ 1/std per row); y feeds a dot
 LOSS_COPIES_V = 4
 MiB = 1024 * 1024
 
