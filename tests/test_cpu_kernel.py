@@ -94,6 +94,11 @@ def test_build_errors_name_the_problem(tmp_path, monkeypatch):
   with pytest.raises(KernelUnavailable, match="compiling the CPU kernels failed"):
     build._build("/bin/false")
   assert not list(tmp_path.iterdir())  # no half-written library left in the cache
+  blocked = tmp_path / "file"
+  blocked.write_text("")
+  monkeypatch.setenv("TFORMER_JAX_KERNEL_CACHE", str(blocked / "sub"))  # parent is a file
+  with pytest.raises(KernelUnavailable, match="TFORMER_JAX_KERNEL_CACHE"):
+    build._build(shutil.which("g++") or "/bin/false")
   monkeypatch.setenv("CXX", "/nonexistent/c++")
   monkeypatch.setenv("PATH", str(tmp_path))
   with pytest.raises(KernelUnavailable, match="no C\\+\\+ compiler"):

@@ -196,3 +196,15 @@ def test_extrapolation_experiment_smoke(tmp_path):
   md = (tmp_path / "extrapolation.md").read_text()
   assert "n/a (cannot extrapolate)" in md and "rope_ntk" in md
   assert (tmp_path / "extrapolation.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_cpu_kernel_under_remat_and_scan(remat):
+  """The C++ kernel's custom calls inside scanned, rematerialised layers (recomputed forward in the
+  backward): same logits and gradients as the reference."""
+  ref = _cfg(num_layers=2, scan_layers=True, position="alibi", num_kv_heads=0)
+  params = _init(ref)
+  tokens = _tokens(3)
+  got = _logits_and_grads(dataclasses.replace(ref, attention_impl="chunked_cpu", remat=remat),
+                          params, tokens, MASK)
+  _assert_same(got, _logits_and_grads(ref, params, tokens, MASK))

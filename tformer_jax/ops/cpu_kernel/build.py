@@ -69,8 +69,12 @@ def _build(cxx: str) -> pathlib.Path:
   out = cache_dir() / f"tfj_kernels_{h.hexdigest()[:16]}.so"
   if out.exists():
     return out
-  out.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+  try:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+  except OSError as e:
+    raise KernelUnavailable(f"cannot write the kernel cache {out.parent} ({e}); set "
+                            "$TFORMER_JAX_KERNEL_CACHE to a writable directory") from e
   os.close(fd)
   cmd = [cxx, *FLAGS, "-isystem", jax.ffi.include_dir(), *map(str, srcs), "-o", tmp]
   proc = subprocess.run(cmd, capture_output=True, text=True)
