@@ -208,3 +208,19 @@ def test_cpu_kernel_under_remat_and_scan(remat):
   got = _logits_and_grads(dataclasses.replace(ref, attention_impl="chunked_cpu", remat=remat),
                           params, tokens, MASK)
   _assert_same(got, _logits_and_grads(ref, params, tokens, MASK))
+
+
+def test_auto_picks_an_exact_impl_for_the_config():
+  """'auto' resolves per backend and config (CPU here) and gives the reference's logits/gradients."""
+  from tformer_jax.nn.attention import resolve_attention_impl
+  from tformer_jax.ops import cpu_kernel
+  auto = _cfg(attention_impl="auto", position="alibi", num_kv_heads=0)
+  assert resolve_attention_impl(auto) == ("chunked_cpu" if cpu_kernel.available()[0] else "chunked")
+  assert resolve_attention_impl(dataclasses.replace(auto, dtype="bfloat16")) == "chunked"
+  assert resolve_attention_impl(auto, dropout=True) == "reference"
+  assert resolve_attention_impl(dataclasses.replace(auto, position="t5")) == "reference"
+  assert resolve_attention_impl(dataclasses.replace(auto, attention_impl="blockwise")) == "blockwise"
+  ref = dataclasses.replace(auto, attention_impl="reference")
+  params = _init(ref)
+  tokens = _tokens(4)
+  _assert_same(_logits_and_grads(auto, params, tokens, MASK), _logits_and_grads(ref, params, tokens, MASK))

@@ -19,7 +19,7 @@ NORM_POSITIONS = ("pre", "post")
 POSITIONS = ("none", "sinusoidal", "learned", "rope", "alibi", "t5")
 ROPE_LAYOUTS = ("half", "interleaved")
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
-ATTENTION_IMPLS = ("reference", "chunked", "chunked_cpu", "blockwise", "xla", "cudnn")
+ATTENTION_IMPLS = ("reference", "chunked", "chunked_cpu", "blockwise", "xla", "cudnn", "auto")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 DTYPES = ("float32", "bfloat16", "float16")
 MOE_DISPATCH = ("dropless", "capacity")
@@ -97,8 +97,8 @@ class ModelConfig:
   init_std: float = 0.02
   scale_residual_init: bool = True   # GPT-2: residual output projections std / sqrt(2 * num_layers)
   attention_scale: float = 0.0       # 0 = 1/sqrt(head_dim)
-  attention_impl: str = "reference"
-  attention_block_q: int = 128       # blockwise query tile; 'chunked': the query chunk
+  attention_impl: str = "reference"  # reference|chunked|chunked_cpu|blockwise|xla|cudnn|auto (nn.attention)
+  attention_block_q: int = 128       # blockwise query tile; 'chunked'/'chunked_cpu': the query chunk
   attention_block_k: int = 128       # blockwise key tile
   window: int = 0                    # sliding window (each query sees the last `window` keys); 0 = full
   num_global_tokens: int = 0         # Longformer-style global tokens (reference/xla path)
@@ -241,7 +241,7 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
     v = getattr(m, name)
     if not 0.0 <= v < 1.0:
       _fail(p + name, f"dropout must be in [0, 1), got {v}")
-  if m.attn_dropout > 0 and m.attention_impl != "reference":
+  if m.attn_dropout > 0 and m.attention_impl not in ("reference", "auto"):
     _fail(p + "attn_dropout", f"attention dropout is implemented by attention_impl 'reference' only, "
           f"got {m.attention_impl!r}")
   if m.init_std <= 0:
@@ -276,7 +276,7 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
     _fail(p + "num_global_tokens", "global tokens need a dense mask: use attention_impl 'reference'")
   if m.norm_position == "post" and m.parallel_residual:
     _fail(p + "parallel_residual", "parallel residual is a Pre-LN layout; set norm_position='pre'")
-  if m.attention_impl in ("blockwise", "chunked", "chunked_cpu") and (
+  if m.attention_impl in ("blockwise", "chunked", "chunked_cpu", "auto") and (
       m.attention_block_q <= 0 or m.attention_block_k <= 0):
     _fail(p + "attention_block_q", "block sizes must be positive")
   if m.attention_impl == "chunked_cpu" and m.dtype != "float32":

@@ -37,6 +37,24 @@ def index_mask(cfg: ModelConfig, q_idx_L: jax.Array, k_idx_S: jax.Array) -> jax.
   return mask
 
 
+def resolve_attention_impl(cfg: ModelConfig, dropout: bool = False) -> str:
+  """cfg.attention_impl, with 'auto' replaced by the fastest exact implementation that supports this
+  config here: 'reference' when it needs attention dropout, a T5 bias or global tokens; on the CPU
+  backend 'chunked_cpu' (float32 compute and the C++ kernel builds) else 'chunked'; elsewhere 'xla'
+  (jax.nn.dot_product_attention). All are exact, so 'auto' changes speed and memory, not the model."""
+  if cfg.attention_impl != "auto":
+    return cfg.attention_impl
+  if dropout or cfg.position == "t5" or cfg.num_global_tokens:
+    return "reference"
+  if jax.default_backend() == "cpu":
+    if dtypes(cfg)[0] == jnp.float32:
+      from tformer_jax.ops import cpu_kernel
+      if cpu_kernel.available()[0]:
+        return "chunked_cpu"
+    return "chunked"
+  return "xla"
+
+
 class Attention(nn.Module):
   cfg: ModelConfig
   deterministic: bool = True
@@ -93,7 +111,7 @@ class Attention(nn.Module):
     k_idx = jnp.arange(s)
     slopes = pos_ops.alibi_slopes(h) if cfg.position == "alibi" else None
     dropout_rate = 0.0 if self.deterministic else cfg.attn_dropout
-    impl = cfg.attention_impl
+    impl = resolve_attention_impl(cfg, dropout=dropout_rate > 0.0)
 
     if impl == "blockwise" and not self.decode:
       from tformer_jax.ops.blockwise import blockwise_attention
