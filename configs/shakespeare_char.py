@@ -1,9 +1,9 @@
 """Default experiment: a byte-level GPT on Shakespeare's complete works, sized for 2 CPU cores.
 
 Launch:  python scripts/train.py --config=configs/shakespeare_char.py --workdir=runs/shakespeare
-Measured (2026-11-29 14:34 UTC, `bash scripts/main.sh` on a fresh clone, 2 CPU cores, under tcmalloc,
-attention_impl 'auto' = the C++ CPU kernel): 400 steps in 4 min 04 s of training (incl. compile and 4
-evaluations; 5,700-7,700 tokens/s), validation loss 1.708 nats/byte (2.46 bits/byte; 1.908 at step
+Measured (2026-11-29 14:34 UTC, `bash scripts/main.sh` on a fresh clone, 2 CPU cores, tcmalloc,
+attention_impl 'auto' = the C++ CPU kernel): 400 steps in 4 min 04 s of training (incl. compile and
+4 evaluations; 5,700-7,700 tokens/s), validation loss 1.708 nats/byte (2.46 bits/byte; 1.908 at step
 200), 3.2M parameters; the whole command took 4 min 38 s. (With 'reference' attention: 4 min 35 s,
 1.705; with glibc malloc and another job beside it: 9 min 26 s.)
 For better samples raise --config.train.steps (the cosine schedule follows it).
@@ -20,7 +20,7 @@ def get_config():
   m.max_len = 256
   m.tie_embeddings = True
   # 'auto': the C++ CPU attention kernel here (float32 on CPU), 'xla' on a GPU; exact either way.
-  # Chunks of 64 (2 per 128-token row): +14% tokens/s over 'reference' on 2 CPU cores (A/B in one process).
+  # Chunks of 64 (2 per 128-token row): +14% tokens/s over 'reference' on 2 CPU cores (A/B).
   m.attention_impl, m.attention_block_q = "auto", 64
   c.data.corpus, c.data.tokenizer = "shakespeare", "byte"
   c.data.seq_len, c.data.batch_size = 128, 32

@@ -53,10 +53,12 @@ def _forward(st: _Static, q, k, v, slopes, valid):
   table, packed = _table(st, l, k.shape[1])
   call = jax.ffi.ffi_call(
       "tfj_chunked_attention_fwd",
-      (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct((b, h, packed), jnp.float32)),
+      (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+       jax.ShapeDtypeStruct((b, h, packed), jnp.float32)),
       vmap_method="sequential")
   return call(q, k, v, slopes, valid, jnp.asarray(table), causal=np.int64(st.causal),
-              window=np.int64(st.window), q_offset=np.int64(st.q_offset), scale=np.float32(st.scale),
+              window=np.int64(st.window), q_offset=np.int64(st.q_offset),
+              scale=np.float32(st.scale),
               use_alibi=np.int64(st.use_alibi), use_valid=np.int64(st.use_valid))
 
 

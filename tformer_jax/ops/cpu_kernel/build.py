@@ -24,7 +24,8 @@ import jax
 SOURCES = ("attention.cc",)
 TARGETS = {"tfj_chunked_attention_fwd": "TfjChunkedAttentionFwd",
            "tfj_chunked_attention_bwd": "TfjChunkedAttentionBwd"}
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fopenmp-simd", "-w")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fopenmp-simd",
+         "-w")
 
 
 class KernelUnavailable(RuntimeError):
@@ -40,7 +41,8 @@ def _compiler() -> str:
     path = shutil.which(cand)
     if path:
       return path
-  raise KernelUnavailable("no C++ compiler found (set $CXX or install g++, e.g. `apt-get install g++`)")
+  raise KernelUnavailable("no C++ compiler found (set $CXX or install g++, e.g. "
+                          "`apt-get install g++`)")
 
 
 def _cpu_tag() -> str:
@@ -80,7 +82,8 @@ def _build(cxx: str) -> pathlib.Path:
   proc = subprocess.run(cmd, capture_output=True, text=True)
   if proc.returncode:
     os.unlink(tmp)
-    raise KernelUnavailable(f"compiling the CPU kernels failed ({' '.join(cmd)}):\n{proc.stderr[:3000]}")
+    raise KernelUnavailable(
+        f"compiling the CPU kernels failed ({' '.join(cmd)}):\n{proc.stderr[:3000]}")
   os.replace(tmp, out)  # atomic: a concurrent build of the same source writes the same bytes
   return out
 
