@@ -119,14 +119,12 @@ class Attention(nn.Module):
           q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, causal=cfg.causal, window=cfg.window,
           alibi_slopes_H=slopes, kv_valid_BxS=kv_valid_BxS, scale=scale,
           block_q=cfg.attention_block_q, block_k=cfg.attention_block_k)
-    elif impl == "chunked" and not self.decode:
-      from tformer_jax.ops.chunked_attention import chunked_attention
-      out_BxLxHxD = chunked_attention(
-          q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, causal=cfg.causal, window=cfg.window,
-          alibi_slopes_H=slopes, kv_valid_BxS=kv_valid_BxS, scale=scale, chunk=cfg.attention_block_q)
-    elif impl == "chunked_cpu" and not self.decode:
-      from tformer_jax.ops.cpu_kernel import chunked_attention_cpu
-      out_BxLxHxD = chunked_attention_cpu(
+    elif impl in ("chunked", "chunked_cpu") and not self.decode:
+      if impl == "chunked":
+        from tformer_jax.ops.chunked_attention import chunked_attention as chunked_fn
+      else:  # the same algorithm as a C++ CPU kernel
+        from tformer_jax.ops.cpu_kernel import chunked_attention_cpu as chunked_fn
+      out_BxLxHxD = chunked_fn(
           q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, causal=cfg.causal, window=cfg.window,
           alibi_slopes_H=slopes, kv_valid_BxS=kv_valid_BxS, scale=scale, chunk=cfg.attention_block_q)
     else:

@@ -56,11 +56,22 @@ def chunk_key_range(i: int, chunk: int, l: int, s: int, *, causal: bool, window:
   return lo, min(max(hi, lo), s)
 
 
+def chunk_table(l: int, s: int, *, causal: bool, window: int, q_offset: int,
+                chunk: int) -> np.ndarray:
+  """(n_chunks, 4) int32 rows (row0, row1, lo, hi): every query chunk and its static key range (also
+  the table the C++ kernel in ops/cpu_kernel walks)."""
+  rows = []
+  for i in range(-(-l // chunk)):
+    lo, hi = chunk_key_range(i, chunk, l, s, causal=causal, window=window, q_offset=q_offset)
+    rows.append((i * chunk, min(l, (i + 1) * chunk), lo, hi))
+  return np.asarray(rows, np.int32).reshape(-1, 4)
+
+
 def _chunks(st: _Static, l: int, s: int):
-  """(row0, row1, lo, hi) of every query chunk, static."""
-  for i in range(-(-l // st.chunk)):
-    lo, hi = chunk_key_range(i, st.chunk, l, s, causal=st.causal, window=st.window, q_offset=st.q_offset)
-    yield i * st.chunk, min(l, (i + 1) * st.chunk), lo, hi
+  """(row0, row1, lo, hi) of every query chunk, as Python ints."""
+  table = chunk_table(l, s, causal=st.causal, window=st.window, q_offset=st.q_offset, chunk=st.chunk)
+  for row in table.tolist():
+    yield tuple(row)
 
 
 def _probs(st: _Static, q_i: Array, k_c: Array, r0: int, r1: int, lo: int, hi: int, aux: dict) -> Array:

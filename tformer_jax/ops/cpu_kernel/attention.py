@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tformer_jax.ops.chunked_attention import chunk_key_range
+from tformer_jax.ops.chunked_attention import chunk_table
 from tformer_jax.ops.cpu_kernel import build
 
 Array = jnp.ndarray
@@ -32,18 +32,8 @@ class _Static(NamedTuple):
   use_valid: bool
 
 
-def chunk_table(l: int, s: int, *, causal: bool, window: int, q_offset: int,
-                chunk: int) -> np.ndarray:
-  """(n_chunks, 4) int32 rows (row0, row1, lo, hi); the kernel packs each chunk's (row1 - row0) x
-  (hi - lo) probabilities one after another."""
-  rows = []
-  for i in range(-(-l // chunk)):
-    lo, hi = chunk_key_range(i, chunk, l, s, causal=causal, window=window, q_offset=q_offset)
-    rows.append((i * chunk, min(l, (i + 1) * chunk), lo, hi))
-  return np.asarray(rows, np.int32).reshape(-1, 4)
-
-
 def _table(st: _Static, l: int, s: int) -> tuple[np.ndarray, int]:
+  """The chunk table and the packed probabilities' length (chunk after chunk, rows x keys)."""
   t = chunk_table(l, s, causal=st.causal, window=st.window, q_offset=st.q_offset, chunk=st.chunk)
   return t, int(np.sum((t[:, 1] - t[:, 0]).astype(np.int64) * (t[:, 3] - t[:, 2])))
 
