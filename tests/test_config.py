@@ -70,6 +70,7 @@ INVALID = [
     ({"model.dtype": "int8"}, "model.dtype"),
     ({"model.attention_impl": "chunked_cpu", "model.dtype": "bfloat16"}, "model.attention_impl"),
     ({"model.attention_impl": "chunked_cpu", "train.precision": "bf16"}, "train.precision"),
+    ({"model.weight_grad_impl": "cpu_kernel", "train.precision": "fp16"}, "train.precision"),
     ({"model.rope_scaling.type": "yarn", "model.position": "learned"}, "model.rope_scaling.type"),
     ({"model.position": "rope", "model.rope_scaling.type": "magic"}, "model.rope_scaling.type"),
     ({"model.moe.num_experts": 4, "model.moe.top_k": 5}, "model.moe.top_k"),

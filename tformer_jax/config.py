@@ -106,6 +106,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   scan_layers: bool = False
   residual_grad_barrier: str = "auto"  # auto (CPU only) | on | off: nn.common.grad_fusion_barrier
+  weight_grad_impl: str = "xla"      # xla | cpu_kernel | auto: weight gradients of nn.common.project
   remat: str = "none"
   moe: MoEConfig = MoEConfig()
 
@@ -231,7 +232,8 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
     _fail(p + "mlp_ratio", f"must be > 0, got {m.mlp_ratio}")
   choices = dict(activation=ACTIVATIONS, norm=NORMS, norm_position=NORM_POSITIONS, position=POSITIONS,
                  rope_layout=ROPE_LAYOUTS, attention_impl=ATTENTION_IMPLS, remat=REMAT_POLICIES,
-                 dtype=DTYPES, param_dtype=DTYPES, residual_grad_barrier=("auto", "on", "off"))
+                 dtype=DTYPES, param_dtype=DTYPES, residual_grad_barrier=("auto", "on", "off"),
+                 weight_grad_impl=("xla", "cpu_kernel", "auto"))
   for name, allowed in choices.items():
     if getattr(m, name) not in allowed:
       _fail(p + name, f"unknown value {getattr(m, name)!r}; expected one of {allowed}")
@@ -282,6 +284,9 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
   if m.attention_impl == "chunked_cpu" and m.dtype != "float32":
     _fail(p + "attention_impl", f"'chunked_cpu' (the C++ CPU kernel) is float32 only, got dtype "
           f"{m.dtype!r}: use 'chunked'")
+  if m.weight_grad_impl == "cpu_kernel" and m.dtype != "float32":
+    _fail(p + "weight_grad_impl", f"'cpu_kernel' (the C++ CPU matmul) is float32 only, got dtype "
+          f"{m.dtype!r}: use 'xla' or 'auto'")
   moe = m.moe
   if moe.num_experts < 0:
     _fail(p + "moe.num_experts", f"must be >= 0, got {moe.num_experts}")
@@ -346,6 +351,9 @@ def validate(cfg: ml_collections.ConfigDict) -> ModelConfig:
     if t.precision != "float32" and m.attention_impl == "chunked_cpu":
       _fail("train.precision", f"{t.precision!r} computes in half precision; attention_impl "
             "'chunked_cpu' (the C++ CPU kernel) is float32 only: use 'chunked'")
+    if t.precision != "float32" and m.weight_grad_impl == "cpu_kernel":
+      _fail("train.precision", f"{t.precision!r} computes in half precision; weight_grad_impl "
+            "'cpu_kernel' (the C++ CPU matmul) is float32 only: use 'xla' or 'auto'")
     for name in ("log_every", "eval_every", "ckpt_every", "max_to_keep", "eval_batches", "max_nonfinite"):
       if t[name] <= 0:
         _fail("train." + name, f"must be positive, got {t[name]}")

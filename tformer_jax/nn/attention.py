@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from tformer_jax.config import ModelConfig
-from tformer_jax.nn.common import dtypes, normal, param, project, residual_std
+from tformer_jax.nn.common import (cpu_kernels_apply, dtypes, normal, param, project,
+                                   resolve_weight_grad_impl, residual_std)
 from tformer_jax.ops import attention as attn_ops
 from tformer_jax.ops import positions as pos_ops
 
@@ -40,18 +41,14 @@ def index_mask(cfg: ModelConfig, q_idx_L: jax.Array, k_idx_S: jax.Array) -> jax.
 def resolve_attention_impl(cfg: ModelConfig, dropout: bool = False) -> str:
   """cfg.attention_impl, with 'auto' replaced by the fastest exact implementation that supports this
   config here: 'reference' when it needs attention dropout, a T5 bias or global tokens; on the CPU
-  backend 'chunked_cpu' (float32 compute and the C++ kernel builds) else 'chunked'; elsewhere 'xla'
-  (jax.nn.dot_product_attention). All are exact, so 'auto' changes speed and memory, not the model."""
+  backend 'chunked_cpu' (nn.common.cpu_kernels_apply: float32 compute, no multi-device mesh, the
+  C++ kernel builds) else 'chunked'; elsewhere 'xla' (jax.nn.dot_product_attention). All are exact, so 'auto' changes speed and memory, not the model."""
   if cfg.attention_impl != "auto":
     return cfg.attention_impl
   if dropout or cfg.position == "t5" or cfg.num_global_tokens:
     return "reference"
   if jax.default_backend() == "cpu":
-    if dtypes(cfg)[0] == jnp.float32:
-      from tformer_jax.ops import cpu_kernel
-      if cpu_kernel.available()[0]:
-        return "chunked_cpu"
-    return "chunked"
+    return "chunked_cpu" if cpu_kernels_apply(cfg) else "chunked"
   return "xla"
 
 
@@ -72,12 +69,13 @@ class Attention(nn.Module):
     h, kh, hd = cfg.num_heads, cfg.kv_heads, cfg.hd
     x = x_BxLxD.astype(dt)
     init = normal(cfg.init_std)
+    wg = resolve_weight_grad_impl(cfg)
     wq = param(self, "wq", init, (d, h, hd), ("embed", "heads", "kv"), pdt)
     wk = param(self, "wk", init, (d, kh, hd), ("embed", "kv_heads", "kv"), pdt)
     wv = param(self, "wv", init, (d, kh, hd), ("embed", "kv_heads", "kv"), pdt)
-    q_BxLxHxD = project("bld,dhk->blhk", x, wq.astype(dt))
-    k_BxLxKxD = project("bld,dhk->blhk", x, wk.astype(dt))
-    v_BxLxKxD = project("bld,dhk->blhk", x, wv.astype(dt))
+    q_BxLxHxD = project("bld,dhk->blhk", x, wq.astype(dt), wg)
+    k_BxLxKxD = project("bld,dhk->blhk", x, wk.astype(dt), wg)
+    v_BxLxKxD = project("bld,dhk->blhk", x, wv.astype(dt), wg)
     if cfg.qkv_bias:
       zeros = nn.initializers.zeros
       q_BxLxHxD += param(self, "bq", zeros, (h, hd), ("heads", "kv"), pdt).astype(dt)
@@ -155,7 +153,7 @@ class Attention(nn.Module):
 
     out_BxLxHxD = nn.with_logical_constraint(out_BxLxHxD, ("batch", "length", "heads", "kv"))
     wo = param(self, "wo", normal(residual_std(cfg)), (h, hd, d), ("heads", "kv", "embed"), pdt)
-    y_BxLxD = project("blhk,hkd->bld", out_BxLxHxD.astype(dt), wo.astype(dt))
+    y_BxLxD = project("blhk,hkd->bld", out_BxLxHxD.astype(dt), wo.astype(dt), wg)
     if cfg.out_bias:
       y_BxLxD += param(self, "bo", nn.initializers.zeros, (d,), ("embed",), pdt).astype(dt)
     return y_BxLxD

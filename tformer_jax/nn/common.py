@@ -105,34 +105,56 @@ def residual_grad_barrier(cfg: ModelConfig, x: jax.Array) -> jax.Array:
   return x
 
 
+def cpu_kernels_apply(cfg: ModelConfig) -> bool:
+  """Whether 'auto' may pick the C++ CPU kernels (ops.cpu_kernel): the CPU backend, float32
+  compute, no multi-device mesh active (a custom call is not partitioned: XLA would gather its
+  operands onto every device) and the kernels build here."""
+  if jax.default_backend() != "cpu" or dtypes(cfg)[0] != jnp.float32:
+    return False
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty and mesh.size > 1:
+    return False
+  from tformer_jax.ops import cpu_kernel
+  return cpu_kernel.available()[0]
+
+
+def resolve_weight_grad_impl(cfg: ModelConfig) -> str:
+  """cfg.weight_grad_impl with 'auto' replaced: 'cpu_kernel' where `cpu_kernels_apply`, else 'xla'.
+  Both compute the same weight gradients (float32 summation order aside)."""
+  if cfg.weight_grad_impl != "auto":
+    return cfg.weight_grad_impl
+  return "cpu_kernel" if cpu_kernels_apply(cfg) else "xla"
+
+
 # Set False to use plain jnp.einsum autodiff everywhere (A/B benchmarking of `project`).
 PROJECT_VJP = True
 
 
-def project(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+def project(spec: str, x: jax.Array, w: jax.Array, weight_grad: str = "xla") -> jax.Array:
   """jnp.einsum(spec, x, w) for an activation x and a weight w, with a hand-written VJP.
 
   Same values and gradients as autodiff; only the gradient *layouts* differ: autodiff computes the
   weight gradient as dot(dy, x) with dy (the residual-stream gradient) as the left operand, which
   makes XLA transpose dy, and on CPU it then fuses the whole backward residual chain (a sum over
   every later layer) into each such transpose. Here dw = einsum(x, dy) (x first, no transpose of
-  dy) and dx = einsum(dy, w).
+  dy) and dx = einsum(dy, w). weight_grad='cpu_kernel' computes dw = x^T dy of the 2-D case in
+  float32 with ops.cpu_kernel.matmul_cpu (faster than XLA:CPU's dot for that transposed product).
   """
   if not PROJECT_VJP:
     return jnp.einsum(spec, x, w)
-  return _project(spec, x, w)
+  return _project(spec, weight_grad, x, w)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _project(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _project(spec: str, weight_grad: str, x: jax.Array, w: jax.Array) -> jax.Array:
   return jnp.einsum(spec, x, w)
 
 
-def _project_fwd(spec: str, x: jax.Array, w: jax.Array):
+def _project_fwd(spec: str, weight_grad: str, x: jax.Array, w: jax.Array):
   return jnp.einsum(spec, x, w), (x, w)
 
 
-def _project_bwd(spec: str, res, g: jax.Array):
+def _project_bwd(spec: str, weight_grad: str, res, g: jax.Array):
   x, w = res
   ins, out = spec.split("->")
   sx, sw = ins.split(",")
@@ -144,7 +166,11 @@ def _project_bwd(spec: str, res, g: jax.Array):
     r = math.prod(x.shape[:len(rows)])
     x2, g2 = x.reshape(r, -1), g.reshape(r, -1)
     w2 = w.reshape(x2.shape[1], g2.shape[1])
-    dw = jax.lax.dot_general(x2, g2, (((0,), (0,)), ((), ()))).reshape(w.shape)
+    if weight_grad == "cpu_kernel" and x2.dtype == g2.dtype == jnp.float32:
+      from tformer_jax.ops.cpu_kernel import matmul_cpu
+      dw = matmul_cpu(x2, g2, transpose_a=True).reshape(w.shape)
+    else:
+      dw = jax.lax.dot_general(x2, g2, (((0,), (0,)), ((), ()))).reshape(w.shape)
     dx = jax.lax.dot_general(g2, w2, (((1,), (1,)), ((), ()))).reshape(x.shape)
   else:
     dx = jnp.einsum(f"{out},{sw}->{sx}", g, w)

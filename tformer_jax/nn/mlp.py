@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 
 from tformer_jax.config import GLU_ACTIVATIONS, ModelConfig
-from tformer_jax.nn.common import activation_fn, dtypes, normal, param, project, residual_std
+from tformer_jax.nn.common import (activation_fn, dtypes, normal, param, project,
+                                   resolve_weight_grad_impl, residual_std)
 
 
 class MLP(nn.Module):
@@ -18,14 +19,15 @@ class MLP(nn.Module):
     dt, pdt = dtypes(cfg)
     d, f = x_BxLxD.shape[-1], cfg.ff
     x = x_BxLxD.astype(dt)
+    wg = resolve_weight_grad_impl(cfg)
     w_in = param(self, "wi", normal(cfg.init_std), (d, f), ("embed", "mlp"), pdt)
-    h_BxLxF = project("bld,df->blf", x, w_in.astype(dt))
+    h_BxLxF = project("bld,df->blf", x, w_in.astype(dt), wg)
     if cfg.mlp_bias:
       h_BxLxF += param(self, "bi", nn.initializers.zeros, (f,), ("mlp",), pdt).astype(dt)
     act = activation_fn(cfg.activation)
     if cfg.activation in GLU_ACTIVATIONS:
       w_gate = param(self, "wg", normal(cfg.init_std), (d, f), ("embed", "mlp"), pdt)
-      g_BxLxF = project("bld,df->blf", x, w_gate.astype(dt))
+      g_BxLxF = project("bld,df->blf", x, w_gate.astype(dt), wg)
       if cfg.mlp_bias:
         g_BxLxF += param(self, "bg", nn.initializers.zeros, (f,), ("mlp",), pdt).astype(dt)
       h_BxLxF = act(g_BxLxF) * h_BxLxF
@@ -33,7 +35,7 @@ class MLP(nn.Module):
       h_BxLxF = act(h_BxLxF)
     h_BxLxF = nn.with_logical_constraint(h_BxLxF, ("batch", "length", "mlp"))
     w_out = param(self, "wo", normal(residual_std(cfg)), (f, d), ("mlp", "embed"), pdt)
-    y_BxLxD = project("blf,fd->bld", h_BxLxF, w_out.astype(dt))
+    y_BxLxD = project("blf,fd->bld", h_BxLxF, w_out.astype(dt), wg)
     if cfg.mlp_bias:
       y_BxLxD += param(self, "bo", nn.initializers.zeros, (d,), ("embed",), pdt).astype(dt)
     return y_BxLxD

@@ -13,32 +13,17 @@
 // The chunk table (row0, row1, lo, hi) comes from Python (ops/chunked_attention.py owns the
 // key-range rule); this file only walks it. float32 only.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
-#include <cstring>
-#include <memory>
-#include <mutex>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "common.h"
 
 namespace {
 
-// CBLAS sgemm with 32-bit integers (scipy-openblas32's scipy_cblas_sgemm), set from Python.
-using Sgemm = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int,
-                       float, float*, int);
-Sgemm g_sgemm = nullptr;
-constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
-
-inline void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
-                 int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  g_sgemm(kRowMajor, ta ? kTrans : kNoTrans, tb ? kTrans : kNoTrans, int(m), int(n), int(k), alpha,
-          a, int(lda), b, int(ldb), beta, c, int(ldc));
-}
+using tfj::Gemm;
+using tfj::ParallelFor;
+namespace ffi = xla::ffi;
 
 // exp(x) for the softmax (x <= 0 after the max is subtracted); Cephes' expf polynomial, relative
 // error below 2e-7, branch-free so that the `omp simd` loops calling it vectorise (-fopenmp-simd:
@@ -58,37 +43,6 @@ inline float FastExp(float x) {
   p = p * r * r + r + 1.0f;
   const float two_n = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
   return x < -87.0f ? 0.0f : p * two_n;
-}
-
-// Runs f(0..n-1) on the calling thread plus up to (pool threads - 1) helpers. A helper that starts
-// after the work is gone finds nothing to claim and never touches f, so returning early is safe.
-template <typename F>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, const F& f) {
-  const int64_t workers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), n);
-  if (workers <= 1) {
-    for (int64_t i = 0; i < n; ++i) f(i);
-    return;
-  }
-  struct State {
-    std::atomic<int64_t> next{0};
-    int64_t done = 0;
-    std::mutex mu;
-    std::condition_variable cv;
-  };
-  auto st = std::make_shared<State>();
-  auto run = [st, n, &f]() {
-    int64_t mine = 0;
-    for (int64_t i; (i = st->next.fetch_add(1)) < n; ++mine) f(i);
-    if (mine) {
-      std::lock_guard<std::mutex> lock(st->mu);
-      st->done += mine;
-      if (st->done == n) st->cv.notify_all();
-    }
-  };
-  for (int64_t w = 1; w < workers; ++w) pool.Schedule(decltype(run)(run));
-  run();
-  std::unique_lock<std::mutex> lock(st->mu);
-  st->cv.wait(lock, [&] { return st->done == n; });
 }
 
 struct Geometry {
@@ -171,7 +125,7 @@ Geometry GetGeometry(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k,
 
 ffi::Error Check(const Geometry& geo, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k,
                  ffi::Buffer<ffi::F32>& v) {
-  if (g_sgemm == nullptr)
+  if (tfj::g_sgemm == nullptr)
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       "tformer_jax cpu attention: sgemm not set (load through ops.cpu_kernel)");
   if (q.dimensions().size() != 4 || k.dimensions().size() != 4 || geo.kh == 0 || geo.h % geo.kh ||
@@ -289,8 +243,6 @@ ffi::Error AttnBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
 }
 
 }  // namespace
-
-extern "C" void tfj_set_sgemm(void* fn) { g_sgemm = reinterpret_cast<Sgemm>(fn); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TfjChunkedAttentionFwd, AttnFwd,
                               ffi::Ffi::Bind()

@@ -21,9 +21,11 @@ import threading
 
 import jax
 
-SOURCES = ("attention.cc",)
+SOURCES = ("attention.cc", "matmul.cc")
+HEADERS = ("common.h",)
 TARGETS = {"tfj_chunked_attention_fwd": "TfjChunkedAttentionFwd",
-           "tfj_chunked_attention_bwd": "TfjChunkedAttentionBwd"}
+           "tfj_chunked_attention_bwd": "TfjChunkedAttentionBwd",
+           "tfj_matmul": "TfjMatmul"}
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fopenmp-simd",
          "-w")
 
@@ -65,7 +67,7 @@ def _build(cxx: str) -> pathlib.Path:
   here = pathlib.Path(__file__).parent
   srcs = [here / s for s in SOURCES]
   h = hashlib.sha256()
-  for s in srcs:
+  for s in [*srcs, *(here / x for x in HEADERS)]:
     h.update(s.read_bytes())
   h.update(" ".join(FLAGS).encode() + cxx.encode() + jax.__version__.encode() + _cpu_tag().encode())
   out = cache_dir() / f"tfj_kernels_{h.hexdigest()[:16]}.so"

@@ -1,0 +1,62 @@
+// Shared by the CPU kernels: OpenBLAS's sgemm (set from Python) and a parallel-for on XLA's
+// intra-op thread pool. Every kernel runs single-threaded sgemm calls as tasks on that pool, so
+// that no second set of BLAS threads competes with XLA's own.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace tfj {
+
+namespace ffi = xla::ffi;
+
+// CBLAS sgemm with 32-bit integers (scipy-openblas32's scipy_cblas_sgemm), set from Python.
+using Sgemm = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int,
+                       float, float*, int);
+extern Sgemm g_sgemm;  // defined in matmul.cc
+constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
+
+inline void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                 int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  g_sgemm(kRowMajor, ta ? kTrans : kNoTrans, tb ? kTrans : kNoTrans, int(m), int(n), int(k), alpha,
+          a, int(lda), b, int(ldb), beta, c, int(ldc));
+}
+
+// Runs f(0..n-1) on the calling thread plus up to (pool threads - 1) helpers. A helper that starts
+// after the work is gone finds nothing to claim and never touches f, so returning early is safe.
+template <typename F>
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, const F& f) {
+  const int64_t workers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), n);
+  if (workers <= 1) {
+    for (int64_t i = 0; i < n; ++i) f(i);
+    return;
+  }
+  struct State {
+    std::atomic<int64_t> next{0};
+    int64_t done = 0;
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto st = std::make_shared<State>();
+  auto run = [st, n, &f]() {
+    int64_t mine = 0;
+    for (int64_t i; (i = st->next.fetch_add(1)) < n; ++mine) f(i);
+    if (mine) {
+      std::lock_guard<std::mutex> lock(st->mu);
+      st->done += mine;
+      if (st->done == n) st->cv.notify_all();
+    }
+  };
+  for (int64_t w = 1; w < workers; ++w) pool.Schedule(decltype(run)(run));
+  run();
+  std::unique_lock<std::mutex> lock(st->mu);
+  st->cv.wait(lock, [&] { return st->done == n; });
+}
+
+}  // namespace tfj
