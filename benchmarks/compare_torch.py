@@ -7,8 +7,7 @@ Everything is built, compiled and warmed first (compile times reported apart). T
 each runs --k steps of every contender back to back (the order rotates every round) plus float32
 2048^3 matmuls (--peak-reps calls with XLA's default options and with the JAX step's; the faster set
 counts), so all contenders and the matmul peak see the same machine load. The JAX step compiles with
-tformer_jax.bench.train.CPU_XLA_OPTIONS on CPU (matmuls on Eigen; --xla-default: without). Per
-contender: tokens/s = all timed tokens / all timed seconds, and the median over rounds; the ratios
+XLA's default options, as in the training loop (--xla-option NAME=VALUE adds some). Per contender: tokens/s = all timed tokens / all timed seconds, and the median over rounds; the ratios
 also as the median of per-round pairs (adjacent in time) and per process CPU-second (less sensitive to
 other programs' load; torch's OpenMP spin-waiting counts as its CPU time). The FLOP
 count per step is the same formula for all (tformer_jax/bench/flops.py). MFU = achieved FLOP/s over
@@ -48,8 +47,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
   p.add_argument("--attn", choices=("sdpa", "naive"), default="sdpa", help="torch attention")
   p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
-  p.add_argument("--xla-default", action="store_true",
-                 help="JAX step with XLA's defaults (no tformer_jax.bench.train.CPU_XLA_OPTIONS)")
+  p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                 help="an XLA option for the JAX step's compilation only (repeatable)")
   p.add_argument("--foreach-adam", action="store_true", help="torch AdamW(foreach) instead of fused")
   p.add_argument("--peak-n", type=int, default=2048)
   p.add_argument("--peak-reps", type=int, default=3, help="matmuls per round")
@@ -78,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   print(f"machine: {info['nproc']} cpus ({info['cpu']}), load {info['loadavg']}, jax {info['jax']}, "
         f"torch {torch.__version__} ({torch.get_num_threads()} threads), allocator {info['allocator']} "
         "(both contenders)")
-  jx = jbench.TrainBench(cfg, compiler_options={} if args.xla_default else None)
+  jx = jbench.TrainBench(cfg, compiler_options=jbench.parse_xla_options(args.xla_option))
   fl = flops_lib.flops_per_step(jx.m, jx.batch, jx.seq)
   tc = torch_config(jx.m, jx.batch, jx.seq, args.attn)
   benches: dict[str, Any] = {"jax": jx}
@@ -112,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       wall[n] += w
       per_round[n].append(args.k * jx.tokens_per_step / w)
     nan = float("nan")
-    rates = (jbench.matmul_rates(args.peak_n, args.peak_reps, option_sets=[{}, jx.compiler_options])
+    rates = (jbench.matmul_rates(args.peak_n, args.peak_reps, option_sets=[{}] + ([jx.compiler_options] if jx.compiler_options else []))
              if args.peak_n else {"best": nan, "mean": nan})
     peaks.append(rates["best"])
     sustained.append(rates["mean"])

@@ -104,39 +104,28 @@ def parse_xla_options(items: Sequence[str]) -> dict[str, Any]:
   return out
 
 
-# XLA options the benchmarks compile with on CPU (this step only, nothing global): matmuls go to
-# XLA's Eigen dot runtime instead of YNNPACK fusions (reductions stay in YNNPACK). On a 2-core
-# AMD EPYC, unloaded: 2048x384x1536 matmuls 205 vs 147 GFLOP/s, the gpt2_cpu step ~8% faster.
-CPU_XLA_OPTIONS: dict[str, Any] = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
-
-
-def default_xla_options() -> dict[str, Any]:
-  """CPU_XLA_OPTIONS on the CPU backend, none elsewhere."""
-  return dict(CPU_XLA_OPTIONS) if jax.default_backend() == "cpu" else {}
-
-
 def compile_with(lowered: Any, options: dict[str, Any]) -> Any:
-  """lowered.compile(options); an option this jaxlib does not know is dropped (with a note)."""
+  """lowered.compile(options); an option this jaxlib does not know is an error naming it."""
   try:
     return lowered.compile(compiler_options=options or None)
   except Exception as e:  # noqa: BLE001 - jaxlib raises a plain runtime error for unknown options
     if options and "compile option" in str(e):
-      print(f"note: XLA options {options} rejected ({str(e).splitlines()[0][:120]}); compiling without")
-      return lowered.compile()
+      raise ValueError(f"XLA rejected the compile options {options}: "
+                       f"{str(e).splitlines()[0][:200]}") from e
     raise
 
 
 class TrainBench:
   """The real train step on synthetic tokens: compile once, then run timed rounds of k steps.
 
-  compiler_options: XLA options for this step's compilation; None = `default_xla_options()`."""
+  compiler_options: XLA options for this step's compilation (default none: as the training loop)."""
 
   def __init__(self, cfg: Any, seed: int = 0, num_batches: int = 4,
                compiler_options: dict[str, Any] | None = None, donate: bool = True):
     from tformer_jax.nn import Transformer
     from tformer_jax.train import loop, optim, precision, state as state_lib, step as step_lib
     self.cfg = cfg
-    self.compiler_options = default_xla_options() if compiler_options is None else dict(compiler_options)
+    self.compiler_options = dict(compiler_options or {})
     self.m = loop.resolve_model_config(cfg)
     self.batch, self.seq = int(cfg.data.batch_size), int(cfg.data.seq_len)
     self.tokens_per_step = self.batch * self.seq
@@ -260,8 +249,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                  help="an XLA debug option for this step's compilation only, e.g. "
                       "xla_cpu_enable_concurrency_optimized_scheduler=true (repeatable)")
-  p.add_argument("--xla-default", action="store_true",
-                 help="compile with XLA's defaults (no CPU_XLA_OPTIONS on CPU)")
   p.add_argument("--no-donate", action="store_true",
                  help="do not donate the state (the training loop donates; on CPU XLA then copies the "
                       "AdamW moments it updates in place, ~5%% of a step)")
@@ -275,8 +262,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   from tformer_jax.bench import flops as flops_lib
   args = parse_args(argv)
   cfg = load_config(args.config, args.set)
-  options = {} if args.xla_default else default_xla_options()
-  options.update(parse_xla_options(args.xla_option))
+  options = parse_xla_options(args.xla_option)
   bench = TrainBench(cfg, compiler_options=options, donate=not args.no_donate)
   peak_option_sets = [{}] + ([options] if options else [])
   m = bench.m
