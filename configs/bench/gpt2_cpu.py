@@ -7,10 +7,10 @@ benchmarks/torch_gpt2.py builds the same architecture and optimiser in PyTorch.
   python -m tformer_jax.bench train --config=configs/bench/gpt2_cpu.py --steps 20 --warmup 3
   python benchmarks/compare_torch.py          # JAX vs torch eager vs torch.compile, interleaved
 
-Measured (2026-11-29 14:05 UTC, 2-vCPU AMD EPYC, JAX 0.10.2, load 2.2, under tcmalloc): 2481 tokens/s,
-177.6 GFLOP/s of 146.5 GFLOP/step, MFU 82.8% of a 214.4 GFLOP/s float32 matmul measured in the same
-run. PyTorch 2.13 side by side (14:07 UTC, same process, same allocator): eager 2236, torch.compile
-2260 tokens/s against JAX 2435 (1.09x / 1.08x; 1.06-1.09x over three runs). Details:
+Measured (2026-11-29 16:05 UTC, 2-vCPU AMD EPYC, JAX 0.10.2, load 1.4, under tcmalloc): 2624 tokens/s,
+187.7 GFLOP/s of 146.5 GFLOP/step, MFU 87.3% of a 215.0 GFLOP/s float32 matmul measured in the same
+run. PyTorch 2.13 side by side (16:00 UTC, same process, same allocator): eager 2200, torch.compile
+2266 tokens/s against JAX 2558 (1.16x / 1.13x; 1.13-1.16x / 1.12-1.13x over three runs). Details:
 docs/benchmarks.md.
 """
 from tformer_jax.config import default_config
