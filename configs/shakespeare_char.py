@@ -29,6 +29,7 @@ def get_config():
   c.data.seq_len, c.data.batch_size = 128, 32
   c.optim.peak_lr, c.optim.warmup_steps, c.optim.min_lr_ratio = 2e-3, 100, 0.1
   c.optim.weight_decay, c.optim.clip_norm = 0.1, 1.0
+  c.optim.update_impl = "auto"   # the C++ CPU AdamW here (train/fused_adamw.py), optax elsewhere
   c.train.steps, c.train.log_every, c.train.eval_every, c.train.ckpt_every = 400, 25, 100, 100
   c.train.eval_batches = 16
   c.train.sample_prompt, c.train.sample_tokens = "ROMEO:\n", 300

@@ -181,6 +181,7 @@ def default_config() -> ml_collections.ConfigDict:
       min_lr_ratio=0.1,              # cosine floor as a fraction of peak_lr
       clip_norm=1.0,                 # 0 = no clipping
       grad_accum=1,                  # micro-batches per step
+      update_impl="optax",           # optax | cpu_kernel | auto: train/fused_adamw.py (one C++ pass on CPU)
   ))
   c.train = ml_collections.ConfigDict(dict(
       steps=1000,
@@ -342,6 +343,12 @@ def validate(cfg: ml_collections.ConfigDict) -> ModelConfig:
     if "data" in cfg and cfg.data.batch_size % o.grad_accum:
       _fail("optim.grad_accum", f"data.batch_size={cfg.data.batch_size} must be divisible by "
             f"grad_accum={o.grad_accum}")
+    impl = o.get("update_impl", "optax")
+    if impl not in ("optax", "cpu_kernel", "auto"):
+      _fail("optim.update_impl", f"unknown value {impl!r}; expected optax, cpu_kernel or auto")
+    if impl == "cpu_kernel" and m.param_dtype != "float32":
+      _fail("optim.update_impl", f"'cpu_kernel' (the C++ CPU AdamW) updates float32 parameters, got "
+            f"model.param_dtype {m.param_dtype!r}: use 'optax' or 'auto'")
   if "train" in cfg:
     t = cfg.train
     if t.steps <= 0:

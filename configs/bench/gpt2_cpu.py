@@ -39,6 +39,9 @@ def get_config():
   o = c.optim
   o.name, o.peak_lr, o.b1, o.b2, o.eps, o.weight_decay = "adamw", 6e-4, 0.9, 0.95, 1e-8, 0.1
   o.clip_norm, o.warmup_steps, o.schedule, o.grad_accum = 1.0, 10, "cosine", 1
+  # The clip + AdamW update as one C++ pass per parameter array (train/fused_adamw.py), the same
+  # arithmetic and state as the optax chain; PyTorch's side runs its fused AdamW too.
+  o.update_impl = "cpu_kernel"
   c.train.precision = "float32"
   c.train.steps = 1000
   return c

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from tformer_jax.train import optim, precision
+from tformer_jax.train.fused_adamw import FusedAdamW
 from tformer_jax.train.state import TrainState
 
 AUX_COLLECTIONS = ("aux_loss", "moe_metrics")
@@ -66,7 +67,8 @@ def loss_sum_fn(model: nn.Module, params: Any, batch: dict, rng: jax.Array | Non
 
 def train_step(state: TrainState, batch: dict, *, model: nn.Module, tx: optax.GradientTransformation,
                schedule: optax.Schedule, grad_accum: int = 1, clip_norm: float = 0.0,
-               axis_name: str | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+               axis_name: str | None = None, fused_update: FusedAdamW | None = None
+               ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer step. `axis_name` (pmap): `batch` is this device's shard; token counts, losses and
   gradients are summed over the axis, so the loss is the same token-weighted global mean as under jit."""
   rng = jax.random.fold_in(state.rng, state.step)
@@ -91,9 +93,13 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, tx: optax.Gr
   loss = scaled_loss * tokens / ls.scale
   finite = precision.all_finite((loss, grads))
   gnorm, gnorm_clipped = optim.grad_norms(grads, clip_norm)
-  updates, new_opt = tx.update(grads, state.opt_state, state.params)
-  new_params = optax.apply_updates(state.params, updates)
-  params, opt_state = precision.select_tree(finite, (new_params, new_opt), (state.params, state.opt_state))
+  if fused_update is not None and fused_update.applies(state.params):  # optim.update_impl
+    params, opt_state = fused_update(grads, state.opt_state, state.params, finite, gnorm)
+  else:
+    updates, new_opt = tx.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    params, opt_state = precision.select_tree(finite, (new_params, new_opt),
+                                              (state.params, state.opt_state))
   bad = jnp.where(finite, 0, state.bad_steps + 1)
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                             loss_scale=ls.adjust(finite), bad_steps=bad,
@@ -132,6 +138,8 @@ def eval_step(params: Any, batch: dict, *, model: nn.Module) -> dict[str, jax.Ar
 
 
 def make_train_step(model, tx, schedule, optim_cfg, axis_name: str | None = None):
+  impl = str(optim_cfg.get("update_impl", "optax"))
+  fused = None if impl == "optax" else FusedAdamW(optim_cfg, schedule, impl)
   return functools.partial(train_step, model=model, tx=tx, schedule=schedule,
                            grad_accum=int(optim_cfg.grad_accum), clip_norm=float(optim_cfg.clip_norm),
-                           axis_name=axis_name)
+                           axis_name=axis_name, fused_update=fused)

@@ -21,11 +21,12 @@ import threading
 
 import jax
 
-SOURCES = ("attention.cc", "matmul.cc")
+SOURCES = ("attention.cc", "matmul.cc", "adamw.cc")
 HEADERS = ("common.h",)
 TARGETS = {"tfj_chunked_attention_fwd": "TfjChunkedAttentionFwd",
            "tfj_chunked_attention_bwd": "TfjChunkedAttentionBwd",
-           "tfj_matmul": "TfjMatmul"}
+           "tfj_matmul": "TfjMatmul",
+           "tfj_adamw": "TfjAdamW"}
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fopenmp-simd",
          "-w")
 

@@ -1,0 +1,40 @@
+"""`adamw_update_cpu`: one AdamW step on one float32 array as a C++ custom call, updated in place.
+
+Same arithmetic as optax.chain(clip_by_global_norm, adamw) + optax.apply_updates on that array, in one
+pass over p, g, mu and nu (XLA:CPU runs three fusions per array plus copies). Used by
+`train.fused_adamw` (optim.update_impl='cpu_kernel' / 'auto'). Not differentiable (an optimizer step).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from tformer_jax.ops.cpu_kernel import build
+
+Array = jnp.ndarray
+
+
+def adamw_update_cpu(p: Array, g: Array, mu: Array, nu: Array, *, lr: Array | float, b1: float,
+                     b2: float, eps: float, weight_decay: Array | float, count: Array,
+                     grad_scale: Array | float = 1.0, finite: Array | bool = True
+                     ) -> tuple[Array, Array, Array]:
+  """(p, mu, nu) after one AdamW step with bias corrections for step `count` (1-based, as optax's
+  incremented count); g is multiplied by grad_scale first (a global-norm clip); `finite` False
+  returns the inputs unchanged. All four arrays float32 and of one shape; CPU backend only."""
+  arrays = (p, g, mu, nu)
+  if any(a.dtype != jnp.float32 for a in arrays) or len({a.shape for a in arrays}) != 1:
+    raise ValueError("adamw_update_cpu: p, g, mu, nu must be float32 arrays of one shape, got "
+                     + ", ".join(f"{a.dtype}{tuple(a.shape)}" for a in arrays))
+  if jax.default_backend() != "cpu":
+    raise ValueError(f"adamw_update_cpu is a CPU kernel; the default backend is "
+                     f"{jax.default_backend()!r}")
+  build.load()
+  t = jnp.asarray(count, jnp.int32)
+  b1, b2 = float(b1), float(b2)
+  scalars = jnp.stack([jnp.asarray(x, jnp.float32) for x in (   # as optax rounds them
+      lr, b1, b2, 1.0 - b1, 1.0 - b2, eps, weight_decay, 1 - b1 ** t, 1 - b2 ** t, grad_scale,
+      jnp.asarray(finite, jnp.float32))])
+  out = jax.ShapeDtypeStruct(p.shape, jnp.float32)
+  call = jax.ffi.ffi_call("tfj_adamw", (out, out, out), input_output_aliases={0: 0, 2: 1, 3: 2},
+                          vmap_method="sequential")
+  return call(p, g, mu, nu, scalars)
