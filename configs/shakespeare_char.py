@@ -1,12 +1,12 @@
 """Default experiment: a byte-level GPT on Shakespeare's complete works, sized for 2 CPU cores.
 
 Launch:  python scripts/train.py --config=configs/shakespeare_char.py --workdir=runs/shakespeare
-Measured (2026-11-29 16:04 UTC, `bash scripts/main.sh` on a fresh clone, 2 CPU cores, tcmalloc,
-attention_impl and weight_grad_impl 'auto' = the C++ CPU kernels): 400 steps in 3 min 50 s of training
-(incl. compile and 4 evaluations; 5,800-8,000 tokens/s), validation loss 1.705 nats/byte (2.46
-bits/byte; 1.909 at step 200), 3.2M parameters; the whole command took 4 min 25 s. (Without the
-weight-gradient kernel: 4 min 04 s, 1.708; with 'reference' attention too: 4 min 35 s, 1.705; with
-glibc malloc and another job beside it: 9 min 26 s.)
+Measured (2026-11-29 16:41 UTC, `bash scripts/main.sh` on a fresh clone, 2 CPU cores, tcmalloc,
+attention_impl, weight_grad_impl and optim.update_impl 'auto' = the C++ CPU kernels): 400 steps in
+3 min 46 s of training (incl. compile and 4 evaluations), validation loss 1.709 nats/byte (2.47
+bits/byte; 1.909 at step 200), 3.2M parameters; the whole command took 4 min 20 s. (Before the fused
+AdamW: 3 min 50 s, 1.705; before the weight-gradient kernel too: 4 min 04 s, 1.708; with 'reference'
+attention as well: 4 min 35 s, 1.705; with glibc malloc and another job beside it: 9 min 26 s.)
 For better samples raise --config.train.steps (the cosine schedule follows it).
 """
 from tformer_jax.config import default_config

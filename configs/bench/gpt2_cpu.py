@@ -9,9 +9,9 @@ benchmarks/torch_gpt2.py builds the same architecture and optimiser in PyTorch.
 
 Measured (2026-11-29 16:05 UTC, 2-vCPU AMD EPYC, JAX 0.10.2, load 1.4, under tcmalloc): 2624 tokens/s,
 187.7 GFLOP/s of 146.5 GFLOP/step, MFU 87.3% of a 215.0 GFLOP/s float32 matmul measured in the same
-run. PyTorch 2.13 side by side (16:00 UTC, same process, same allocator): eager 2200, torch.compile
-2266 tokens/s against JAX 2558 (1.16x / 1.13x; 1.13-1.16x / 1.12-1.13x over three runs). Details:
-docs/benchmarks.md.
+run (before the fused AdamW). PyTorch 2.13 side by side (16:36 UTC, same process, same allocator):
+eager 2249, torch.compile 2285 tokens/s against JAX 2604 (1.16x / 1.14x; 1.15x / 1.14x in the run
+before). Details: docs/benchmarks.md.
 """
 from tformer_jax.config import default_config
 

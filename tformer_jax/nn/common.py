@@ -106,16 +106,12 @@ def residual_grad_barrier(cfg: ModelConfig, x: jax.Array) -> jax.Array:
 
 
 def cpu_kernels_apply(cfg: ModelConfig) -> bool:
-  """Whether 'auto' may pick the C++ CPU kernels (ops.cpu_kernel): the CPU backend, float32
-  compute, no multi-device mesh active (a custom call is not partitioned: XLA would gather its
-  operands onto every device) and the kernels build here."""
-  if jax.default_backend() != "cpu" or dtypes(cfg)[0] != jnp.float32:
-    return False
-  mesh = jax.sharding.get_abstract_mesh()
-  if not mesh.empty and mesh.size > 1:
+  """Whether 'auto' may pick the C++ CPU kernels (ops.cpu_kernel): float32 compute and
+  `cpu_kernel.usable_here()` (CPU backend, no multi-device mesh, the kernels build)."""
+  if dtypes(cfg)[0] != jnp.float32:
     return False
   from tformer_jax.ops import cpu_kernel
-  return cpu_kernel.available()[0]
+  return cpu_kernel.usable_here()
 
 
 def resolve_weight_grad_impl(cfg: ModelConfig) -> str:

@@ -25,16 +25,12 @@ PyTree = Any
 
 
 def kernel_applies(params: PyTree) -> bool:
-  """'auto''s test, at trace time: CPU backend, float32 leaves, no multi-device mesh, kernels build."""
-  if jax.default_backend() != "cpu":
-    return False
+  """'auto''s test, at trace time: float32 leaves and `cpu_kernel.usable_here()` (CPU backend, no
+  multi-device mesh, the kernels build)."""
   if any(jnp.dtype(x.dtype) != jnp.float32 for x in jax.tree.leaves(params)):
     return False
-  mesh = jax.sharding.get_abstract_mesh()
-  if not mesh.empty and mesh.size > 1:   # a custom call is not partitioned
-    return False
   from tformer_jax.ops import cpu_kernel
-  return cpu_kernel.available()[0]
+  return cpu_kernel.usable_here()
 
 
 def _split_state(opt_state: Any, clip: bool):

@@ -4,11 +4,12 @@
   matmul_cpu              op(a) @ op(b) in float32, one OpenBLAS block per thread (weight gradients)
   adamw_update_cpu        one AdamW step on one float32 array, in place, in one pass
   available()             (True, library path) or (False, why not)
+  usable_here()           CPU backend, no multi-device mesh, kernels available ('auto' settings)
 """
 from tformer_jax.ops.cpu_kernel.adamw import adamw_update_cpu
 from tformer_jax.ops.cpu_kernel.attention import chunked_attention_cpu, chunk_table
-from tformer_jax.ops.cpu_kernel.build import KernelUnavailable, available
+from tformer_jax.ops.cpu_kernel.build import KernelUnavailable, available, usable_here
 from tformer_jax.ops.cpu_kernel.matmul import matmul_cpu
 
 __all__ = ["chunked_attention_cpu", "chunk_table", "matmul_cpu", "adamw_update_cpu", "available",
-           "KernelUnavailable"]
+           "usable_here", "KernelUnavailable"]
