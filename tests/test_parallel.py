@@ -148,6 +148,22 @@ def test_pmap_matches_jit_and_its_checkpoint_resumes_under_jit(tmp_path, referen
   np.testing.assert_allclose(losses_of(tmp_path)[4], reference[3], rtol=RTOL)
 
 
+# -- (b2) the C++ CPU kernels (attention, weight gradients, AdamW) set explicitly: per-device under
+# pmap, gathered under a sharded jit ('auto' keeps XLA's ops there); the same losses either way ------
+
+KERNELS = {"model.attention_impl": "chunked_cpu", "model.attention_block_q": 16,
+           "model.weight_grad_impl": "cpu_kernel", "optim.update_impl": "cpu_kernel"}
+
+
+@pytest.mark.parametrize("mesh_kw", [{"mesh.num_devices": 4, "mesh.parallelism": "pmap"},
+                                     {"mesh.num_devices": 2, "mesh.shape": (2, 1, 1)}],
+                         ids=["pmap4", "jit_dp2"])
+def test_cpu_kernels_on_several_devices_match_one_device(tmp_path, reference, mesh_kw):
+  train(tiny_config(steps=3, **KERNELS, **mesh_kw), tmp_path)
+  got = losses_of(tmp_path)
+  np.testing.assert_allclose([got[s] for s in (1, 2, 3)], reference[:3], rtol=RTOL)
+
+
 # -- (d) cross-mesh restore 8 -> 4 -> 1, and a jit checkpoint resumed by pmap ------------------------
 
 def test_checkpoint_from_8_devices_restores_on_4_and_1(tmp_path, reference):
