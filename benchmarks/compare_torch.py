@@ -111,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       wall[n] += w
       per_round[n].append(args.k * jx.tokens_per_step / w)
     nan = float("nan")
-    rates = (jbench.matmul_rates(args.peak_n, args.peak_reps, option_sets=[{}] + ([jx.compiler_options] if jx.compiler_options else []))
+    rates = (jbench.matmul_rates(args.peak_n, args.peak_reps, option_sets=[{}, jx.compiler_options])
              if args.peak_n else {"best": nan, "mean": nan})
     peaks.append(rates["best"])
     sustained.append(rates["mean"])

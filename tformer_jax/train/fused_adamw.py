@@ -63,19 +63,20 @@ class FusedAdamW:
 
   def __call__(self, grads: PyTree, opt_state: Any, params: PyTree, finite: jax.Array,
                grad_norm: jax.Array) -> tuple[PyTree, Any]:
-    from tformer_jax.ops.cpu_kernel import adamw_update_cpu
+    from tformer_jax.ops.cpu_kernel.adamw import adamw_apply_cpu, adamw_scalars
     clip_state, adam, decay, sched = _split_state(opt_state, self.clip > 0)
     if self.clip > 0:   # optax.clip_by_global_norm as one factor on g
       scale = jnp.where(grad_norm < self.clip, 1.0, self.clip / grad_norm)
     else:
       scale = jnp.ones((), jnp.float32)
-    lr = self.schedule(sched.count)
-    count = optax.safe_increment(adam.count)
+    # the step's scalars once, for decayed and for undecayed arrays
+    scalars = {decayed: adamw_scalars(
+        lr=self.schedule(sched.count), b1=self.b1, b2=self.b2, eps=self.eps,
+        weight_decay=self.wd if decayed else 0.0, count=optax.safe_increment(adam.count),
+        grad_scale=scale, finite=finite) for decayed in (True, False)}
 
     def leaf(p, g, m, v, decayed):
-      return adamw_update_cpu(p, g.astype(jnp.float32), m, v, lr=lr, b1=self.b1, b2=self.b2,
-                              eps=self.eps, weight_decay=self.wd if decayed else 0.0, count=count,
-                              grad_scale=scale, finite=finite)
+      return adamw_apply_cpu(p, g.astype(jnp.float32), m, v, scalars[bool(decayed)])
 
     treedef = jax.tree.structure(params)
     outs = [leaf(*xs) for xs in zip(*(treedef.flatten_up_to(t) for t in (
