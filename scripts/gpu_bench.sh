@@ -14,9 +14,9 @@
 #
 # (ml_collections and portpicker are pure Python py3-none-any wheels; grain and array_record are
 # binary cp312 wheels; absl-py, PyYAML, etils, cloudpickle, protobuf and numpy are already there.)
-# Carry .whl with the working tree (the device tool's carry: [".whl"]); this script installs them
-# with `pip install --no-index --no-deps --target /tmp/site` and puts /tmp/site and the repository
-# on PYTHONPATH. Usage:
+# Carry .whl with the working tree (the device tool's carry: [".whl"]); where ml_collections or grain
+# is missing this script installs them with `pip install --no-index --no-deps --target /tmp/site` and
+# puts /tmp/site and the repository on PYTHONPATH (checked here on Python 3.12 + JAX 0.11.2, CPU). Usage:
 #
 #   bash scripts/gpu_bench.sh [--steps 10] [--attempts 16:none,16:dots,8:dots] [--json OUT]
 #   bash scripts/gpu_bench.sh --smoke          # anywhere (CPU): tiny override, checks the pipeline
@@ -26,7 +26,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if compgen -G ".whl/*.whl" > /dev/null; then
+# The carried wheels are a fallback: installed only where ml_collections or grain is missing (a
+# cp312 wheel would not even install on another Python).
+if ! "$PY" -c "import ml_collections, grain" 2>/dev/null && compgen -G ".whl/*.whl" > /dev/null; then
   rm -rf /tmp/site
   "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
   export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
