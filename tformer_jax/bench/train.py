@@ -254,7 +254,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--no-donate", action="store_true",
                  help="do not donate the state (the training loop donates; on CPU XLA then copies the "
                       "AdamW moments it updates in place, ~5%% of a step)")
-  p.add_argument("--profile", help="write a jax.profiler trace of 3 extra steps to this directory")
+  p.add_argument("--profile", metavar="DIR",
+                 help="trace 3 extra steps with jax.profiler into DIR and print the step's time by op "
+                      "kind (matmuls, elementwise fusions, each custom call) and the slowest ops "
+                      "(tformer_jax/bench/op_profile.py)")
   p.add_argument("--json", help="also write the result dict to this file")
   argv = sys.argv[1:] if argv is None else list(argv)
   return p.parse_args(split_config_flags(argv))
@@ -297,10 +300,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   peak = max((r["best"] for r in samples), default=nan)
   peak_sustained = statistics.harmonic_mean([r["mean"] for r in samples]) if samples else nan
   rates = {"best": peak, "median": statistics.median([r["median"] for r in samples]) if samples else nan}
+  op_summary = None
   if args.profile:
-    jax.profiler.start_trace(args.profile)
-    bench.run(3)
+    from tformer_jax.bench import op_profile
+    jax.profiler.start_trace(args.profile, create_perfetto_trace=True)
+    prof_wall, _ = bench.run(3)
     jax.profiler.stop_trace()
+    op_summary = op_profile.summarize(op_profile.load_trace_events(args.profile),
+                                      op_profile.hlo_op_kinds(bench.compiled.as_text()), 3, prof_wall)
   loss = bench.final_loss()
   tok_s = args.steps * bench.tokens_per_step / wall
   achieved = args.steps * fl["flops_per_step"] / wall / 1e9
@@ -321,6 +328,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       attention_impl=m.attention_impl, dtype=m.dtype, donate=not args.no_donate,
       xla_options=options,
       machine=info)
+  if op_summary is not None:
+    res["op_profile"] = op_summary
   print(f"throughput: {tok_s:,.0f} tokens/s | step median {res['step_ms_median']:.1f} ms | "
         f"{achieved:.1f} GFLOP/s achieved")
   print(f"peak: {peak:.1f} GFLOP/s ({args.peak_dtype} {args.peak_n}^3 matmul, best of "
@@ -330,6 +339,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   if samples:
     print(f"MFU vs the sustained matmul rate: {100 * res['mfu_vs_sustained']:.1f}%")
   print(f"final loss {loss:.4f}")
+  if op_summary is not None:
+    print(op_profile.format_summary(op_summary))
+    print(f"trace written to {args.profile} (Perfetto / TensorBoard)")
   return emit(res, args.json)
 
 
