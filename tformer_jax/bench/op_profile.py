@@ -35,8 +35,8 @@ def hlo_op_kinds(hlo_text: str) -> dict[str, str]:
   bodies: dict[str, list[str]] = {}
   current = None
   for line in hlo_text.splitlines():
-    m = _COMP.match(line)
-    if m and not line.startswith(" "):
+    m = _COMP.match(line)  # computation headers start in column 0, instructions are indented
+    if m:
       current = m.group(1)
       bodies[current] = []
     elif current is not None:
@@ -90,14 +90,17 @@ def summarize(events: list[dict[str, Any]], kinds: dict[str, str], steps: int,
   points = sorted([(e["ts"], 1, i) for i, e in enumerate(ops)] +
                   [(e["ts"] + e["dur"], -1, i) for i, e in enumerate(ops)])
   active: set[int] = set()
-  busy, last = 0.0, None
+  busy, last = 0.0, 0.0
   for t, delta, i in points:
-    if active and last is not None and t > last:
+    if active and t > last:  # `active` is only non-empty after a first point has set `last`
       for j in active:
         shared[ops[j]["name"]] += (t - last) / len(active)
       busy += t - last
     last = t
-    (active.add if delta > 0 else active.discard)(i)
+    if delta > 0:
+      active.add(i)
+    else:
+      active.discard(i)
   per_step = lambda us: round(us / 1e3 / steps, 3)  # noqa: E731  microseconds -> ms per step
   by_kind_own, by_kind_wall = collections.defaultdict(float), collections.defaultdict(float)
   for name in own:
