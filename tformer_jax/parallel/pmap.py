@@ -1,17 +1,21 @@
 """Data-parallel training with `jax.pmap` (`mesh.parallelism = 'pmap'`).
 
 The classic layout: every device holds the whole (replicated) train state and one slice of the
-batch; gradients, token counts and metrics are summed over the 'data' axis inside
-`step.train_step(axis_name='data')`, so the loss is the same token-weighted mean over the global
-batch that the jit path computes, and the optimizer/loss code is shared.
+batch; gradients, token counts and metrics are summed over the 'data' axis inside the caller's
+train step (built with `axis_name=AXIS`, e.g. `train.step.make_train_step(..., axis_name=AXIS)`), so
+the loss is the same token-weighted mean over the global batch that the jit path computes, and the
+optimizer/loss code is shared. This module only wraps step functions it is given: it knows nothing
+of the model, the optimizer or the loss.
 
 The state enters and leaves the pmapped step unmapped (`in_axes=None`, `out_axes=None`): the loop
 keeps ordinary global arrays, replicated over the mesh's devices (`mesh.shape` must be data-only),
 so checkpoints saved on this path are the same unreplicated state the jit path saves and restores
 (either way round). Batches are this process's rows split over its local devices.
 
-  step = make_train_step(model, tx, schedule, cfg.optim, mesh, shardings)
+  step = make_train_step(step_lib.make_train_step(model, tx, schedule, cfg.optim, axis_name=AXIS),
+                         mesh, shardings)
   state, metrics = step(state, split_batch(local_batch, mesh))     # metrics: replicated scalars
+  evaluate = make_eval_step(lambda p, b: step_lib.eval_step(p, b, model=model), mesh)
 """
 from __future__ import annotations
 
@@ -21,8 +25,6 @@ import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import Mesh
-
-from tformer_jax.train import step as step_lib
 
 AXIS = "data"
 PyTree = Any
@@ -65,11 +67,14 @@ def _pmap(fn: Callable, mesh: Mesh, donate: tuple[int, ...] = ()) -> Callable:
                   donate_argnums=donate)
 
 
-def make_train_step(model: nn.Module, tx, schedule, optim_cfg, mesh: Mesh, shardings: PyTree
-                    ) -> Callable[[PyTree, dict], tuple[PyTree, dict]]:
-  """(state, split batch) -> (state, metrics); the input state is donated."""
-  pstep = _pmap(step_lib.make_train_step(model, tx, schedule, optim_cfg, axis_name=AXIS), mesh,
-                donate=(0,))
+def make_train_step(train_step: Callable[[PyTree, dict], tuple[PyTree, dict]], mesh: Mesh,
+                    shardings: PyTree) -> Callable[[PyTree, dict], tuple[PyTree, dict]]:
+  """(state, split batch) -> (state, metrics); the input state is donated.
+
+  `train_step(state, batch) -> (state, metrics)` runs on one device's rows and must reduce its
+  gradients and metrics over the `AXIS` ('data') axis itself (`axis_name=AXIS`).
+  `shardings` are the loop's state shardings, which the returned state is re-wrapped with."""
+  pstep = _pmap(train_step, mesh, donate=(0,))
 
   def run(state: PyTree, batch: dict) -> tuple[PyTree, dict]:
     new_state, metrics = pstep(state, batch)
@@ -77,9 +82,12 @@ def make_train_step(model: nn.Module, tx, schedule, optim_cfg, mesh: Mesh, shard
   return run
 
 
-def make_eval_step(model: nn.Module, mesh: Mesh) -> Callable[[PyTree, dict], dict]:
-  """(params, split batch) -> {nll_sum, count, correct} summed over every device's rows."""
+def make_eval_step(eval_step: Callable[[PyTree, dict], dict], mesh: Mesh
+                   ) -> Callable[[PyTree, dict], dict]:
+  """(params, split batch) -> `eval_step`'s sums ({nll_sum, count, correct}) over every device's rows.
+
+  `eval_step(params, batch) -> dict of sums` runs on one device's rows; the psum over `AXIS` is
+  added here."""
   def fn(params, batch):
-    sums = step_lib.eval_step(params, batch, model=model)
-    return jax.lax.psum(sums, AXIS)
+    return jax.lax.psum(eval_step(params, batch), AXIS)
   return _pmap(fn, mesh)
