@@ -17,19 +17,17 @@ def get_config():
   m = c.model
   m.vocab_size = 256
   m.d_model, m.num_layers, m.num_heads = 256, 4, 4
-  m.position, m.norm, m.activation = "rope", "rmsnorm", "gelu_tanh"
+  # Llama-style (RoPE, RMSNorm, SwiGLU, no biases): exports to an HF LlamaForCausalLM.
+  m.position, m.norm, m.activation = "rope", "rmsnorm", "swiglu"
   m.max_len = 256
   m.tie_embeddings = True
-  # 'auto': the C++ CPU attention kernel here (float32 on CPU), 'xla' on a GPU; exact either way.
-  # Chunks of 64 (2 per 128-token row): +14% tokens/s over 'reference' on 2 CPU cores (A/B).
-  m.attention_impl, m.attention_block_q = "auto", 64
-  # 'auto': weight gradients by the C++ CPU matmul here (+4.7% tokens/s in an A/B), XLA elsewhere.
-  m.weight_grad_impl = "auto"
+  # Query chunks of 64 (2 per 128-token row) for the 'chunked' attention that runtime 'auto' picks
+  # on CPU (the C++ kernel there; 'xla' on a GPU): +14% tokens/s over 'reference' (A/B).
+  c.runtime.attention_block_q = 64
   c.data.corpus, c.data.tokenizer = "shakespeare", "byte"
   c.data.seq_len, c.data.batch_size = 128, 32
   c.optim.peak_lr, c.optim.warmup_steps, c.optim.min_lr_ratio = 2e-3, 100, 0.1
   c.optim.weight_decay, c.optim.clip_norm = 0.1, 1.0
-  c.optim.update_impl = "auto"   # the C++ CPU AdamW here (train/fused_adamw.py), optax elsewhere
   c.train.steps, c.train.log_every, c.train.eval_every, c.train.ckpt_every = 400, 25, 100, 100
   c.train.eval_batches = 16
   c.train.sample_prompt, c.train.sample_tokens = "ROMEO:\n", 300

@@ -3,11 +3,18 @@
 `default_config()` is the full schema with defaults; experiment files in `configs/` start from it and
 override fields. `validate(cfg)` checks every rule before anything compiles and raises `ConfigError`
 naming the field. `ModelConfig.from_config(cfg.model)` is what the linen modules receive.
+
+Two kinds of settings: `model` is the architecture (the function the network computes: what
+checkpoints and HF export care about); `runtime` is how this run executes it (backend, attention
+implementation and tiles, C++ CPU kernels), resolved once per run by `backends.resolve_runtime`.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
+import os
+import pathlib
 from typing import Any
 
 import ml_collections
@@ -19,10 +26,21 @@ NORM_POSITIONS = ("pre", "post")
 POSITIONS = ("none", "sinusoidal", "learned", "rope", "alibi", "t5")
 ROPE_LAYOUTS = ("half", "interleaved")
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
-ATTENTION_IMPLS = ("reference", "chunked", "chunked_cpu", "blockwise", "xla", "cudnn", "auto")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 DTYPES = ("float32", "bfloat16", "float16")
 MOE_DISPATCH = ("dropless", "capacity")
+RUNTIME_BACKENDS = ("auto", "reference", "xla_cpu")
+RUNTIME_ATTENTION = ("auto", "reference", "chunked", "blockwise", "xla", "cudnn")
+TILED_ATTENTION = ("chunked", "blockwise")   # no dense bias, no global tokens, no dropout
+AUTO_ON_OFF = ("auto", "on", "off")
+
+# ModelConfig fields that say how the function is computed or stored, not which function: the
+# architecture signature (HF export, checkpoint compatibility) leaves them out.
+EXECUTION_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat")
+# Execution fields that older versions kept in `model` (still found in saved config.json files);
+# now in the runtime section, and dropped when such a file is read.
+LEGACY_RUNTIME_FIELDS = ("attention_impl", "attention_block_q", "attention_block_k",
+                         "residual_grad_barrier", "weight_grad_impl")
 
 
 class ConfigError(ValueError):
@@ -97,22 +115,19 @@ class ModelConfig:
   init_std: float = 0.02
   scale_residual_init: bool = True   # GPT-2: residual output projections std / sqrt(2 * num_layers)
   attention_scale: float = 0.0       # 0 = 1/sqrt(head_dim)
-  attention_impl: str = "reference"  # reference|chunked|chunked_cpu|blockwise|xla|cudnn|auto (nn.attention)
-  attention_block_q: int = 128       # blockwise query tile; 'chunked'/'chunked_cpu': the query chunk
-  attention_block_k: int = 128       # blockwise key tile
   window: int = 0                    # sliding window (each query sees the last `window` keys); 0 = full
-  num_global_tokens: int = 0         # Longformer-style global tokens (reference/xla path)
+  num_global_tokens: int = 0         # Longformer-style global tokens (dense attention paths)
   dtype: str = "float32"             # compute dtype
   param_dtype: str = "float32"
-  scan_layers: bool = False
-  residual_grad_barrier: str = "auto"  # auto (CPU only) | on | off: nn.common.grad_fusion_barrier
-  weight_grad_impl: str = "xla"      # xla | cpu_kernel | auto: weight gradients of nn.common.project
-  remat: str = "none"
+  scan_layers: bool = False          # one scanned block (params stacked on a 'layers' axis)
+  remat: str = "none"                # none | full | dots | dots_no_batch: recompute in the backward
   moe: MoEConfig = MoEConfig()
 
   @classmethod
   def from_config(cls, cd: Any) -> "ModelConfig":
     d = dict(cd.to_dict() if hasattr(cd, "to_dict") else cd)
+    for name in LEGACY_RUNTIME_FIELDS:
+      d.pop(name, None)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - known)
     if unknown:
@@ -181,7 +196,6 @@ def default_config() -> ml_collections.ConfigDict:
       min_lr_ratio=0.1,              # cosine floor as a fraction of peak_lr
       clip_norm=1.0,                 # 0 = no clipping
       grad_accum=1,                  # micro-batches per step
-      update_impl="optax",           # optax | cpu_kernel | auto: train/fused_adamw.py (one C++ pass on CPU)
   ))
   c.train = ml_collections.ConfigDict(dict(
       steps=1000,
@@ -208,7 +222,28 @@ def default_config() -> ml_collections.ConfigDict:
   c.decode = ml_collections.ConfigDict(dict(
       temperature=0.8, top_k=0, top_p=1.0, repetition_penalty=1.0,
   ))
+  # How this run executes the model; never changes what it computes (tformer_jax/backends/).
+  c.runtime = ml_collections.ConfigDict(dict(
+      backend="auto",                # auto (xla_cpu on CPU, else reference) | reference | xla_cpu
+      attention="auto",              # auto | reference | chunked | blockwise | xla | cudnn
+      attention_block_q=128,         # blockwise query tile; chunked: the query chunk
+      attention_block_k=128,         # blockwise key tile
+      cpu_kernels="auto",            # auto | on | off: the xla_cpu backend's C++ kernels (float32)
+  ))
   return c
+
+
+def load_config_file(path: str | os.PathLike) -> ml_collections.ConfigDict:
+  """`get_config()` of a Python config file (e.g. configs/gpt2_tiny.py), loaded by path."""
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise ConfigError(f"config: file {path} not found")
+  spec = importlib.util.spec_from_file_location(f"_tformer_cfg_{path.stem}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, "get_config"):
+    raise ConfigError(f"config: {path} has no get_config()")
+  return module.get_config()
 
 
 def _fail(field: str, rule: str) -> None:
@@ -232,9 +267,7 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
   if m.mlp_ratio <= 0:
     _fail(p + "mlp_ratio", f"must be > 0, got {m.mlp_ratio}")
   choices = dict(activation=ACTIVATIONS, norm=NORMS, norm_position=NORM_POSITIONS, position=POSITIONS,
-                 rope_layout=ROPE_LAYOUTS, attention_impl=ATTENTION_IMPLS, remat=REMAT_POLICIES,
-                 dtype=DTYPES, param_dtype=DTYPES, residual_grad_barrier=("auto", "on", "off"),
-                 weight_grad_impl=("xla", "cpu_kernel", "auto"))
+                 rope_layout=ROPE_LAYOUTS, remat=REMAT_POLICIES, dtype=DTYPES, param_dtype=DTYPES)
   for name, allowed in choices.items():
     if getattr(m, name) not in allowed:
       _fail(p + name, f"unknown value {getattr(m, name)!r}; expected one of {allowed}")
@@ -244,9 +277,6 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
     v = getattr(m, name)
     if not 0.0 <= v < 1.0:
       _fail(p + name, f"dropout must be in [0, 1), got {v}")
-  if m.attn_dropout > 0 and m.attention_impl not in ("reference", "auto"):
-    _fail(p + "attn_dropout", f"attention dropout is implemented by attention_impl 'reference' only, "
-          f"got {m.attention_impl!r}")
   if m.init_std <= 0:
     _fail(p + "init_std", f"must be > 0, got {m.init_std}")
   if m.attention_scale < 0:
@@ -271,23 +301,10 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
       _fail(p + "rope_scaling.factor", f"must be >= 1, got {rs.factor}")
   if m.position == "t5" and (m.t5_num_buckets <= 0 or m.t5_max_distance <= 0):
     _fail(p + "t5_num_buckets", "t5_num_buckets and t5_max_distance must be positive")
-  if m.position == "t5" and m.attention_impl in ("blockwise", "chunked", "chunked_cpu"):
-    _fail(p + "attention_impl", "T5 relative bias needs a dense bias: use 'reference' or 'xla'")
   if m.num_global_tokens and not m.window:
     _fail(p + "num_global_tokens", "global tokens only matter with a window > 0")
-  if m.num_global_tokens and m.attention_impl in ("blockwise", "chunked", "chunked_cpu"):
-    _fail(p + "num_global_tokens", "global tokens need a dense mask: use attention_impl 'reference'")
   if m.norm_position == "post" and m.parallel_residual:
     _fail(p + "parallel_residual", "parallel residual is a Pre-LN layout; set norm_position='pre'")
-  if m.attention_impl in ("blockwise", "chunked", "chunked_cpu", "auto") and (
-      m.attention_block_q <= 0 or m.attention_block_k <= 0):
-    _fail(p + "attention_block_q", "block sizes must be positive")
-  if m.attention_impl == "chunked_cpu" and m.dtype != "float32":
-    _fail(p + "attention_impl", f"'chunked_cpu' (the C++ CPU kernel) is float32 only, got dtype "
-          f"{m.dtype!r}: use 'chunked'")
-  if m.weight_grad_impl == "cpu_kernel" and m.dtype != "float32":
-    _fail(p + "weight_grad_impl", f"'cpu_kernel' (the C++ CPU matmul) is float32 only, got dtype "
-          f"{m.dtype!r}: use 'xla' or 'auto'")
   moe = m.moe
   if moe.num_experts < 0:
     _fail(p + "moe.num_experts", f"must be >= 0, got {moe.num_experts}")
@@ -343,24 +360,12 @@ def validate(cfg: ml_collections.ConfigDict) -> ModelConfig:
     if "data" in cfg and cfg.data.batch_size % o.grad_accum:
       _fail("optim.grad_accum", f"data.batch_size={cfg.data.batch_size} must be divisible by "
             f"grad_accum={o.grad_accum}")
-    impl = o.get("update_impl", "optax")
-    if impl not in ("optax", "cpu_kernel", "auto"):
-      _fail("optim.update_impl", f"unknown value {impl!r}; expected optax, cpu_kernel or auto")
-    if impl == "cpu_kernel" and m.param_dtype != "float32":
-      _fail("optim.update_impl", f"'cpu_kernel' (the C++ CPU AdamW) updates float32 parameters, got "
-            f"model.param_dtype {m.param_dtype!r}: use 'optax' or 'auto'")
   if "train" in cfg:
     t = cfg.train
     if t.steps <= 0:
       _fail("train.steps", f"must be positive, got {t.steps}")
     if t.precision not in ("float32", "bf16", "fp16"):
       _fail("train.precision", f"unknown value {t.precision!r}; expected float32, bf16 or fp16")
-    if t.precision != "float32" and m.attention_impl == "chunked_cpu":
-      _fail("train.precision", f"{t.precision!r} computes in half precision; attention_impl "
-            "'chunked_cpu' (the C++ CPU kernel) is float32 only: use 'chunked'")
-    if t.precision != "float32" and m.weight_grad_impl == "cpu_kernel":
-      _fail("train.precision", f"{t.precision!r} computes in half precision; weight_grad_impl "
-            "'cpu_kernel' (the C++ CPU matmul) is float32 only: use 'xla' or 'auto'")
     for name in ("log_every", "eval_every", "ckpt_every", "max_to_keep", "eval_batches", "max_nonfinite"):
       if t[name] <= 0:
         _fail("train." + name, f"must be positive, got {t[name]}")
@@ -376,4 +381,35 @@ def validate(cfg: ml_collections.ConfigDict) -> ModelConfig:
       _fail("mesh.parallelism", f"unknown value {mh.parallelism!r}; expected 'jit' or 'pmap'")
     if mh.get("num_devices", 0) < 0:
       _fail("mesh.num_devices", f"must be >= 0 (0 = all devices), got {mh.num_devices}")
+  if "runtime" in cfg:
+    precision = cfg.train.get("precision", "float32") if "train" in cfg else "float32"
+    validate_runtime(cfg.runtime, m, precision)
   return m
+
+
+def validate_runtime(r: Any, m: ModelConfig, precision: str = "float32") -> None:
+  """The runtime section against the model; the platform-dependent rules (cudnn needs a GPU, ...)
+  are `backends.resolve_runtime`'s."""
+  for name, allowed in dict(backend=RUNTIME_BACKENDS, attention=RUNTIME_ATTENTION,
+                            cpu_kernels=AUTO_ON_OFF).items():
+    if r[name] not in allowed:
+      _fail("runtime." + name, f"unknown value {r[name]!r}; expected one of {allowed}")
+  for name in ("attention_block_q", "attention_block_k"):
+    if r[name] <= 0:
+      _fail("runtime." + name, f"must be a positive integer, got {r[name]}")
+  a = r.attention
+  if m.attn_dropout > 0 and a not in ("reference", "auto"):
+    _fail("runtime.attention", f"model.attn_dropout > 0 is implemented by the 'reference' attention "
+          f"only, got {a!r}")
+  if m.position == "t5" and a in TILED_ATTENTION:
+    _fail("runtime.attention", f"{a!r} takes no dense bias; T5 relative bias needs 'reference' or 'xla'")
+  if m.num_global_tokens and a in TILED_ATTENTION:
+    _fail("runtime.attention", f"{a!r} has no global tokens; model.num_global_tokens needs 'reference'")
+  if r.cpu_kernels == "on":
+    if r.backend == "reference":
+      _fail("runtime.cpu_kernels", "'on' needs runtime.backend 'xla_cpu' (or 'auto' on CPU)")
+    half = [f"{k}={v!r}" for k, v in (("model.dtype", m.dtype), ("model.param_dtype", m.param_dtype))
+            if v != "float32"] + ([f"train.precision={precision!r}"] if precision != "float32" else [])
+    if half:
+      _fail("runtime.cpu_kernels", f"'on': the C++ kernels are float32 only, got {', '.join(half)}; "
+            "use 'auto' or 'off'")

@@ -16,21 +16,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from tformer_jax.config import ModelConfig, validate_model
+from tformer_jax.config import ModelConfig, load_config_file, validate_model  # noqa: F401 (re-exported)
 from tformer_jax.nn import Transformer
-
-
-def load_config_file(path: str | os.PathLike) -> ml_collections.ConfigDict:
-  """`get_config()` of a Python config file (e.g. configs/gpt2_tiny.py), loaded by path."""
-  path = pathlib.Path(path)
-  if not path.is_file():
-    raise FileNotFoundError(f"config file {path} not found")
-  spec = importlib.util.spec_from_file_location(f"_tformer_cfg_{path.stem}", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  if not hasattr(module, "get_config"):
-    raise ValueError(f"config file {path} has no get_config()")
-  return module.get_config()
 
 
 def model_from_config(cfg: Any) -> Transformer:

@@ -9,17 +9,20 @@ Without tcmalloc, glibc's `glibc.malloc.hugetlb=1` tunable (glibc >= 2.35: those
 transparent 2 MB pages) cuts the faults 50x and gains 7% (1918). See docs/benchmarks.md.
 
 Both must be chosen when the process starts (`LD_PRELOAD`, `GLIBC_TUNABLES`), so `maybe_reexec()`
-re-executes the current command once with them set. The CLIs (`scripts/train.py`, `tformer-train`,
-`python -m tformer_jax.bench`, `benchmarks/compare_torch.py`) call it first thing; library code never
-does. TFORMER_JAX_ALLOCATOR=auto (default: tcmalloc if installed, else the hugetlb tunable) |
+re-executes the current command once with them set, silently (`backends.resolve_runtime` logs the
+allocator a run got). The CLIs (`scripts/train.py`, `tformer-train`, `python -m tformer_jax.bench`,
+`benchmarks/compare_torch.py`) call it first thing; library code never does. Only CPU runs: where a
+GPU or TPU plugin for JAX is installed (and JAX_PLATFORMS does not say cpu) nothing happens, nor for
+`--help`. TFORMER_JAX_ALLOCATOR=auto (default: tcmalloc if installed, else the hugetlb tunable) |
 tcmalloc | hugetlb | system (change nothing). tcmalloc on Debian/Ubuntu: `apt-get install
 libtcmalloc-minimal4`.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
-from typing import Mapping
+from typing import Mapping, Sequence
 
 ENV_CHOICE = "TFORMER_JAX_ALLOCATOR"
 ENV_DONE = "TFORMER_JAX_ALLOCATOR_SET"  # set in the re-executed process: never loop
@@ -28,6 +31,21 @@ TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_m
 LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
             "/usr/local/lib")
 HUGETLB = "glibc.malloc.hugetlb=1"
+# JAX's accelerator plugins: with one installed the run is (most likely) not an XLA:CPU run.
+ACCELERATOR_MODULES = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_rocm7_plugin", "jax_rocm60_plugin",
+                       "libtpu")
+HELP_FLAGS = ("-h", "--help", "--helpfull", "--helpshort", "--helpxml")
+
+
+def cpu_run(env: Mapping[str, str], argv: Sequence[str]) -> bool:
+  """Whether this command is an XLA:CPU run worth re-executing: not a --help, and JAX_PLATFORMS says
+  cpu or no accelerator plugin is installed."""
+  if any(a in HELP_FLAGS for a in argv[1:]):
+    return False
+  platforms = env.get("JAX_PLATFORMS", "").strip().lower()
+  if platforms:
+    return platforms.split(",")[0] == "cpu"
+  return not any(importlib.util.find_spec(m) for m in ACCELERATOR_MODULES)
 
 
 def find_tcmalloc(dirs: tuple[str, ...] = LIB_DIRS) -> str | None:
@@ -85,9 +103,11 @@ def plan(env: Mapping[str, str], tcmalloc: str | None, glibc: tuple[int, int] | 
   return {"GLIBC_TUNABLES": f"{tunables}:{HUGETLB}" if tunables else HUGETLB, ENV_DONE: "hugetlb"}
 
 
-def maybe_reexec(quiet: bool = False) -> None:
-  """Re-execute this command under tcmalloc (or glibc's hugetlb tunable) once; see the module doc.
+def maybe_reexec() -> None:
+  """Re-execute this CPU run under tcmalloc (or glibc's hugetlb tunable) once; see the module doc.
   Call it before anything heavy (it replaces the process; nothing after it runs the first time)."""
+  if not cpu_run(os.environ, sys.argv):
+    return
   try:
     changes = plan(os.environ, find_tcmalloc(), glibc_version())
   except ValueError as e:
@@ -95,9 +115,5 @@ def maybe_reexec(quiet: bool = False) -> None:
   if not changes:
     return
   argv = list(getattr(sys, "orig_argv", [])) or [sys.executable] + sys.argv
-  if not quiet:
-    how = " ".join(f"{k}={v}" for k, v in changes.items() if k != ENV_DONE)
-    print(f"note: re-running under {how} (XLA:CPU's per-step temp buffer otherwise page-faults every "
-          f"step; {ENV_CHOICE}=system to skip)", file=sys.stderr, flush=True)
   sys.stdout.flush()
   os.execve(sys.executable, argv, {**os.environ, **changes})

@@ -26,22 +26,19 @@ def get_config():
   m.tie_embeddings, m.scale_residual_init = True, True
   m.embed_dropout = m.attn_dropout = m.resid_dropout = 0.0
   m.dtype = m.param_dtype = "float32"
-  # Chunked attention as the C++ CPU kernel (ops/cpu_kernel): 4 query chunks of 64, each against only
-  # the keys it can see (10 of 16 tiles), probabilities kept for the backward; one OpenBLAS sgemm per
-  # head and chunk, heads in parallel: +9-10% tokens/s over the XLA 'chunked' (same algorithm) here.
-  # float32 and CPU only; 'chunked' elsewhere. The FLOP formula counts the full causal-naive term.
-  m.attention_impl, m.attention_block_q = "chunked_cpu", 64
-  # Weight gradients dW = X^T dY (contracted over the 2048 tokens) by the C++ CPU matmul: one OpenBLAS
-  # block per core, 190-205 GFLOP/s on these shapes where XLA's Eigen dot runs 160-190 (the forward
-  # and input-gradient dots are already at the matmul peak in XLA).
-  m.weight_grad_impl = "cpu_kernel"
   c.data.seq_len, c.data.batch_size = 256, 8
   o = c.optim
   o.name, o.peak_lr, o.b1, o.b2, o.eps, o.weight_decay = "adamw", 6e-4, 0.9, 0.95, 1e-8, 0.1
   o.clip_norm, o.warmup_steps, o.schedule, o.grad_accum = 1.0, 10, "cosine", 1
-  # The clip + AdamW update as one C++ pass per parameter array (train/fused_adamw.py), the same
-  # arithmetic and state as the optax chain; PyTorch's side runs its fused AdamW too.
-  o.update_impl = "cpu_kernel"
   c.train.precision = "float32"
   c.train.steps = 1000
+  # Execution (tformer_jax/backends/xla_cpu.py), all three C++ kernels required:
+  # - chunked attention as the C++ kernel: 4 query chunks of 64, each against only the keys it can
+  #   see (10 of 16 tiles), probabilities kept for the backward; one OpenBLAS sgemm per head and
+  #   chunk, heads in parallel (+9-10% tokens/s over the XLA 'chunked'). The FLOP formula counts
+  #   the full causal-naive term.
+  # - weight gradients dW = X^T dY by the C++ matmul (190-205 GFLOP/s on these shapes, XLA 160-190).
+  # - clip + AdamW as one C++ pass per parameter array (PyTorch's side runs its fused AdamW too).
+  r = c.runtime
+  r.backend, r.attention, r.attention_block_q, r.cpu_kernels = "xla_cpu", "chunked", 64, "on"
   return c

@@ -19,7 +19,8 @@ def get_config():
   m.d_ff, m.activation, m.norm, m.norm_eps = 5632, "swiglu", "rmsnorm", 1e-5
   m.position, m.rope_theta, m.max_len = "rope", 10000.0, 2048
   m.tie_embeddings, m.qkv_bias, m.out_bias, m.mlp_bias = False, False, False, False
-  m.attention_impl, m.scan_layers, m.remat = "cudnn", True, "none"
+  m.scan_layers, m.remat = True, "none"
+  c.runtime.attention = "cudnn"
   m.embed_dropout = m.attn_dropout = m.resid_dropout = 0.0
   c.data.seq_len, c.data.batch_size = 2048, 16
   c.train.precision = "bf16"

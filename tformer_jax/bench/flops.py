@@ -40,9 +40,8 @@ def _path_keys(path: tuple) -> list[str]:
 
 
 def param_shapes(m: ModelConfig) -> Any:
-  """The parameter tree of `Transformer(m)` as ShapeDtypeStructs (nothing is allocated or run; the
-  attention impl does not change parameters, so it is traced with 'reference', which runs anywhere)."""
-  m = dataclasses.replace(m, attention_impl="reference")
+  """The parameter tree of `Transformer(m)` as ShapeDtypeStructs (nothing is allocated or run; traced
+  under whatever backend is current: backends never change parameters)."""
   from tformer_jax.nn import Transformer
   from tformer_jax.train.state import unbox_plain
   tokens = jax.ShapeDtypeStruct((1, min(8, m.max_len)), jnp.int32)

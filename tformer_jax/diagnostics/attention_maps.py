@@ -1,9 +1,9 @@
 """Attention maps: per-layer weights (B, H, L, S), per-head entropy, and collapse/blur flags.
 
-The weights come from the model's own Attention modules: the model is cloned with
-attention_impl='reference' (the only path that materialises weights) and applied with the
-'intermediates' collection mutable, so each Attention sows 'attention_weights'. Training code is
-untouched: without a mutable 'intermediates' collection nothing is sown.
+The weights come from the model's own Attention modules: the model is applied under the reference
+backend (`backends.Backend()`: the dense attention, the only path that materialises weights) with
+the 'intermediates' collection mutable, so each Attention sows 'attention_weights'. Training code
+is untouched: without a mutable 'intermediates' collection nothing is sown.
 
 Flags follow the articles' troubleshooting tables:
   collapse  the weight piles onto one key: mean over queries of the row max > 0.9 (scale missing or
@@ -15,7 +15,7 @@ left out of both statistics.
 """
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 from typing import Any
 
 import flax.linen as nn
@@ -23,18 +23,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tformer_jax.nn.attention import index_mask
+from tformer_jax import backends
+from tformer_jax.nn.attention import visibility
 
 COLLAPSE_MAX_WEIGHT = 0.9
 BLUR_ENTROPY_RATIO = 0.95
 
 
-def reference_model(model: nn.Module) -> nn.Module:
-  """The same model with attention_impl='reference' (weights can only be read there)."""
-  cfg = model.cfg
-  if cfg.attention_impl == "reference":
-    return model
-  return model.clone(cfg=dataclasses.replace(cfg, attention_impl="reference"))
+def weights_backend() -> contextlib.AbstractContextManager:
+  """Trace the model inside this block to read attention weights: the reference backend."""
+  return backends.use(backends.Backend())
 
 
 def _collect(tree: Any, name: str) -> list[jax.Array]:
@@ -66,10 +64,10 @@ def attention_weights(model: nn.Module, params: Any, tokens_BxL: jax.Array, **ap
   """Attention weights of every layer: a list of (B, H, L, S) float32 arrays (pure; jit-able).
 
   apply_kwargs go to `Transformer.__call__` (attention_mask_BxL, positions_BxL, ...). The model is
-  run with attention_impl='reference'; its parameters are the same whatever the impl.
+  run under the reference backend; its parameters are the same whatever the backend.
   """
-  _, weights = sown(reference_model(model), nn.unbox(params), tokens_BxL, "attention_weights",
-                    **apply_kwargs)
+  with weights_backend():
+    _, weights = sown(model, nn.unbox(params), tokens_BxL, "attention_weights", **apply_kwargs)
   if not weights:
     raise ValueError("no attention weights were sown: is this a tformer_jax Transformer?")
   return weights
@@ -79,7 +77,7 @@ def visible_keys(cfg: Any, attention_mask_BxL: jax.Array | None, b: int, l: int)
   """(B, L, L) bool: which keys each query may attend to (causality, window, padding)."""
   valid_BxL = jnp.ones((b, l), bool) if attention_mask_BxL is None else attention_mask_BxL.astype(bool)
   vis = jnp.broadcast_to(valid_BxL[:, None, :], (b, l, l))
-  structural = index_mask(cfg, jnp.arange(l), jnp.arange(l))
+  structural = visibility(cfg).structural(l, l)
   if structural is not None:
     vis = vis & structural[None]
   return vis & valid_BxL[:, :, None]   # padding queries are not analysed

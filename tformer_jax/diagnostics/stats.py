@@ -19,6 +19,7 @@ attention impl so the weights can be read: every `stats_every` steps this costs 
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -26,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from tformer_jax.diagnostics.attention_maps import _collect, head_statistics, reference_model
-from tformer_jax.nn.attention import index_mask
+from tformer_jax.diagnostics.attention_maps import _collect, head_statistics, weights_backend
+from tformer_jax.nn.attention import visibility
 
 
 def module_name(path: tuple) -> tuple[str, bool]:
@@ -76,8 +77,7 @@ def make_stats_fn(model: nn.Module, tx: optax.GradientTransformation | None = No
                   attention: bool = True) -> Callable[..., dict[str, jax.Array]]:
   """The statistics function (see the module docstring). `tx` gives the update ratio from the
   optimizer state when a TrainState is passed; `attention=False` skips the entropy statistics and
-  keeps the model's own attention impl."""
-  probe = reference_model(model) if attention else model
+  keeps the run's backend (no attention weights unless it is the reference one)."""
   cfg = model.cfg
 
   def stats(state_or_params: Any, batch: dict, grads: Any = None, prev_params: Any = None
@@ -86,8 +86,9 @@ def make_stats_fn(model: nn.Module, tx: optax.GradientTransformation | None = No
     opt_state = getattr(state_or_params, "opt_state", None)
 
     def loss_fn(p):
-      logits, mut = probe.apply({"params": p}, batch["inputs"], deterministic=True,
-                                mutable=["intermediates"])
+      with weights_backend() if attention else contextlib.nullcontext():
+        logits, mut = model.apply({"params": p}, batch["inputs"], deterministic=True,
+                                  mutable=["intermediates"])
       return _lm_loss(logits, batch), mut.get("intermediates", {})
 
     if grads is None:
@@ -106,7 +107,7 @@ def make_stats_fn(model: nn.Module, tx: optax.GradientTransformation | None = No
     if weights:
       b, l = batch["inputs"].shape
       vis = jnp.ones((b, l, l), bool)
-      structural = index_mask(cfg, jnp.arange(l), jnp.arange(l))
+      structural = visibility(cfg).structural(l, l)
       if structural is not None:
         vis = vis & structural[None]
       for i, w in enumerate(weights):

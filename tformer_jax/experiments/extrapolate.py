@@ -37,8 +37,7 @@ def model_config(scheme: str, *, train_len: int, d_model: int, layers: int, head
   if position not in ("none", "sinusoidal", "learned", "rope", "alibi", "t5"):
     raise ValueError(f"unknown scheme {scheme!r}; expected one of {SCHEMES}")
   m = ModelConfig(vocab_size=256, d_model=d_model, num_layers=layers, num_heads=heads,
-                  position=position, max_len=train_len, norm="rmsnorm", activation="gelu_tanh",
-                  attention_impl="reference")
+                  position=position, max_len=train_len, norm="rmsnorm", activation="gelu_tanh")
   validate_model(m)
   return m
 

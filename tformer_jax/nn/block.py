@@ -4,10 +4,12 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
+from tformer_jax import backends
 from tformer_jax.config import ModelConfig
 from tformer_jax.nn.attention import Attention
-from tformer_jax.nn.common import Norm, residual_grad_barrier
+from tformer_jax.nn.common import Norm
 from tformer_jax.nn.mlp import MLP
+from tformer_jax.nn.moe import MoEFFN
 
 
 class Block(nn.Module):
@@ -21,10 +23,9 @@ class Block(nn.Module):
   def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, kv_valid_BxS: jax.Array | None,
                q_offset: jax.Array, bias_BxHxLxS: jax.Array | None):
     cfg = self.cfg
-    x_BxLxD = residual_grad_barrier(cfg, x_BxLxD)  # XLA:CPU would recompute the gradient chain
+    x_BxLxD = backends.current().residual(x_BxLxD)   # the residual stream entering the block
     attn = Attention(cfg, self.deterministic, self.decode, name="attn")
     if self.use_moe:
-      from tformer_jax.nn.moe import MoEFFN
       moe = MoEFFN(cfg, name="moe")
       ffn = lambda y: moe(y, deterministic=self.deterministic)  # noqa: E731
     else:

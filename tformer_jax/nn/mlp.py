@@ -5,9 +5,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from tformer_jax import backends
 from tformer_jax.config import GLU_ACTIVATIONS, ModelConfig
-from tformer_jax.nn.common import (activation_fn, dtypes, normal, param, project,
-                                   resolve_weight_grad_impl, residual_std)
+from tformer_jax.nn.common import activation_fn, dtypes, normal, param, residual_std
 
 
 class MLP(nn.Module):
@@ -19,15 +19,15 @@ class MLP(nn.Module):
     dt, pdt = dtypes(cfg)
     d, f = x_BxLxD.shape[-1], cfg.ff
     x = x_BxLxD.astype(dt)
-    wg = resolve_weight_grad_impl(cfg)
+    dense = backends.current().dense
     w_in = param(self, "wi", normal(cfg.init_std), (d, f), ("embed", "mlp"), pdt)
-    h_BxLxF = project("bld,df->blf", x, w_in.astype(dt), wg)
+    h_BxLxF = dense("bld,df->blf", x, w_in.astype(dt))
     if cfg.mlp_bias:
       h_BxLxF += param(self, "bi", nn.initializers.zeros, (f,), ("mlp",), pdt).astype(dt)
     act = activation_fn(cfg.activation)
     if cfg.activation in GLU_ACTIVATIONS:
       w_gate = param(self, "wg", normal(cfg.init_std), (d, f), ("embed", "mlp"), pdt)
-      g_BxLxF = project("bld,df->blf", x, w_gate.astype(dt), wg)
+      g_BxLxF = dense("bld,df->blf", x, w_gate.astype(dt))
       if cfg.mlp_bias:
         g_BxLxF += param(self, "bg", nn.initializers.zeros, (f,), ("mlp",), pdt).astype(dt)
       h_BxLxF = act(g_BxLxF) * h_BxLxF
@@ -35,7 +35,7 @@ class MLP(nn.Module):
       h_BxLxF = act(h_BxLxF)
     h_BxLxF = nn.with_logical_constraint(h_BxLxF, ("batch", "length", "mlp"))
     w_out = param(self, "wo", normal(residual_std(cfg)), (f, d), ("mlp", "embed"), pdt)
-    y_BxLxD = project("blf,fd->bld", h_BxLxF, w_out.astype(dt), wg)
+    y_BxLxD = dense("blf,fd->bld", h_BxLxF, w_out.astype(dt))
     if cfg.mlp_bias:
       y_BxLxD += param(self, "bo", nn.initializers.zeros, (d,), ("embed",), pdt).astype(dt)
     return y_BxLxD

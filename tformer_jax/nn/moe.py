@@ -134,7 +134,8 @@ def collect_moe_metrics(mutables: Mapping[str, Any]) -> dict[str, Array]:
   """Averages over MoE layers (and scanned layers) of the sown metrics, plus the aux losses.
 
   Keys (present only if some layer sowed them): 'moe_load' (E,) mean load fraction,
-  'moe_load_max' (the largest per-layer expert load fraction; 1/E is perfectly balanced),
+  'moe_load_max' / 'moe_load_min' (the largest / smallest per-layer expert load fraction; 1/E is
+  perfectly balanced), 'moe_load_ratio' (max/min load of the worst layer),
   'moe_dropped_fraction', 'moe_router_entropy', 'moe_load_balance', 'moe_z_loss' (summed).
   """
   metrics = mutables.get("moe_metrics", {})
@@ -145,6 +146,10 @@ def collect_moe_metrics(mutables: Mapping[str, Any]) -> dict[str, Array]:
     load_LxE = jnp.concatenate([v.reshape(-1, e) for v in loads], axis=0)
     out["moe_load"] = jnp.mean(load_LxE, axis=0)
     out["moe_load_max"] = jnp.max(load_LxE)
+    out["moe_load_min"] = jnp.min(load_LxE)
+    # max/min load of the worst layer (1.0 = balanced); an expert with no tokens gives a large
+    # finite ratio (floor 1e-6), not inf.
+    out["moe_load_ratio"] = jnp.max(jnp.max(load_LxE, -1) / jnp.maximum(jnp.min(load_LxE, -1), 1e-6))
   for name in ("dropped_fraction", "router_entropy"):
     vals = _leaves_named(metrics, name)
     if vals:

@@ -10,6 +10,7 @@ from tformer_jax.config import ModelConfig
 from tformer_jax.nn.block import Block
 from tformer_jax.nn.common import Norm, dtypes, normal, param
 from tformer_jax.ops import positions as pos_ops
+from tformer_jax.ops.relative_bias import t5_bias
 
 REMAT_POLICIES = {
     "full": None,
@@ -95,7 +96,6 @@ class Transformer(nn.Module):
 
     bias = None
     if cfg.position == "t5":
-      from tformer_jax.ops.relative_bias import t5_bias
       table = param(self, "rel_bias", normal(cfg.init_std), (cfg.t5_num_buckets, cfg.num_heads),
                     (None, "heads"), pdt)
       s = kv_valid_BxS.shape[1]

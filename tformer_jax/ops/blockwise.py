@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tformer_jax.ops.masks import band
+
 Array = jnp.ndarray
 
 # Same finite "minus infinity" as ops.attention; a row whose running max is still exactly this value
@@ -104,13 +106,7 @@ def _tile_logits(q_BxKxGxQxD: Array, k_BxKxCxD: Array, i: Array, j: Array, aux: 
     slopes_KxG = aux["slopes"].astype(jnp.float32).reshape(kh, g)
     d = dist_QxC if st.causal else jnp.abs(dist_QxC)
     s = s - slopes_KxG[None, :, :, None, None] * d.astype(jnp.float32)[None, None, None]
-  mask = None
-  if st.causal:
-    mask = dist_QxC >= 0
-    if st.window > 0:
-      mask = mask & (dist_QxC < st.window)
-  elif st.window > 0:
-    mask = jnp.abs(dist_QxC) < st.window
+  mask = band(dist_QxC, causal=st.causal, window=st.window)
   if mask is not None:
     mask = mask[None]  # (1, Q, C)
   if aux["kv_valid"] is not None:

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tformer_jax.ops.blockwise import MASK_VALUE, zero_cotangents
+from tformer_jax.ops.masks import band
 
 Array = jnp.ndarray
 
@@ -80,12 +81,9 @@ def _probs(st: _Static, q_i: Array, k_c: Array, r0: int, r1: int, lo: int, hi: i
   s_BxKxGxQxC = jnp.einsum("bkgqd,bkcd->bkgqc", q_i, k_c, preferred_element_type=jnp.float32)
   dist_QxC = (st.q_offset + np.arange(r0, r1))[:, None] - np.arange(lo, hi)[None, :]
   mask = None  # (1 or B, Q, C)
-  if st.causal or st.window:
-    m = (dist_QxC >= 0) if st.causal else np.ones(dist_QxC.shape, bool)
-    if st.window:
-      m &= (dist_QxC < st.window) if st.causal else (np.abs(dist_QxC) < st.window)
-    if not m.all():
-      mask = jnp.asarray(m)[None]
+  m = band(dist_QxC, causal=st.causal, window=st.window, xp=np)
+  if m is not None and not m.all():
+    mask = jnp.asarray(m)[None]
   if aux["slopes"] is not None:
     dist = dist_QxC if st.causal else np.abs(dist_QxC)
     s_BxKxGxQxC = s_BxKxGxQxC - aux["slopes"][None, :, :, None, None] * jnp.asarray(dist, jnp.float32)

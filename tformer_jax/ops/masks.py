@@ -1,8 +1,14 @@
 """Boolean attention masks, True = "may attend". Shapes broadcast to (B, H, L, S).
 
-Pure jax.numpy; no Flax. Combine masks with `combine_masks` (logical AND).
+`Visibility` is the one description of which keys a query sees (causal, sliding window, global
+tokens, padding, segments) and `band` its one rule on query-key distances: every attention
+implementation (the dense reference, `ops.blockwise`, `ops.chunked_attention`, the C++ CPU kernel
+through `chunked_attention.chunk_table`) consumes these. The builders below are the same rule
+spelled as dense masks, for users who want one. Pure jax.numpy; no Flax.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -10,12 +16,73 @@ import numpy as np
 Array = jnp.ndarray
 
 
+def band(dist_QxS, *, causal: bool, window: int, xp=jnp):
+  """The structural rule on distances dist = q_pos - k_pos: causal keeps dist >= 0, a window w
+  keeps dist < w (|dist| < w when not causal). None when everything is visible. `xp` = jnp or np
+  (np gives a static mask: chunked attention skips fully visible tiles with it)."""
+  mask = None
+  if causal:
+    mask = dist_QxS >= 0
+    if window > 0:
+      mask = mask & (dist_QxS < window)
+  elif window > 0:
+    mask = xp.abs(dist_QxS) < window
+  return mask
+
+
+@dataclasses.dataclass(frozen=True)
+class Visibility:
+  """Which keys each query may see. Query i of a call sits at position q_offset + i, key j at j.
+
+  causal: j <= p; window w > 0 adds j > p - w (|p - j| < w when not causal); the first
+  `num_global` positions see and are seen by every token (with a window; dense paths only);
+  kv_valid_BxS: False = padding, never seen; with segment ids a query sees only keys of its own
+  segment, segment 0 being padding. q_offset is a Python int, or a traced scalar when decoding
+  into a cache."""
+  causal: bool = True
+  window: int = 0
+  num_global: int = 0
+  q_offset: int | Array = 0
+  kv_valid_BxS: Array | None = None
+  q_segment_ids_BxL: Array | None = None
+  kv_segment_ids_BxS: Array | None = None
+
+  @property
+  def static_offset(self) -> bool:
+    return isinstance(self.q_offset, (int, np.integer))
+
+  @property
+  def is_plain_causal(self) -> bool:
+    """Causal with nothing else (kernels with a causal mode need no mask tensor)."""
+    return (self.causal and not self.window and self.kv_valid_BxS is None
+            and self.q_segment_ids_BxL is None and self.static_offset and self.q_offset == 0)
+
+  def structural(self, l: int, s: int) -> Array | None:
+    """(L, S) mask from causality, window and global tokens; None if everything is visible."""
+    q = self.q_offset + jnp.arange(l)[:, None]
+    k = jnp.arange(s)[None, :]
+    if not (self.window and self.num_global):
+      return band(q - k, causal=self.causal, window=self.window)
+    # global tokens widen the window: inside it, or a global query or key (still causal if causal)
+    mask = band(q - k, causal=False, window=self.window) | (q < self.num_global) | (k < self.num_global)
+    return mask & (q >= k) if self.causal else mask
+
+  def mask(self, l: int, s: int) -> Array | None:
+    """The whole dense mask (B|1, 1, L, S), or None if every key is visible to every query."""
+    m = self.structural(l, s)
+    m = None if m is None else m[None, None]
+    if self.kv_valid_BxS is not None:
+      m = combine_masks(m, padding_mask(self.kv_valid_BxS))
+    if self.q_segment_ids_BxL is not None:
+      m = combine_masks(m, segment_mask(self.q_segment_ids_BxL, self.kv_segment_ids_BxS))
+    return m
+
+
 def causal_mask(q_len: int, kv_len: int | None = None, *, offset: int = 0) -> Array:
   """(1, 1, L, S): query i (at absolute position offset+i) sees keys j <= offset+i."""
   kv_len = q_len if kv_len is None else kv_len
-  q_pos = jnp.arange(q_len)[:, None] + offset
-  k_pos = jnp.arange(kv_len)[None, :]
-  return (k_pos <= q_pos)[None, None]
+  dist = jnp.arange(q_len)[:, None] + offset - jnp.arange(kv_len)[None, :]
+  return band(dist, causal=True, window=0)[None, None]
 
 
 def causal_mask_from_positions(q_pos_BxL: Array, k_pos_BxS: Array) -> Array:
@@ -43,16 +110,15 @@ def segment_mask(q_segment_BxL: Array, kv_segment_BxS: Array | None = None) -> A
 def sliding_window_mask(q_len: int, kv_len: int | None = None, *, window: int, offset: int = 0) -> Array:
   """(1, 1, L, S): causal, and query i sees only the last `window` keys (j > i - window)."""
   kv_len = q_len if kv_len is None else kv_len
-  q_pos = jnp.arange(q_len)[:, None] + offset
-  k_pos = jnp.arange(kv_len)[None, :]
-  return ((k_pos <= q_pos) & (k_pos > q_pos - window))[None, None]
+  dist = jnp.arange(q_len)[:, None] + offset - jnp.arange(kv_len)[None, :]
+  return band(dist, causal=True, window=window)[None, None]
 
 
 def local_window_mask(q_len: int, kv_len: int | None = None, *, window: int) -> Array:
   """(1, 1, L, S): bidirectional band |i - j| < window (Longformer-style local attention)."""
   kv_len = q_len if kv_len is None else kv_len
-  d = jnp.arange(q_len)[:, None] - jnp.arange(kv_len)[None, :]
-  return (jnp.abs(d) < window)[None, None]
+  dist = jnp.arange(q_len)[:, None] - jnp.arange(kv_len)[None, :]
+  return band(dist, causal=False, window=window)[None, None]
 
 
 def global_token_mask(q_len: int, kv_len: int | None = None, *, num_global: int) -> Array:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from tformer_jax import backends
 from tformer_jax import config as config_lib
 from tformer_jax.nn import Transformer
 from tformer_jax.parallel import mesh as mesh_lib
@@ -88,27 +89,37 @@ def bytes_per_token(ds) -> float:
 
 def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[str, float]:
   """Train (or resume) the experiment `cfg` in `workdir`. Returns the final metrics."""
-  from tformer_jax.checkpoint import Checkpointer
-  from tformer_jax.data import pipeline
-
   config_lib.validate(cfg)  # fail on config errors before touching data or compiling
   if not cfg.model.causal:
     raise config_lib.ConfigError("model.causal: train.py trains causal language models; an encoder "
                                  "(causal=False) has no next-token objective here")
+  mesh = mesh_lib.make_mesh(cfg.mesh)
+  mesh_lib.check_layout(cfg, mesh)
+  # the C++ kernels are single-device custom calls: only pmap (per device) or a 1-device mesh
+  devices = mesh.size if cfg.mesh.parallelism == "jit" else 1
+  runtime = backends.resolve_runtime(cfg, mesh_devices=devices, quiet=jax.process_index() != 0)
+  with backends.use(runtime.backend):
+    return _train(cfg, workdir, mesh, runtime)
+
+
+def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax.sharding.Mesh,
+           runtime: backends.Runtime) -> dict[str, float]:
+  from tformer_jax.checkpoint import Checkpointer
+  from tformer_jax.data import pipeline
+
   work = prepare_workdir(workdir)
   enable_compilation_cache(cfg.data.cache_dir)
   is_main = jax.process_index() == 0
 
   ds = pipeline.build_dataset(cfg.data)
   mcfg = resolve_model_config(cfg, ds.vocab_size)
-  mesh = mesh_lib.make_mesh(cfg.mesh)
-  mesh_lib.check_layout(cfg, mesh)
   rules = rules_lib.get_rules(cfg.mesh.rules, mesh.axis_names)
   if is_main:
     (work / "config.json").write_text(cfg.to_json_best_effort(indent=2))
+    (work / "runtime.json").write_text(json.dumps(runtime.as_dict(), indent=2))
 
   model = Transformer(mcfg)
-  tx, schedule = optim.make_optimizer(cfg.optim, cfg.train.steps)
+  tx, schedule = optim.make_optimizer(cfg.optim, cfg.train.steps, runtime.backend)
   policy = precision.get_policy(cfg.train.precision)
   init = state_lib.init_fn(model, tx, policy.initial_loss_scale(), cfg.data.seq_len)
   rng = jax.random.PRNGKey(cfg.train.seed)

@@ -7,7 +7,7 @@ Everything reads the `optim` section of `default_config()`:
   ...
   (loss, aux), grads = accumulate_gradients(loss_and_grad_fn, params, batch, rng, cfg.optim.grad_accum)
   norm, clipped_norm = grad_norms(grads, cfg.optim.clip_norm)      # metrics only
-  updates, opt_state = tx.update(grads, opt_state, params)
+  updates, opt_state = tx.update(grads, opt_state, params, finite=finite, grad_norm=norm)
   params = optax.apply_updates(params, updates)
   lr = schedule(step)                                               # the lr this update used
 
@@ -23,6 +23,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
+
+from tformer_jax import backends
+from tformer_jax.train import precision
 
 PyTree = Any
 
@@ -105,9 +108,11 @@ def decay_mask(params: PyTree) -> PyTree:
   return jax.tree_util.tree_map_with_path(leaf_mask, params)
 
 
-def make_optimizer(optim_cfg: Any, total_steps: int
-                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """(tx, schedule): clip_by_global_norm (if clip_norm > 0) then AdamW with `decay_mask`.
+def make_optimizer(optim_cfg: Any, total_steps: int, backend: backends.Backend | None = None
+                   ) -> tuple[optax.GradientTransformationExtraArgs, optax.Schedule]:
+  """(tx, schedule): clip_by_global_norm (if clip_norm > 0) then AdamW with `decay_mask`, skipping
+  non-finite steps (`skip_nonfinite`), as the backend runs it (default: the current one; the
+  xla_cpu backend runs the same chain as one C++ pass per array, with the same state tree).
 
   Gradient accumulation is not inside `tx`: use `accumulate_gradients` in the train step.
   `schedule(step)` gives the learning rate for logging (see the module docstring for the step
@@ -121,15 +126,29 @@ def make_optimizer(optim_cfg: Any, total_steps: int
   clip = float(_get(optim_cfg, "clip_norm"))
   if clip > 0:
     parts.append(optax.clip_by_global_norm(clip))
-  parts.append(optax.adamw(
-      learning_rate=schedule,
-      b1=float(_get(optim_cfg, "b1")),
-      b2=float(_get(optim_cfg, "b2")),
-      eps=float(_get(optim_cfg, "eps")),
-      weight_decay=float(_get(optim_cfg, "weight_decay")),
-      mask=decay_mask,
-  ))
-  return optax.chain(*parts), schedule
+  spec = backends.AdamWSpec(schedule=schedule, b1=float(_get(optim_cfg, "b1")),
+                            b2=float(_get(optim_cfg, "b2")), eps=float(_get(optim_cfg, "eps")),
+                            weight_decay=float(_get(optim_cfg, "weight_decay")), clip_norm=clip,
+                            decay_mask=decay_mask)
+  parts.append(optax.adamw(learning_rate=schedule, b1=spec.b1, b2=spec.b2, eps=spec.eps,
+                           weight_decay=spec.weight_decay, mask=decay_mask))
+  tx = skip_nonfinite(optax.chain(*parts))
+  return (backend or backends.current()).wrap_optimizer(tx, spec), schedule
+
+
+def skip_nonfinite(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+  """tx whose update is zero and whose state stays as it was when the step is not finite (extra
+  arg `finite`; default: every gradient finite). Same state tree as tx: no counter is added."""
+
+  def update(grads: PyTree, state: Any, params: PyTree | None = None, *,
+             finite: jax.Array | None = None, **extra) -> tuple[PyTree, Any]:
+    del extra
+    finite = precision.all_finite(grads) if finite is None else finite
+    updates, new_state = tx.update(grads, state, params)
+    zeros = jax.tree.map(jnp.zeros_like, updates)
+    return precision.select_tree(finite, updates, zeros), precision.select_tree(finite, new_state, state)
+
+  return optax.GradientTransformationExtraArgs(tx.init, update)
 
 
 def grad_norms(grads: PyTree, clip_norm: float) -> tuple[jax.Array, jax.Array]:

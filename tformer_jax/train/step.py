@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from tformer_jax.nn import moe as moe_nn
 from tformer_jax.train import optim, precision
-from tformer_jax.train.fused_adamw import FusedAdamW
 from tformer_jax.train.state import TrainState
 
 AUX_COLLECTIONS = ("aux_loss", "moe_metrics")
@@ -34,17 +34,8 @@ def moe_log_metrics(mut: Any) -> dict[str, jax.Array]:
   load_max / load_min (expert load fractions, 1/E is balanced), load_ratio (max/min load of the worst
   layer; 1.0 = perfectly balanced), dropped_fraction, router_entropy, load_balance and z_loss (the
   coefficient-weighted aux losses, summed over layers). Empty for dense models."""
-  from tformer_jax.nn import moe as moe_nn
   m = moe_nn.collect_moe_metrics(mut)
-  out = {k.removeprefix("moe_"): v for k, v in m.items() if k != "moe_load"}
-  loads = moe_nn._leaves_named(mut.get("moe_metrics", {}), "load")
-  if loads:
-    e = loads[0].shape[-1]
-    load_LxE = jnp.concatenate([v.reshape(-1, e) for v in loads], axis=0)
-    out["load_min"] = jnp.min(load_LxE)
-    # An expert with no tokens gives a large finite ratio (floor 1e-6), not inf.
-    out["load_ratio"] = jnp.max(jnp.max(load_LxE, -1) / jnp.maximum(jnp.min(load_LxE, -1), 1e-6))
-  return out
+  return {k.removeprefix("moe_"): v for k, v in m.items() if k != "moe_load"}
 
 
 def loss_sum_fn(model: nn.Module, params: Any, batch: dict, rng: jax.Array | None, *, train: bool,
@@ -67,8 +58,7 @@ def loss_sum_fn(model: nn.Module, params: Any, batch: dict, rng: jax.Array | Non
 
 def train_step(state: TrainState, batch: dict, *, model: nn.Module, tx: optax.GradientTransformation,
                schedule: optax.Schedule, grad_accum: int = 1, clip_norm: float = 0.0,
-               axis_name: str | None = None, fused_update: FusedAdamW | None = None
-               ) -> tuple[TrainState, dict[str, jax.Array]]:
+               axis_name: str | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer step. `axis_name` (pmap): `batch` is this device's shard; token counts, losses and
   gradients are summed over the axis, so the loss is the same token-weighted global mean as under jit."""
   rng = jax.random.fold_in(state.rng, state.step)
@@ -93,13 +83,9 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, tx: optax.Gr
   loss = scaled_loss * tokens / ls.scale
   finite = precision.all_finite((loss, grads))
   gnorm, gnorm_clipped = optim.grad_norms(grads, clip_norm)
-  if fused_update is not None and fused_update.applies(state.params):  # optim.update_impl
-    params, opt_state = fused_update(grads, state.opt_state, state.params, finite, gnorm)
-  else:
-    updates, new_opt = tx.update(grads, state.opt_state, state.params)
-    new_params = optax.apply_updates(state.params, updates)
-    params, opt_state = precision.select_tree(finite, (new_params, new_opt),
-                                              (state.params, state.opt_state))
+  # a non-finite step: zero updates and the old optimizer state (optim.skip_nonfinite)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params, finite=finite, grad_norm=gnorm)
+  params = optax.apply_updates(state.params, updates)
   bad = jnp.where(finite, 0, state.bad_steps + 1)
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                             loss_scale=ls.adjust(finite), bad_steps=bad,
@@ -138,8 +124,6 @@ def eval_step(params: Any, batch: dict, *, model: nn.Module) -> dict[str, jax.Ar
 
 
 def make_train_step(model, tx, schedule, optim_cfg, axis_name: str | None = None):
-  impl = str(optim_cfg.get("update_impl", "optax"))
-  fused = None if impl == "optax" else FusedAdamW(optim_cfg, schedule, impl)
   return functools.partial(train_step, model=model, tx=tx, schedule=schedule,
                            grad_accum=int(optim_cfg.grad_accum), clip_norm=float(optim_cfg.clip_norm),
-                           axis_name=axis_name, fused_update=fused)
+                           axis_name=axis_name)

@@ -3,13 +3,13 @@
   chunked_attention_cpu   ops.chunked_attention's algorithm, one custom call per direction
   matmul_cpu              op(a) @ op(b) in float32, one OpenBLAS block per thread (weight gradients)
   adamw_update_cpu        one AdamW step on one float32 array, in place, in one pass
+                          (adamw_apply_cpu: the update, with adamw_scalars computed once per step)
   available()             (True, library path) or (False, why not)
-  usable_here()           CPU backend, no multi-device mesh, kernels available ('auto' settings)
 """
-from tformer_jax.ops.cpu_kernel.adamw import adamw_update_cpu
+from tformer_jax.ops.cpu_kernel.adamw import adamw_apply_cpu, adamw_scalars, adamw_update_cpu
 from tformer_jax.ops.cpu_kernel.attention import chunked_attention_cpu, chunk_table
-from tformer_jax.ops.cpu_kernel.build import KernelUnavailable, available, usable_here
+from tformer_jax.ops.cpu_kernel.build import KernelUnavailable, available
 from tformer_jax.ops.cpu_kernel.matmul import matmul_cpu
 
-__all__ = ["chunked_attention_cpu", "chunk_table", "matmul_cpu", "adamw_update_cpu", "available",
-           "usable_here", "KernelUnavailable"]
+__all__ = ["chunked_attention_cpu", "chunk_table", "matmul_cpu", "adamw_update_cpu", "adamw_apply_cpu", "adamw_scalars", "available",
+           "KernelUnavailable"]

@@ -67,7 +67,9 @@ void SoftmaxChunk(const Rules& r, const Geometry& geo, int64_t bi, int64_t hi, i
   for (int64_t i = 0; i < rows; ++i) {
     float* row = p + i * w;
     const int64_t pos = r.q_offset + row0 + i;
-    int64_t jlo = lo, jhi = lo + w;  // the visible interval of this row, absolute key indices
+    // The visible interval of this row (absolute key indices): ops/masks.py `band`, the one rule
+    // every attention implementation follows, for the same (causal, window, q_offset).
+    int64_t jlo = lo, jhi = lo + w;
     if (r.causal) {
       jhi = std::min(jhi, pos + 1);
       if (r.window > 0) jlo = std::max(jlo, pos - r.window + 1);

@@ -123,18 +123,6 @@ def load() -> None:
     _state.update(lib=lib, blas=blas, path=path)
 
 
-def usable_here() -> bool:
-  """What the 'auto' settings ask, at trace time: the CPU backend, no multi-device mesh active (a
-  custom call is not partitioned: XLA would gather its operands onto every device), and the kernels
-  build and load here."""
-  if jax.default_backend() != "cpu":
-    return False
-  mesh = jax.sharding.get_abstract_mesh()
-  if not mesh.empty and mesh.size > 1:
-    return False
-  return available()[0]
-
-
 def available() -> tuple[bool, str]:
   """(True, path) when the kernels load here, else (False, why)."""
   try:

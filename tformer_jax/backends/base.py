@@ -1,0 +1,127 @@
+"""The reference backend: plain `jnp` and ordinary autodiff (forward mode included), every platform.
+
+A backend is the one door between the model and execution choices. `nn/` calls:
+  dense(spec, x, w)                      a projection, `jnp.einsum(spec, x, w)`
+  norm(x, scale, bias, eps, center)      LayerNorm (center) / RMSNorm, `ops.norms.normalize`
+  attention(q, k, v, vis, ...)           softmax attention under a `ops.masks.Visibility`
+  residual(x)                            the residual stream entering a block (identity here)
+and the train step's optimizer comes from wrap_optimizer(tx, spec) (it calls `tx.update`).
+Subclasses (backends/xla_cpu.py) change how these run, never what they compute.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, ClassVar
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from tformer_jax.ops import attention as attn_ops
+from tformer_jax.ops import norms as norm_ops
+from tformer_jax.ops import positions as pos_ops
+from tformer_jax.ops.blockwise import blockwise_attention
+from tformer_jax.ops.chunked_attention import chunked_attention
+from tformer_jax.ops.masks import Visibility
+
+Array = jax.Array
+PyTree = Any
+
+# reference: one dense softmax; chunked / blockwise: tiled, exact (ops/chunked_attention.py,
+# ops/blockwise.py); xla / cudnn: jax.nn.dot_product_attention.
+ATTENTION_IMPLS = ("reference", "chunked", "blockwise", "xla", "cudnn")
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamWSpec:
+  """What an optimizer implementation needs to know of `train.optim.make_optimizer`'s AdamW chain."""
+  schedule: Callable[[Array], Array]
+  b1: float
+  b2: float
+  eps: float
+  weight_decay: float
+  clip_norm: float
+  decay_mask: Callable[[PyTree], PyTree]
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+  """attention_impl: one of ATTENTION_IMPLS; block_q / block_k: the blockwise tiles (block_q is also
+  the chunked query chunk). The tiled and fused paths serve what they support (a static offset, no
+  dense bias, no dropout, no global tokens); anything else runs the dense path, which supports all."""
+  attention_impl: str = "reference"
+  block_q: int = 128
+  block_k: int = 128
+  name: ClassVar[str] = "reference"
+
+  def __post_init__(self):
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"attention: unknown implementation {self.attention_impl!r}; expected one of "
+                       f"{ATTENTION_IMPLS}")
+
+  def describe(self) -> str:
+    return f"{self.name} (attention {self.attention_impl})"
+
+  def dense(self, spec: str, x: Array, w: Array) -> Array:
+    return jnp.einsum(spec, x, w)
+
+  def norm(self, x: Array, scale: Array, bias: Array | None, *, eps: float, center: bool) -> Array:
+    return norm_ops.normalize(x, scale, bias, eps, center)
+
+  def residual(self, x_BxLxD: Array) -> Array:
+    return x_BxLxD
+
+  def wrap_optimizer(self, tx: optax.GradientTransformation, spec: AdamWSpec
+                     ) -> optax.GradientTransformation:
+    del spec
+    return tx
+
+  def attention(self, q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, vis: Visibility, *,
+                bias_BxHxLxS: Array | None = None, alibi_slopes_H: Array | None = None,
+                scale: float | None = None, dropout_rate: float = 0.0, dropout_rng: Array | None = None,
+                want_weights: bool = False) -> tuple[Array, Array | None]:
+    """(out_BxLxHxD, weights_BxHxLxS or None): weights come back only from the dense reference
+    path, when `want_weights` (the other paths never materialise them)."""
+    impl = self.attention_impl
+    tiled = (vis.static_offset and bias_BxHxLxS is None and not vis.num_global
+             and dropout_rate == 0.0)
+    if impl in ("chunked", "blockwise") and tiled:
+      kw = dict(causal=vis.causal, window=vis.window, q_offset=int(vis.q_offset),
+                alibi_slopes_H=alibi_slopes_H, kv_valid_BxS=vis.kv_valid_BxS, scale=scale)
+      if vis.q_segment_ids_BxL is not None:
+        kw.update(q_segment_ids_BxL=vis.q_segment_ids_BxL, kv_segment_ids_BxS=vis.kv_segment_ids_BxS)
+      if impl == "blockwise":
+        return blockwise_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, block_q=self.block_q,
+                                   block_k=self.block_k, **kw), None
+      return self.chunked_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, chunk=self.block_q, **kw), None
+    if impl not in ("xla", "cudnn") or dropout_rate > 0.0:
+      impl = "reference"  # decoding against a cache (one query step: dense is already O(S)), etc.
+    return dense_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, vis, impl=impl, bias_BxHxLxS=bias_BxHxLxS,
+                           alibi_slopes_H=alibi_slopes_H, scale=scale, dropout_rate=dropout_rate,
+                           dropout_rng=dropout_rng, want_weights=want_weights)
+
+  def chunked_attention(self, q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, **kw) -> Array:
+    return chunked_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, **kw)
+
+
+def dense_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, vis: Visibility, *,
+                    impl: str = "reference", bias_BxHxLxS: Array | None = None,
+                    alibi_slopes_H: Array | None = None, scale: float | None = None,
+                    dropout_rate: float = 0.0, dropout_rng: Array | None = None,
+                    want_weights: bool = False) -> tuple[Array, Array | None]:
+  """`ops.attention.dot_product_attention` with the visibility as a dense mask and ALiBi as a dense
+  bias. A plain causal visibility reaches 'xla'/'cudnn' as is_causal (cuDNN skips masked tiles)."""
+  l, s = q_BxLxHxD.shape[1], k_BxSxKxD.shape[1]
+  is_causal = impl in ("xla", "cudnn") and vis.is_plain_causal
+  mask = None if is_causal else vis.mask(l, s)
+  bias = bias_BxHxLxS
+  if alibi_slopes_H is not None:
+    q_idx = vis.q_offset + jnp.arange(l)
+    alibi = pos_ops.alibi_bias(alibi_slopes_H, q_idx[None], jnp.arange(s)[None], causal=vis.causal)
+    bias = alibi if bias is None else bias + alibi
+  kw = dict(mask=mask, bias=bias, scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+  if want_weights and impl == "reference":
+    return attn_ops.dot_product_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, return_weights=True, **kw)
+  out = attn_ops.dot_product_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, impl=impl, is_causal=is_causal,
+                                       **kw)
+  return out, None

@@ -1,0 +1,111 @@
+"""`resolve_runtime(cfg)`: the `runtime` config section turned into one backend, once per run.
+
+Every 'auto' is decided here and nowhere else, from the platform, the model's dtypes, the mesh and
+whether the C++ kernels build; the choice and its reasons are logged in one line. The allocator is
+chosen earlier, when a CLI process starts (host_alloc.py); this reports what the process runs with.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+
+from tformer_jax import config as config_lib
+from tformer_jax import host_alloc
+from tformer_jax.backends.base import Backend
+from tformer_jax.backends.xla_cpu import XlaCpuBackend
+from tformer_jax.ops import cpu_kernel
+
+log = logging.getLogger("tformer_jax")
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+  backend: Backend
+  platform: str
+  allocator: str
+  reasons: tuple[str, ...]   # why each 'auto' went the way it did
+
+  def summary(self) -> str:
+    why = f" [{'; '.join(self.reasons)}]" if self.reasons else ""
+    return f"runtime: {self.backend.describe()} on {self.platform}, allocator {self.allocator}{why}"
+
+  def as_dict(self) -> dict[str, Any]:
+    b = self.backend
+    return {"backend": b.name, "attention": b.attention_impl, "attention_block_q": b.block_q,
+            "attention_block_k": b.block_k, "cpu_kernels": bool(getattr(b, "cpu_kernels", False)),
+            "platform": self.platform, "allocator": self.allocator}
+
+
+def _compute_dtype(cfg: Any) -> str:
+  """The model's compute dtype once train.precision's policy applies (bf16/fp16 compute in half)."""
+  precision = cfg.train.get("precision", "float32") if "train" in cfg else "float32"
+  return {"bf16": "bfloat16", "fp16": "float16"}.get(precision, cfg.model.dtype)
+
+
+def resolve_runtime(cfg: Any, *, mesh_devices: int = 1, platform: str | None = None,
+                    quiet: bool = False) -> Runtime:
+  """The run's backend from cfg.runtime (defaults where the section or a field is missing).
+
+  mesh_devices: devices of the jit mesh the step is partitioned over (the C++ kernels are
+  single-device custom calls; pmap runs them per device, so pass 1 there). Raises ConfigError for a
+  choice this platform cannot run. Logs `Runtime.summary()` unless quiet."""
+  rt = dict(config_lib.default_config().runtime)
+  rt.update(dict(cfg.get("runtime", {})))
+  m = cfg.model
+  platform = platform or jax.default_backend()
+  reasons: list[str] = []
+
+  backend = rt["backend"]
+  if backend == "auto":
+    backend = "xla_cpu" if platform == "cpu" else "reference"
+    reasons.append(f"backend {backend}: platform {platform}")
+  elif backend == "xla_cpu" and platform != "cpu":
+    raise config_lib.ConfigError(f"runtime.backend: 'xla_cpu' runs on the CPU platform; this is "
+                                 f"{platform!r}: use 'reference' or 'auto'")
+
+  attention = rt["attention"]
+  if attention == "auto":
+    if m.attn_dropout > 0 or m.position == "t5" or m.num_global_tokens:
+      attention = "reference"
+      reasons.append("attention reference: dropout, a T5 bias or global tokens need the dense path")
+    elif platform == "cpu":
+      attention = "chunked"
+      reasons.append("attention chunked: the fastest exact path on CPU")
+    else:
+      attention = "xla"
+      reasons.append(f"attention xla: jax.nn.dot_product_attention on {platform}")
+  elif attention == "cudnn" and platform != "gpu":
+    raise config_lib.ConfigError(f"runtime.attention: 'cudnn' needs a GPU; this is {platform!r}: use "
+                                 "'xla', 'blockwise', 'chunked' or 'reference'")
+  blocks = dict(attention_impl=attention, block_q=int(rt["attention_block_q"]),
+                block_k=int(rt["attention_block_k"]))
+
+  if backend == "reference":
+    if rt["cpu_kernels"] == "on":
+      raise config_lib.ConfigError("runtime.cpu_kernels: 'on' needs runtime.backend 'xla_cpu' (or "
+                                   "'auto' on CPU)")
+    chosen: Backend = Backend(**blocks)
+  else:
+    kernels = rt["cpu_kernels"]
+    ok, why = cpu_kernel.available()
+    f32 = _compute_dtype(cfg) == "float32" and m.param_dtype == "float32"
+    if kernels == "on":
+      if not ok:
+        raise config_lib.ConfigError(f"runtime.cpu_kernels: 'on' but the C++ kernels are unavailable: {why}")
+      use_kernels = True
+    elif kernels == "off":
+      use_kernels = False
+    else:
+      use_kernels = ok and f32 and mesh_devices <= 1
+      reasons.append("C++ kernels " + ("on: float32, one device, built" if use_kernels else "off: " + (
+          "not float32" if not f32 else f"a {mesh_devices}-device mesh" if mesh_devices > 1
+          else f"unavailable ({why})")))
+    chosen = XlaCpuBackend(cpu_kernels=use_kernels, **blocks)
+
+  out = Runtime(chosen, platform, host_alloc.loaded_allocator(), tuple(reasons))
+  if not quiet:
+    log.info(out.summary())
+  return out

@@ -1,0 +1,218 @@
+"""The XLA:CPU backend: everything that exists only for training speed on CPU, behind one door.
+
+Same values as the reference backend (tests/test_backends.py: gradients within 1e-5 in float32);
+what changes is how XLA:CPU runs them (docs/benchmarks.md has the measurements):
+  norm       the closed-form LayerNorm/RMSNorm backward (ops/norms.py: +1.1-1.4% on gpt2_cpu).
+  dense      a hand-written VJP whose weight gradient is x^T dy (XLA's autodiff layout makes it
+             transpose dy and fuse the backward residual chain into each transpose); with the C++
+             kernels, that product by OpenBLAS (ops/cpu_kernel/matmul.py).
+  residual   `grad_fusion_barrier`: identity whose cotangent is materialised, so the residual-stream
+             gradient is computed once per block instead of fused into every consumer.
+  attention  'chunked' runs as the C++ kernel (ops/cpu_kernel/attention.py) with the kernels on.
+  optimizer  AdamW as one in-place C++ pass per parameter array (`FusedAdamW`), with the kernels on.
+The custom VJPs block forward-mode autodiff (`jax.jvp`); use the reference backend for that.
+The C++ kernels are single-device custom calls: `resolve_runtime` turns them off under a
+multi-device mesh (XLA would gather their operands onto every device).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from tformer_jax.backends.base import AdamWSpec, Backend
+from tformer_jax.ops import cpu_kernel
+from tformer_jax.ops import norms as norm_ops
+
+Array = jax.Array
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaCpuBackend(Backend):
+  """cpu_kernels: use the C++ kernels (float32 only; others keep XLA's ops)."""
+  cpu_kernels: bool = True
+  name: ClassVar[str] = "xla_cpu"
+
+  def describe(self) -> str:
+    kernels = "C++ kernels on" if self.cpu_kernels else "C++ kernels off"
+    return f"{self.name} (attention {self.attention_impl}, {kernels})"
+
+  def dense(self, spec: str, x: Array, w: Array) -> Array:
+    return project(spec, x, w, self.cpu_kernels)
+
+  def norm(self, x: Array, scale: Array, bias: Array | None, *, eps: float, center: bool) -> Array:
+    return norm_ops.norm_closed_form_vjp(x, scale, bias, eps, center)
+
+  def residual(self, x_BxLxD: Array) -> Array:
+    return grad_fusion_barrier(x_BxLxD)
+
+  def chunked_attention(self, q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, **kw) -> Array:
+    f32 = all(a.dtype == jnp.float32 for a in (q_BxLxHxD, k_BxSxKxD, v_BxSxKxD))
+    if self.cpu_kernels and f32 and kw.get("q_segment_ids_BxL") is None:
+      return cpu_kernel.chunked_attention_cpu(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, **kw)
+    return super().chunked_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, **kw)
+
+  def wrap_optimizer(self, tx: optax.GradientTransformation, spec: AdamWSpec
+                     ) -> optax.GradientTransformation:
+    return fused_adamw(tx, spec) if self.cpu_kernels else tx
+
+
+# ---------------------------------------------------------------------------------------------------
+# dense: einsum with a hand-written VJP
+
+
+def project(spec: str, x: Array, w: Array, cpu_kernels: bool = False) -> Array:
+  """jnp.einsum(spec, x, w) for an activation x and a weight w, with a hand-written VJP.
+
+  Same values and gradients as autodiff; only the gradient *layouts* differ: autodiff computes the
+  weight gradient as dot(dy, x) with dy (the residual-stream gradient) as the left operand, which
+  makes XLA transpose dy, and on CPU it then fuses the whole backward residual chain (a sum over
+  every later layer) into each such transpose. Here dw = einsum(x, dy) (x first, no transpose of
+  dy) and dx = einsum(dy, w). With cpu_kernels the 2-D float32 case computes dw = x^T dy with
+  ops.cpu_kernel.matmul_cpu (faster than XLA:CPU's dot for that transposed product).
+  """
+  return _project(spec, cpu_kernels, x, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _project(spec: str, cpu_kernels: bool, x: Array, w: Array) -> Array:
+  return jnp.einsum(spec, x, w)
+
+
+def _project_fwd(spec: str, cpu_kernels: bool, x: Array, w: Array):
+  return jnp.einsum(spec, x, w), (x, w)
+
+
+def _project_bwd(spec: str, cpu_kernels: bool, res, g: Array):
+  x, w = res
+  ins, out = spec.split("->")
+  sx, sw = ins.split(",")
+  rows = "".join(c for c in sx if c in out and c not in sw)   # e.g. 'bl': summed over for dw
+  kx = sx[len(rows):]                                        # x's contracted letters, e.g. 'd'
+  n = out[len(rows):]                                        # the output's weight letters
+  if sx.startswith(rows) and out.startswith(rows) and sw == kx + n:
+    # 2-D matmuls with one contracting dimension each: XLA then needs no transposed copies.
+    r = math.prod(x.shape[:len(rows)])
+    x2, g2 = x.reshape(r, -1), g.reshape(r, -1)
+    w2 = w.reshape(x2.shape[1], g2.shape[1])
+    if cpu_kernels and x2.dtype == g2.dtype == jnp.float32:
+      dw = cpu_kernel.matmul_cpu(x2, g2, transpose_a=True).reshape(w.shape)
+    else:
+      dw = jax.lax.dot_general(x2, g2, (((0,), (0,)), ((), ()))).reshape(w.shape)
+    dx = jax.lax.dot_general(g2, w2, (((1,), (1,)), ((), ()))).reshape(x.shape)
+  else:
+    dx = jnp.einsum(f"{out},{sw}->{sx}", g, w)
+    dw = jnp.einsum(f"{sx},{out}->{sw}", x, g)
+  return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_project.defvjp(_project_fwd, _project_bwd)
+
+
+# ---------------------------------------------------------------------------------------------------
+# residual: the gradient fusion barrier
+
+
+def _one_trip_loop(x: Array) -> Array:
+  """x, through a while loop that runs once; its trip count comes from x (x[0] * 0 + 1, which is 1
+  for any x: NaN and inf convert to 0) and its body adds float(i) * 0 (XLA folds neither, a float
+  times 0 being NaN for inf), so XLA cannot drop the loop or hoist x out of it."""
+  n = (x.reshape(-1)[0] * 0).astype(jnp.int32) + 1
+  body = lambda c: (c[0] + 1, c[1] + c[0].astype(x.dtype) * 0)  # noqa: E731
+  return jax.lax.while_loop(lambda c: c[0] < n, body, (jnp.int32(0), x))[1]
+
+
+@jax.custom_vjp
+def grad_fusion_barrier(x: Array) -> Array:
+  """Identity whose cotangent is materialised: the backward passes it through a one-trip loop, a
+  fusion boundary XLA keeps (it drops `lax.optimization_barrier` before fusing on CPU).
+
+  Why: XLA:CPU fuses the residual-stream gradient, a sum over every later layer's contribution, into
+  each of its consumers instead of computing it once, so layer l's backward recomputes the chain of
+  all layers above it (O(L^2) elementwise work; gpt2_cpu: fusions with 27 to 113 operands). Put at
+  each block's input it cuts the chain per layer: on gpt2_cpu LayerNorm backward 55 -> 20 ms/step,
+  +2.8% tokens/s, 24-layer unrolled compile 30 -> 14 s. On GPU a while loop's trip count goes
+  through the host, so only this backend uses it."""
+  return x
+
+
+def _barrier_fwd(x):
+  return x, None
+
+
+def _barrier_bwd(_, g):
+  return (_one_trip_loop(g),)
+
+
+grad_fusion_barrier.defvjp(_barrier_fwd, _barrier_bwd)
+
+
+# ---------------------------------------------------------------------------------------------------
+# optimizer: AdamW as one C++ pass per array
+
+
+class _AdamWParts(NamedTuple):
+  clip: Any
+  adam: optax.ScaleByAdamState
+  decay: Any
+  sched: optax.ScaleByScheduleState
+
+
+def _split_state(opt_state: Any, clip: bool) -> _AdamWParts:
+  """The pieces of `train.optim.make_optimizer`'s chain([clip_by_global_norm,] adamw) state."""
+  try:
+    clip_state, (adam, decay, sched) = opt_state if clip else (None, opt_state[0])
+    assert isinstance(adam, optax.ScaleByAdamState)
+    assert isinstance(sched, optax.ScaleByScheduleState)
+  except (TypeError, ValueError, AssertionError) as e:
+    raise ValueError("the xla_cpu fused AdamW expects the state of optim.make_optimizer's "
+                     f"chain([clip_by_global_norm,] adamw); got {jax.tree.structure(opt_state)}") from e
+  return _AdamWParts(clip_state, adam, decay, sched)
+
+
+def fused_adamw(reference: optax.GradientTransformation, spec: AdamWSpec
+                ) -> optax.GradientTransformationExtraArgs:
+  """The AdamW chain of `spec` (clip, adamw with the decay mask) as one C++ pass per float32 array:
+  the same state tree as `reference` (its `init` is reused, so checkpoints are interchangeable) and
+  the same updates up to float32 rounding. Extra args of `update`: finite (False: zero updates, state
+  kept; default all gradients finite) and grad_norm (the gradients' global norm, if known)."""
+
+  def update(grads: PyTree, state: Any, params: PyTree | None = None, *, finite: Array | None = None,
+             grad_norm: Array | None = None, **extra) -> tuple[PyTree, Any]:
+    del extra
+    if params is None:
+      raise ValueError("the fused AdamW needs params (weight decay)")
+    bad = [f"{jax.tree_util.keystr(k)}: {x.dtype}" for k, x in jax.tree_util.tree_leaves_with_path(params)
+           if x.dtype != jnp.float32]
+    if bad:
+      raise ValueError(f"the fused AdamW (runtime.cpu_kernels) updates float32 parameters; got {bad[0]}")
+    parts = _split_state(state, spec.clip_norm > 0)
+    if finite is None:
+      finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    if spec.clip_norm > 0:   # optax.clip_by_global_norm as one factor on g
+      norm = optax.tree.norm(grads) if grad_norm is None else grad_norm
+      scale = jnp.where(norm < spec.clip_norm, 1.0, spec.clip_norm / norm)
+    else:
+      scale = jnp.ones((), jnp.float32)
+    scalars = {decayed: cpu_kernel.adamw_scalars(   # the step's scalars, once per weight decay
+        lr=spec.schedule(parts.sched.count), b1=spec.b1, b2=spec.b2, eps=spec.eps,
+        weight_decay=spec.weight_decay if decayed else 0.0, count=optax.safe_increment(parts.adam.count),
+        grad_scale=scale, finite=finite) for decayed in (True, False)}
+    treedef = jax.tree.structure(params)
+    flat = (treedef.flatten_up_to(t) for t in (params, grads, parts.adam.mu, parts.adam.nu,
+                                                spec.decay_mask(params)))
+    outs = [cpu_kernel.adamw_apply_cpu(p, g.astype(jnp.float32), m, v, scalars[bool(decayed)])
+            for p, g, m, v, decayed in zip(*flat)]
+    updates, mu, nu = (treedef.unflatten([o[i] for o in outs]) for i in range(3))
+    step = jnp.asarray(finite).astype(parts.adam.count.dtype)
+    adam = parts.adam._replace(count=parts.adam.count + step, mu=mu, nu=nu)
+    adamw_state = (adam, parts.decay, parts.sched._replace(count=parts.sched.count + step))
+    return updates, ((parts.clip, adamw_state) if spec.clip_norm > 0 else (adamw_state,))
+
+  return optax.GradientTransformationExtraArgs(reference.init, update)
