@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from tformer_jax.config import ModelConfig, MoEConfig
-from tformer_jax.nn.moe import MoEFFN, collect_aux_loss, collect_moe_metrics, mixtral_to_params
+from tformer_jax.interop.hf import mixtral_to_params
+from tformer_jax.nn.moe import MoEFFN, collect_aux_loss, collect_moe_metrics
 from tformer_jax.ops import moe
 
 TOL = dict(atol=1e-5, rtol=1e-5)

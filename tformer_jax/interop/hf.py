@@ -27,18 +27,23 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
+from safetensors.numpy import save_file
 
 from tformer_jax.config import ModelConfig, MoEConfig, RopeScaling, validate_model
+from tformer_jax.data.tokenizers import get_tokenizer
 from tformer_jax.interop import axes
-from tformer_jax.interop.families import FAMILIES, Family, OneOf, Rule, get_family
+from tformer_jax.interop.families import FAMILIES, MIXTRAL, Family, OneOf, Rule, get_family
 from tformer_jax.interop.hf_config import HFConfigError
 from tformer_jax.nn import Transformer
+from tformer_jax.nn.moe import expert_hidden
 
 log = logging.getLogger(__name__)
 _MAX_LISTED = 20
 __all__ = ["HFConfigError", "HFWeightsError", "load_hf", "save_hf", "load_hf_tokenizer", "read_hf",
-           "read_hf_config", "model_config_from_hf", "hf_config_from_model", "infer_family"]
+           "read_hf_config", "model_config_from_hf", "hf_config_from_model", "infer_family",
+           "mixtral_to_params"]
 
 
 class HFWeightsError(ValueError):
@@ -55,7 +60,6 @@ _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np
 def _st_dtype(name: str, path: pathlib.Path) -> np.dtype:
   if name in _ST_DTYPES:
     return np.dtype(_ST_DTYPES[name])
-  import ml_dtypes
   extra = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
   if name not in extra:
     raise HFWeightsError(f"{path}: unsupported safetensors dtype {name!r}")
@@ -92,13 +96,13 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 
 def _torch_to_numpy(t: Any) -> np.ndarray:
-  import torch
+  import torch  # optional (the 'reference' extra): only for in-memory models and .bin checkpoints
   t = t.detach().cpu()
   return (t.to(torch.float32) if t.is_floating_point() else t).numpy()
 
 
 def _read_bin(path: pathlib.Path) -> dict[str, np.ndarray]:
-  import torch
+  import torch  # optional (the 'reference' extra): only .bin checkpoints need it
   sd = torch.load(path, map_location="cpu", weights_only=True)  # never unpickles code
   return {k: _torch_to_numpy(v) for k, v in sd.items()}
 
@@ -153,7 +157,6 @@ def read_hf(src: str | os.PathLike | Any) -> tuple[dict, dict[str, np.ndarray]]:
 
 
 def _write_safetensors(tensors: Mapping[str, np.ndarray], d: pathlib.Path, max_shard_bytes: int) -> None:
-  from safetensors.numpy import save_file
   shards: list[dict[str, np.ndarray]] = [{}]
   size = 0
   for name, arr in tensors.items():
@@ -179,9 +182,11 @@ def _write_safetensors(tensors: Mapping[str, np.ndarray], d: pathlib.Path, max_s
 # ----------------------------------------------------------------------------------------------
 # Configs
 
-_RUNTIME_FIELDS = ("embed_dropout", "attn_dropout", "resid_dropout", "init_std", "scale_residual_init",
-                   "attention_impl", "attention_block_q", "attention_block_k", "dtype", "param_dtype",
-                   "scan_layers", "remat", "mlp_ratio", "residual_grad_barrier")
+# TODO(core): use config.NON_ARCHITECTURE_FIELDS once config.py defines it. The ModelConfig fields
+# that change neither the function the model computes (at inference) nor its parameter layout:
+# dropout, initialisation, dtypes, layer scan/remat, mlp_ratio (derived: d_ff is compared resolved).
+NON_ARCHITECTURE_FIELDS = ("embed_dropout", "attn_dropout", "resid_dropout", "init_std", "scale_residual_init",
+                           "dtype", "param_dtype", "scan_layers", "remat", "mlp_ratio")
 _SCALING_FIELDS = {"none": (), "linear": ("factor",), "ntk": ("factor",),
                    "dynamic": ("factor", "original_max_len"),
                    "yarn": ("factor", "original_max_len", "beta_fast", "beta_slow", "attention_factor"),
@@ -206,7 +211,8 @@ def model_config_from_hf(hf_cfg: Mapping[str, Any], family: Family | None = None
 
 def arch_signature(cfg: ModelConfig) -> dict[str, Any]:
   """The fields that decide what the model computes, in a canonical form (derived sizes resolved)."""
-  d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in _RUNTIME_FIELDS}
+  d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+       if f.name not in NON_ARCHITECTURE_FIELDS}
   d.update(num_kv_heads=cfg.kv_heads, head_dim=cfg.hd, d_ff=cfg.ff)
   if cfg.position == "rope":
     rs = cfg.rope_scaling
@@ -226,42 +232,83 @@ def arch_signature(cfg: ModelConfig) -> dict[str, Any]:
     d.pop("num_global_tokens")
   m = cfg.moe
   d["moe"] = None if not m.num_experts else dict(
-      num_experts=m.num_experts, top_k=m.top_k, every=m.every, d_ff=m.d_ff or cfg.ff,
+      num_experts=m.num_experts, top_k=m.top_k, every=m.every, d_ff=expert_hidden(cfg),
       renormalize=m.renormalize, shared_expert=m.shared_expert)
+  if m.num_experts and all(cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
+    d.pop("d_ff")  # no dense FFN anywhere: its size is unused
   return d
 
 
-def _representable(cfg: ModelConfig, family: Family) -> tuple[dict | None, str]:
-  """(config.json dict, '') if `family` reproduces `cfg` exactly, else (None, the reason)."""
+_MAX_FIXES = 8
+
+
+def _mismatches(cfg: ModelConfig, family: Family) -> tuple[dict | None, dict[str, str]]:
+  """(config.json dict, {}) if `family` reproduces `cfg` exactly, else (None, {model field: reason})
+  naming every architectural field the family cannot hold (a field it refuses is replaced by one it
+  can hold, `HFConfigError.fix`, to look for the others)."""
+  reasons: dict[str, str] = {}
+  probe = dataclasses.replace(cfg, d_ff=cfg.ff)  # a substituted activation must not resize the FFN
+  for _ in range(_MAX_FIXES):
+    try:
+      hf = family.to_hf(probe)
+      break
+    except HFConfigError as e:
+      if not e.field or not e.fix or e.field in reasons:
+        return None, {**reasons, e.field or "?": str(e)}
+      reasons[e.field] = str(e)
+      probe = dataclasses.replace(probe, **e.fix)
+  else:
+    return None, reasons
   try:
-    hf = family.to_hf(cfg)
     back = model_config_from_hf(hf, family)
-  except (HFConfigError, ValueError) as e:
-    return None, str(e)
+  except (HFConfigError, ValueError) as e:   # a table bug: to_hf wrote what to_model refuses
+    return None, {**reasons, "?": f"{family.model_type}: {e}"}
   want, got = arch_signature(cfg), arch_signature(back)
-  diff = [k for k in want if want[k] != got.get(k)]
-  if diff:
-    return None, "; ".join(f"{family.model_type} cannot represent model.{k}={want[k]!r}" for k in diff[:4])
-  return hf, ""
+  for k in want:
+    if want[k] != got.get(k) and k not in reasons:
+      has = f"it would be {got[k]!r}" if got.get(k) is not None else f"{family.model_type} has none"
+      reasons[k] = f"{family.model_type} cannot represent model.{k}={want[k]!r} ({has})"
+  return (None, reasons) if reasons else (hf, {})
 
 
 def hf_config_from_model(cfg: ModelConfig, family: str) -> dict:
-  """The config.json dict of `cfg` as `family`; HFConfigError if the family cannot represent it."""
-  hf, why = _representable(cfg, get_family(family))
+  """The config.json dict of `cfg` as `family`; HFConfigError (one line) naming every field the
+  family cannot represent."""
+  hf, reasons = _mismatches(cfg, get_family(family))
   if hf is None:
-    raise HFConfigError(why)
+    raise HFConfigError("; ".join(reasons.values()))
   return hf
 
 
+# Fields that say what kind of model it is: named for context when a model has no family.
+_KIND_FIELDS = ("position", "norm", "activation")
+_FOLLOW_POSITION = ("rope_theta", "rotary_fraction", "rope_layout", "rope_scaling", "t5_num_buckets",
+                    "t5_max_distance")
+
+
 def infer_family(cfg: ModelConfig) -> str:
-  """The first family (gpt2, llama, mistral, mixtral, bloom, gpt_neox, bert) that reproduces `cfg`."""
-  reasons = []
+  """The first family (gpt2, llama, mistral, mixtral, bloom, gpt_neox, bert) that reproduces `cfg`.
+
+  None: HFConfigError in one line naming the architectural fields that the nearest families (fewest
+  differences) cannot hold, and the fields the next ones differ in."""
+  groups: dict[tuple[str, ...], list[str]] = {}   # differing fields -> families, in table order
+  reasons: dict[tuple[str, ...], dict[str, str]] = {}
   for name, fam in FAMILIES.items():
-    hf, why = _representable(cfg, fam)
+    hf, why = _mismatches(cfg, fam)
     if hf is not None:
       return name
-    reasons.append(f"{name}: {why}")
-  raise HFConfigError("no Hugging Face family can represent this model:\n  " + "\n  ".join(reasons))
+    fields = tuple(k for k in why if not ("position" in why and k in _FOLLOW_POSITION))
+    groups.setdefault(fields, []).append(name)
+    reasons.setdefault(fields, why)
+  ranked = sorted(groups, key=len)
+  nearest = ranked[0]
+  sig = arch_signature(cfg)
+  head = ", ".join(f"model.{k}={sig[k]!r}" for k in nearest if k in sig) or "this model"
+  kind = [f"{k}={getattr(cfg, k)!r}" for k in _KIND_FIELDS if k not in nearest]
+  detail = f"{'/'.join(groups[nearest])}: {'; '.join(reasons[nearest].values())}"
+  nxt = [f"{'/'.join(groups[f])} differ(s) in {', '.join(f)}" for f in ranked[1:3]]
+  raise HFConfigError(f"{head}" + (f" with {' and '.join(kind)}" if kind else "")
+                      + f": no Hugging Face family holds this architecture ({'; '.join([detail] + nxt)})")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -296,7 +343,6 @@ def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _sizes(cfg: ModelConfig) -> dict[str, int]:
-  from tformer_jax.nn.moe import expert_hidden
   return dict(d=cfg.d_model, h=cfg.num_heads, g=cfg.kv_heads, k=cfg.hd, f=cfg.ff, v=cfg.vocab_size,
               e=cfg.moe.num_experts, x=expert_hidden(cfg) if cfg.moe.num_experts else 0)
 
@@ -453,6 +499,25 @@ def export_tensors(family: Family, cfg: ModelConfig, params: Mapping[str, Any]) 
   return out
 
 
+def mixtral_to_params(state_dict: Mapping[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
+  """transformers-5 MixtralSparseMoeBlock weights (numpy; `prefix` stripped) -> our MoEFFN params.
+
+  HF stores gate.weight (E, H), experts.gate_up_proj (E, 2I, H) (gate rows first, then up) and
+  experts.down_proj (E, H, I); ours are router (H, E), w_gate/w_up (E, H, I), w_down (E, I, H):
+  the layouts of the Mixtral family table's fused (in-memory module) option."""
+  sd = {k[len(prefix):]: np.asarray(v) for k, v in state_dict.items() if k.startswith(prefix)}
+  e, two_x, d = sd["experts.gate_up_proj"].shape
+  sizes = dict(e=e, x=two_x // 2, d=d)
+  fused = next(item for item in MIXTRAL if isinstance(item, OneOf)).options[1]
+  block = "model.layers.{i}.mlp."
+  out: dict[str, np.ndarray] = {}
+  for rule in fused:
+    name = rule.hf[len(block):]
+    arrays = axes.rearrange([sd[name]], rule.hf_axes, rule.ours_axes, sizes, what=f"tensor {name}")
+    out.update({t.rsplit("/", 1)[-1]: a for t, a in zip(rule.targets, arrays)})
+  return out
+
+
 # ----------------------------------------------------------------------------------------------
 # Public API
 
@@ -491,5 +556,4 @@ def save_hf(model: Transformer | ModelConfig, params: Mapping[str, Any], path: s
 
 def load_hf_tokenizer(path: str | os.PathLike) -> Any:
   """Our tokenizer (tformer_jax.data.tokenizers) of an HF directory's tokenizer.json."""
-  from tformer_jax.data.tokenizers import get_tokenizer
   return get_tokenizer("hf:" + os.fspath(path))

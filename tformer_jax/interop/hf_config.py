@@ -4,13 +4,15 @@ One function each way per family (`<family>_to_model(hf) -> kwargs`, `<family>_t
 They read plain JSON dicts (transformers 5 `rope_parameters` as well as the older `rope_theta` +
 `rope_scaling` / `rotary_pct` spellings) and never import transformers. Options our model cannot
 reproduce raise `HFConfigError` naming the option instead of converting to something different.
+An error raised by a `_to_hf` function names the ModelConfig field (`field`) and, in `fix`, values
+that get past it, so `interop.hf` can go on and list every field a family cannot hold.
 """
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Mapping
 
-from tformer_jax.config import ModelConfig
+from tformer_jax.config import ModelConfig, RopeScaling
 
 _MISSING = object()
 
@@ -24,7 +26,15 @@ ROPE_TYPES = {"default": "none", "linear": "linear", "dynamic": "dynamic", "yarn
 
 
 class HFConfigError(ValueError):
-  """A Hugging Face config that cannot be translated (the message names the option)."""
+  """A Hugging Face config that cannot be translated (the message names the option).
+
+  From a `_to_hf` function: `field` is the ModelConfig field the family cannot hold and `fix` the
+  ModelConfig replacements the family could hold instead (to look for further differences)."""
+
+  def __init__(self, message: str, field: str = "", fix: Mapping[str, Any] | None = None):
+    super().__init__(message)
+    self.field = field
+    self.fix = dict(fix or {})
 
 
 def get(hf: dict, *names: str, default: Any = _MISSING) -> Any:
@@ -58,7 +68,7 @@ def activation_back(cfg: ModelConfig, family: str, glu: bool = False) -> str:
   table = GLU_ACTS_BACK if glu else ACTS_BACK
   if cfg.activation not in table:
     raise HFConfigError(f"{family} cannot represent model.activation={cfg.activation!r} "
-                        f"(supported: {sorted(table)})")
+                        f"(supported: {sorted(table)})", "activation", {"activation": sorted(table)[-1]})
   return table[cfg.activation]
 
 
@@ -117,12 +127,16 @@ def rope_from_hf(hf: dict, *, default_theta: float, default_fraction: float = 1.
 
 
 def rope_to_hf(cfg: ModelConfig, family: str, *, partial: bool = False) -> dict:
-  """transformers 5 `rope_parameters` of a RoPE model."""
+  """transformers 5 `rope_parameters` of a RoPE model (`partial`: the family has partial_rotary_factor)."""
   rs = cfg.rope_scaling
   kind = {v: k for k, v in ROPE_TYPES.items()}.get(rs.type)
   if kind is None:
     raise HFConfigError(f"{family} cannot represent model.rope_scaling.type={rs.type!r} "
-                        f"(supported: {sorted(ROPE_TYPES.values())})")
+                        f"(supported: {sorted(ROPE_TYPES.values())})", "rope_scaling",
+                        {"rope_scaling": RopeScaling()})
+  if cfg.rotary_fraction != 1.0 and not partial:
+    raise HFConfigError(f"{family} cannot represent model.rotary_fraction={cfg.rotary_fraction} (it rotates "
+                        "every dimension)", "rotary_fraction", {"rotary_fraction": 1.0})
   rp: dict[str, Any] = {"rope_type": kind, "rope_theta": cfg.rope_theta}
   if partial or cfg.rotary_fraction != 1.0:
     rp["partial_rotary_factor"] = cfg.rotary_fraction
@@ -163,14 +177,17 @@ def gpt2_to_model(hf: dict) -> dict:
 
 def gpt2_to_hf(cfg: ModelConfig) -> dict:
   if cfg.attention_scale not in (0.0, 1.0):
-    raise HFConfigError(f"gpt2 cannot represent model.attention_scale={cfg.attention_scale}")
+    raise HFConfigError(f"gpt2 cannot represent model.attention_scale={cfg.attention_scale} (only 1/sqrt(head_dim) "
+                        "or none)", "attention_scale", {"attention_scale": 0.0})
   return dict(
       architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=cfg.vocab_size, n_embd=cfg.d_model,
       n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=cfg.ff,
       activation_function=activation_back(cfg, "gpt2"),
       layer_norm_epsilon=cfg.norm_eps, n_positions=cfg.max_len, tie_word_embeddings=cfg.tie_embeddings,
       scale_attn_weights=cfg.attention_scale == 0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-      initializer_range=cfg.init_std)
+      initializer_range=cfg.init_std,
+      # GPT2Config's default bos/eos (50256) lie outside a smaller vocabulary: none then.
+      **({} if cfg.vocab_size > 50256 else {"bos_token_id": None, "eos_token_id": None}))
 
 
 def _llama_like(hf: dict, default_theta: float, window: bool) -> dict:
@@ -196,8 +213,8 @@ def _llama_like(hf: dict, default_theta: float, window: bool) -> dict:
 
 def _llama_like_back(cfg: ModelConfig, family: str, arch: str, window: bool) -> dict:
   if cfg.qkv_bias != cfg.out_bias and family == "llama":
-    raise HFConfigError(f"llama cannot represent qkv_bias={cfg.qkv_bias} with out_bias={cfg.out_bias} "
-                        "(one attention_bias covers both)")
+    raise HFConfigError(f"llama cannot represent model.qkv_bias={cfg.qkv_bias} with model.out_bias={cfg.out_bias} "
+                        "(one attention_bias covers both)", "out_bias", {"out_bias": cfg.qkv_bias})
   out = dict(
       architectures=[arch], model_type=family, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
       intermediate_size=cfg.ff, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
@@ -237,11 +254,11 @@ def mixtral_to_model(hf: dict) -> dict:
 
 
 def mixtral_to_hf(cfg: ModelConfig) -> dict:
+  # Every Mixtral layer is MoE: intermediate_size is the experts' hidden size (a dense d_ff is unused;
+  # a model with dense layers too comes back with moe.every=1 and is refused by the comparison).
   m = cfg.moe
-  if m.d_ff and m.d_ff != cfg.ff:
-    raise HFConfigError(f"mixtral cannot represent moe.d_ff={m.d_ff} != d_ff={cfg.ff}")
   out = _llama_like_back(cfg, "mixtral", "MixtralForCausalLM", window=True)
-  out.update(num_local_experts=m.num_experts, num_experts_per_tok=m.top_k, router_jitter_noise=m.jitter,
+  out.update(intermediate_size=m.d_ff or cfg.ff, num_local_experts=m.num_experts, num_experts_per_tok=m.top_k, router_jitter_noise=m.jitter,
              router_aux_loss_coef=m.aux_loss_coef, output_router_logits=False)
   return out
 
@@ -283,7 +300,8 @@ def gpt_neox_to_model(hf: dict) -> dict:
 
 def gpt_neox_to_hf(cfg: ModelConfig) -> dict:
   if cfg.qkv_bias != cfg.out_bias:
-    raise HFConfigError("gpt_neox cannot represent qkv_bias != out_bias (one attention_bias covers both)")
+    raise HFConfigError(f"gpt_neox cannot represent model.qkv_bias={cfg.qkv_bias} with model.out_bias={cfg.out_bias} "
+                        "(one attention_bias covers both)", "out_bias", {"out_bias": cfg.qkv_bias})
   return dict(
       architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox", vocab_size=cfg.vocab_size,
       hidden_size=cfg.d_model, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,

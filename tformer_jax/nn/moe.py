@@ -15,7 +15,6 @@ from typing import Any, Mapping
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from tformer_jax.config import ModelConfig
 from tformer_jax.ops import moe as moe_ops
@@ -161,19 +160,3 @@ def collect_moe_metrics(mutables: Mapping[str, Any]) -> dict[str, Array]:
       out[name] = sum(jnp.sum(v) for v in vals)
   return out
 
-
-def mixtral_to_params(state_dict: Mapping[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
-  """transformers-5 MixtralSparseMoeBlock weights (numpy) -> MoEFFN params (unboxed dict).
-
-  HF stores gate.weight (E, H), experts.gate_up_proj (E, 2I, H) (gate rows first, then up) and
-  experts.down_proj (E, H, I); ours are router (H, E), w_gate/w_up (E, H, I), w_down (E, I, H).
-  """
-  sd = {k[len(prefix):]: np.asarray(v) for k, v in state_dict.items() if k.startswith(prefix)}
-  gate_up = sd["experts.gate_up_proj"]
-  inter = gate_up.shape[1] // 2
-  return {
-      "router": sd["gate.weight"].T,
-      "w_gate": np.transpose(gate_up[:, :inter], (0, 2, 1)),
-      "w_up": np.transpose(gate_up[:, inter:], (0, 2, 1)),
-      "w_down": np.transpose(sd["experts.down_proj"], (0, 2, 1)),
-  }
