@@ -6,8 +6,11 @@
          Fine-tune with train.init_from=runs/my_finetune, sample with generate.py --workdir.
   python scripts/convert.py --from runs/my_finetune --to-hf out/hf_model [--family llama]
       -> config.json + model.safetensors that transformers' from_pretrained loads (and tokenizer.json).
+         Without --family, the first family that reproduces the architecture exactly; a model that
+         no family holds is refused with the fields that differ.
 
-Nothing is downloaded and no code from the HF directory is executed.
+Nothing is downloaded and no code from the HF directory is executed. Anticipated errors (a bad
+directory, a missing checkpoint, an architecture HF cannot hold) print one line and exit 2.
 """
 from __future__ import annotations
 
@@ -20,13 +23,17 @@ from typing import Sequence
 
 import ml_collections
 
+from tformer_jax.checkpoint import Checkpointer, CheckpointError, restore_params
+from tformer_jax.config import ConfigError, ModelConfig, default_config
+from tformer_jax.interop.hf import HFConfigError, HFWeightsError, load_hf, save_hf
+
+# What a user can cause (bad paths, checkpoints, configs, architectures): one line, exit status 2.
+USER_ERRORS = (HFConfigError, HFWeightsError, CheckpointError, ConfigError, FileNotFoundError,
+               FileExistsError, NotADirectoryError)
+
 
 def hf_to_workdir(hf_dir: str | pathlib.Path, workdir: str | pathlib.Path, step: int = 0) -> pathlib.Path:
   """Write `workdir`/config.json and an Orbax checkpoint of the HF model's params at `step`."""
-  from tformer_jax.checkpoint import Checkpointer
-  from tformer_jax.config import default_config
-  from tformer_jax.interop.hf import load_hf
-
   hf_dir, work = pathlib.Path(hf_dir), pathlib.Path(workdir).absolute()
   ckpt_dir = work / "checkpoints"
   if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
@@ -52,10 +59,6 @@ def hf_to_workdir(hf_dir: str | pathlib.Path, workdir: str | pathlib.Path, step:
 def workdir_to_hf(workdir: str | pathlib.Path, hf_dir: str | pathlib.Path, family: str | None = None,
                   step: int | None = None) -> pathlib.Path:
   """Export the params of `workdir`'s latest checkpoint (or `step`) as a Hugging Face directory."""
-  from tformer_jax.checkpoint import restore_params
-  from tformer_jax.config import ModelConfig
-  from tformer_jax.interop.hf import save_hf
-
   cfg, params = restore_params(workdir, step)
   out = save_hf(ModelConfig.from_config(cfg.model), params, hf_dir, family)
   tok = str(cfg.get("data", {}).get("tokenizer", ""))
@@ -78,14 +81,18 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--step", type=int, default=None, help="checkpoint step: written (--from-hf, default 0) "
                  "or read (--from, default latest)")
   args = p.parse_args(argv)
-  if args.from_hf:
-    if not args.to:
-      p.error("--from-hf needs --to WORKDIR")
-    out = hf_to_workdir(args.from_hf, args.to, step=args.step or 0)
-  else:
-    if not args.to_hf:
-      p.error("--from needs --to-hf DIR")
-    out = workdir_to_hf(args.from_workdir, args.to_hf, args.family, args.step)
+  if args.from_hf and not args.to:
+    p.error("--from-hf needs --to WORKDIR")
+  if args.from_workdir and not args.to_hf:
+    p.error("--from needs --to-hf DIR")
+  try:
+    if args.from_hf:
+      out = hf_to_workdir(args.from_hf, args.to, step=args.step or 0)
+    else:
+      out = workdir_to_hf(args.from_workdir, args.to_hf, args.family, args.step)
+  except USER_ERRORS as e:
+    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+    return 2
   print(f"wrote {out}")
   return 0
 
