@@ -19,8 +19,11 @@ import ml_collections
 import numpy as np
 
 from tformer_jax import config as config_lib
+from tformer_jax.data import pipeline
+from tformer_jax.decode_io import tokenizer_from_config
 from tformer_jax.doctor import probes
 from tformer_jax.nn import Transformer
+from tformer_jax.train import optim, precision, state as state_lib, step as step_lib
 
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
 
@@ -100,7 +103,6 @@ def _r(name: str, status: str, detail: str) -> CheckResult:
 def default_batch_fn(cfg: ml_collections.ConfigDict, rows: int | None = None) -> Callable[[], dict]:
   """The first training batch of the real data pipeline (optionally only `rows` rows)."""
   def fn() -> dict:
-    from tformer_jax.data import pipeline
     ds = pipeline.build_dataset(cfg.data)
     batch = next(pipeline.train_iterator(ds, cfg.data))
     batch = {k: np.asarray(v) for k, v in batch.items()}
@@ -118,9 +120,7 @@ def check_data(ctx: Context, *, batch_fn: Callable[[], dict] | None = None, toke
   if x.shape != y.shape or x.ndim != 2:
     return _r("data", FAIL, f"inputs {x.shape} and targets {y.shape} must both be (batch, seq_len)")
   if tokenizer is None:
-    from tformer_jax.decode_io import tokenizer_from_config
-    from tformer_jax.data.pipeline import build_dataset
-    tokenizer = build_dataset(ctx.cfg.data).tokenizer if "data" in ctx.cfg else tokenizer_from_config(ctx.cfg)
+    tokenizer = pipeline.build_dataset(ctx.cfg.data).tokenizer if "data" in ctx.cfg else tokenizer_from_config(ctx.cfg)
   hi = max(int(x.max()), int(y.max()))
   if min(int(x.min()), int(y.min())) < 0 or hi >= ctx.m.vocab_size:
     return _r("data", FAIL, f"token id {hi} outside the model vocabulary [0, {ctx.m.vocab_size})")
@@ -249,9 +249,8 @@ def check_activations(ctx: Context, *, params: Any = None, tokens: Any = None) -
 
 def check_lr(ctx: Context) -> CheckResult:
   """Warmup 1-5% of the steps and a peak lr in a sane range (static: the schedule of the config)."""
-  from tformer_jax.train.optim import warmup_steps
   o, steps = ctx.cfg.optim, int(ctx.cfg.train.steps)
-  warm = warmup_steps(o, steps)
+  warm = optim.warmup_steps(o, steps)
   lr = float(o.peak_lr)
   frac = warm / max(steps, 1)
   detail = f"peak_lr {lr:.1e}, warmup {warm} of {steps} steps ({frac:.1%}), schedule {o.schedule}"
@@ -278,7 +277,6 @@ def check_head_dim(ctx: Context) -> CheckResult:
 def check_overfit(ctx: Context, *, batch_fn: Callable[[], dict] | None = None, steps: int = 40,
                   rows: int = 2, seq: int = 32, lr: float = 3e-3) -> CheckResult:
   """A few dozen steps of the real train step drive the loss on one tiny batch down."""
-  from tformer_jax.train import optim, precision, state as state_lib, step as step_lib
   batch = (batch_fn or default_batch_fn(ctx.cfg, rows))()
   batch = {k: jnp.asarray(np.asarray(v)[:rows, :seq]) for k, v in batch.items()}
   ocfg = ml_collections.ConfigDict(ctx.cfg.optim.to_dict())

@@ -20,13 +20,30 @@ import jax
 import jax.numpy as jnp
 
 from tformer_jax.ops import attention as attn_ops
+from tformer_jax.ops import positions as pos_ops
+from tformer_jax.ops.masks import Visibility
 
-_REAL_DPA = attn_ops.dot_product_attention
+# The attention faults have the signature of `backends.Backend.attention` (the doctor's probes run
+# them as the backend's attention): (q, k, v, vis, *, bias_BxHxLxS, alibi_slopes_H, scale,
+# dropout_rate, dropout_rng, want_weights) -> (out_BxLxHxD, weights_BxHxLxS or None).
 
 
-def _dense_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, *, mask=None, bias=None, scale=None,
-                     mask_value: float, softmax_axis: int = -1, return_weights=False, **_):
+def _mask_and_bias(q_BxLxHxD, k_BxSxKxD, vis: Visibility, bias_BxHxLxS=None, alibi_slopes_H=None):
+  """The visibility as a dense mask (B|1, 1, L, S) or None, and the additive bias with ALiBi."""
+  l, s = q_BxLxHxD.shape[1], k_BxSxKxD.shape[1]
+  bias = bias_BxHxLxS
+  if alibi_slopes_H is not None:
+    q_idx = vis.q_offset + jnp.arange(l)
+    alibi = pos_ops.alibi_bias(alibi_slopes_H, q_idx[None], jnp.arange(s)[None], causal=vis.causal)
+    bias = alibi if bias is None else bias + alibi
+  return vis.mask(l, s), bias
+
+
+def _dense_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, vis: Visibility, *, mask_value: float,
+                     softmax_axis: int = -1, bias_BxHxLxS=None, alibi_slopes_H=None, scale=None,
+                     want_weights: bool = False, **_):
   """Plain softmax attention with a configurable fill value and softmax axis (for planting)."""
+  mask, bias = _mask_and_bias(q_BxLxHxD, k_BxSxKxD, vis, bias_BxHxLxS, alibi_slopes_H)
   h, kh, d = q_BxLxHxD.shape[2], k_BxSxKxD.shape[2], q_BxLxHxD.shape[-1]
   k = jnp.repeat(k_BxSxKxD, h // kh, axis=2)
   v = jnp.repeat(v_BxSxKxD, h // kh, axis=2)
@@ -38,22 +55,26 @@ def _dense_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, *, mask=None, bias=None, s
     logits = jnp.where(mask, logits, mask_value)
   w = jax.nn.softmax(logits, axis=softmax_axis)
   out = jnp.einsum("bhls,bshd->blhd", w.astype(v.dtype), v)
-  return (out, w) if return_weights else out
+  return out, (w if want_weights else None)
 
 
-def inverted_mask(q, k, v, *, mask=None, **kw):
-  """The mask's direction flipped: True (attend) and False (hide) swapped."""
-  return _REAL_DPA(q, k, v, mask=None if mask is None else ~mask, **kw)
+def inverted_mask(q, k, v, vis: Visibility, *, bias_BxHxLxS=None, alibi_slopes_H=None, scale=None,
+                  want_weights: bool = False, **_):
+  """The mask's direction flipped: True (attend) and False (hide) swapped (the real softmax)."""
+  mask, bias = _mask_and_bias(q, k, vis, bias_BxHxLxS, alibi_slopes_H)
+  out, w = attn_ops.dot_product_attention(q, k, v, mask=None if mask is None else ~mask, bias=bias,
+                                          scale=scale, return_weights=True)
+  return out, (w if want_weights else None)
 
 
-def zero_mask_value(q, k, v, **kw):
+def zero_mask_value(q, k, v, vis: Visibility, **kw):
   """Masked scores set to 0 (not -1e9): padding and future keys keep exp(0) weight."""
-  return _dense_attention(q, k, v, mask_value=0.0, **kw)
+  return _dense_attention(q, k, v, vis, mask_value=0.0, **kw)
 
 
-def softmax_over_queries(q, k, v, **kw):
+def softmax_over_queries(q, k, v, vis: Visibility, **kw):
   """Softmax over the wrong axis (queries): weight rows do not sum to 1."""
-  return _dense_attention(q, k, v, mask_value=-1e9, softmax_axis=-2, **kw)
+  return _dense_attention(q, k, v, vis, mask_value=-1e9, softmax_axis=-2, **kw)
 
 
 def zero_pos_embed(params: Any) -> Any:

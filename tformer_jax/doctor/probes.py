@@ -1,8 +1,11 @@
 """Measurements the doctor's checks are built on, each through the model's real code path.
 
 Injection points (the defaults are the real code):
-  attention_fn  replaces `tformer_jax.ops.attention.dot_product_attention` while a probe runs, so
-                the model's own Attention module builds q/k/v, masks and scale and calls it.
+  attention_fn  replaces the backend's attention (`tformer_jax.backends.Backend.attention`, same
+                signature: (q, k, v, vis, *, bias_BxHxLxS, alibi_slopes_H, scale, dropout_rate,
+                dropout_rng, want_weights) -> (out, weights or None)) while a probe runs, so the
+                model's own Attention module builds q/k/v, the visibility and the scale and calls it.
+                Without one, probes run the reference backend (the one that returns weights).
   apply_fn      (model, params, tokens, **kwargs) -> logits, instead of `model.apply`.
 """
 from __future__ import annotations
@@ -16,8 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tformer_jax import backends
 from tformer_jax.config import ModelConfig, RopeScaling
-from tformer_jax.diagnostics.attention_maps import attention_weights, reference_model
+from tformer_jax.decode import init_cache
+from tformer_jax.diagnostics.attention_maps import sown
 from tformer_jax.nn.attention import Attention
 from tformer_jax.ops import attention as attn_ops
 
@@ -25,19 +30,21 @@ AttentionFn = Callable[..., Any]
 ApplyFn = Callable[..., jax.Array]
 
 
+@dataclasses.dataclass(frozen=True)
+class ProbeBackend(backends.Backend):
+  """The reference backend whose attention is `fn` (a planted fault, or any other attention)."""
+  fn: AttentionFn | None = None
+
+  def attention(self, q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, vis, **kw):
+    return self.fn(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, vis, **kw)
+
+
 @contextlib.contextmanager
 def attention_override(fn: AttentionFn | None) -> Iterator[None]:
-  """Within the block, the model's Attention modules call `fn` instead of the real
-  `dot_product_attention` (same signature). None = the real one. Trace inside the block."""
-  if fn is None:
+  """Within the block the model runs on the reference backend, its Attention modules calling `fn`
+  instead of the backend's attention when given. Trace (jit) inside the block."""
+  with backends.use(backends.Backend() if fn is None else ProbeBackend(fn=fn)):
     yield
-    return
-  real = attn_ops.dot_product_attention
-  attn_ops.dot_product_attention = fn
-  try:
-    yield
-  finally:
-    attn_ops.dot_product_attention = real
 
 
 def default_apply(model: nn.Module, params: Any, tokens: jax.Array, **kw: Any) -> jax.Array:
@@ -56,8 +63,8 @@ def _probe_config(m: ModelConfig) -> ModelConfig:
   beyond padding, float32; d_model = heads x head_dim so identity projections expose q and k."""
   return dataclasses.replace(
       m, d_model=m.num_heads * m.hd, position="none", rope_scaling=RopeScaling(), causal=False, window=0,
-      num_global_tokens=0, qkv_bias=False, out_bias=False, attention_impl="reference",
-      dtype="float32", param_dtype="float32", attn_dropout=0.0)
+      num_global_tokens=0, qkv_bias=False, out_bias=False, dtype="float32", param_dtype="float32",
+      attn_dropout=0.0)
 
 
 def measure_scale(m: ModelConfig, attention_fn: AttentionFn | None = None, length: int = 12,
@@ -108,10 +115,14 @@ def padded_batch(m: ModelConfig, length: int = 12, seed: int = 0) -> tuple[jax.A
 
 def model_attention(model: nn.Module, params: Any, tokens: jax.Array, mask: jax.Array | None = None,
                     attention_fn: AttentionFn | None = None) -> list[np.ndarray]:
-  """Per-layer weights (B, H, L, S) of the whole model, optionally with an injected attention fn."""
+  """Per-layer weights (B, H, L, S) of the whole model (sown by its Attention modules), optionally
+  with an injected attention fn."""
   kw = {} if mask is None else {"attention_mask_BxL": mask}
   with attention_override(attention_fn):   # traced (fresh) inside the override
-    weights = jax.jit(lambda p, t, k: attention_weights(model, p, t, **k))(nn.unbox(params), tokens, kw)
+    _, weights = jax.jit(lambda p, t, k: sown(model, p, t, "attention_weights", **k))(
+        nn.unbox(params), tokens, kw)
+  if not weights:
+    raise ValueError("no attention weights were sown: the attention returned none")
   return [np.asarray(w) for w in weights]
 
 
@@ -122,7 +133,6 @@ def causal_leak(model: nn.Module, params: Any, length: int = 12, attention_fn: A
   One VJP per position t (vmapped) through the model with inputs_embeds; returns the largest
   future-gradient norm relative to the largest past-gradient norm.
   """
-  model = reference_model(model)
   params = nn.unbox(params)
   apply_fn = apply_fn or default_apply
   tokens = random_tokens(model.cfg, 1, length, seed)
@@ -190,7 +200,6 @@ def position_rows_with_gradient(model: nn.Module, params: Any, length: int = 12,
 
 def residual_stds(model: nn.Module, params: Any, tokens: jax.Array) -> tuple[float, list[float], list[float]]:
   """(std of the embedding output, std and RMS of every block's output) on `tokens`."""
-  from tformer_jax.diagnostics.attention_maps import sown
   params = nn.unbox(params)
   m = model.cfg
   stem = model.clone(cfg=dataclasses.replace(m, num_layers=0, final_norm=False, lm_head=False,
@@ -207,7 +216,6 @@ def residual_stds(model: nn.Module, params: Any, tokens: jax.Array) -> tuple[flo
 
 def cached_logits(model: nn.Module, params: Any, tokens: jax.Array, prefill: int) -> jax.Array:
   """Logits of `tokens` computed as the decoder does: prefill, then one cached step per token."""
-  from tformer_jax.decode import init_cache
   params = nn.unbox(params)
   b, l = tokens.shape
   cache = init_cache(model, params, b, l)
