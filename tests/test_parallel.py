@@ -151,8 +151,8 @@ def test_pmap_matches_jit_and_its_checkpoint_resumes_under_jit(tmp_path, referen
 # -- (b2) the C++ CPU kernels (attention, weight gradients, AdamW) set explicitly: per-device under
 # pmap, gathered under a sharded jit ('auto' keeps XLA's ops there); the same losses either way ------
 
-KERNELS = {"model.attention_impl": "chunked_cpu", "model.attention_block_q": 16,
-           "model.weight_grad_impl": "cpu_kernel", "optim.update_impl": "cpu_kernel"}
+KERNELS = {"runtime.backend": "xla_cpu", "runtime.attention": "chunked", "runtime.attention_block_q": 16,
+           "runtime.cpu_kernels": "on"}
 
 
 @pytest.mark.parametrize("mesh_kw", [{"mesh.num_devices": 4, "mesh.parallelism": "pmap"},

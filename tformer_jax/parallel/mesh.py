@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 import flax.linen as nn
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from tformer_jax.config import ConfigError
@@ -140,7 +141,6 @@ def to_host(tree: Any) -> Any:
   """Numpy copies of (possibly multi-host sharded) arrays. A collective when arrays span processes:
   every process must call it."""
   if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
     tree = jax.tree.map(lambda x: x if x.is_fully_addressable else multihost_utils.process_allgather(
         x, tiled=True), tree)
   return jax.device_get(tree)
