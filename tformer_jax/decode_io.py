@@ -1,22 +1,22 @@
 """Loading a model for generation: a training workdir, an HF directory, or a config file + random init.
 
 Each loader returns (model, params, tokenizer). The workdir and HF loaders delegate to
-`tformer_jax.checkpoint.restore_params` and `tformer_jax.interop.hf.load_hf`; when those modules are
-missing they raise NotImplementedError saying so.
+`tformer_jax.checkpoint.restore_params` and `tformer_jax.interop.hf.load_hf`.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
-import pathlib
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 
+from tformer_jax.checkpoint import restore_params
 from tformer_jax.config import ModelConfig, load_config_file, validate_model  # noqa: F401 (re-exported)
+from tformer_jax.data.corpora import load_corpus
+from tformer_jax.data.tokenizers import get_tokenizer
+from tformer_jax.interop import hf
 from tformer_jax.nn import Transformer
 
 
@@ -29,13 +29,11 @@ def model_from_config(cfg: Any) -> Transformer:
 
 def tokenizer_from_config(cfg: Any) -> Any:
   """The tokenizer named by cfg.data.tokenizer ('bpe' needs the corpus: it is loaded from the cache)."""
-  from tformer_jax.data.tokenizers import get_tokenizer
   data = cfg.get("data", {}) if hasattr(cfg, "get") else {}
   spec = data.get("tokenizer", "byte")
   cache_dir = data.get("cache_dir", "") or None
   corpus = None
   if spec == "bpe":
-    from tformer_jax.data.corpora import load_corpus
     corpus = load_corpus(data.get("corpus", "shakespeare"), cache_dir)
   return get_tokenizer(spec, corpus=corpus, vocab_size=data.get("bpe_vocab_size", 2048),
                        cache_dir=cache_dir)
@@ -51,28 +49,11 @@ def random_init(cfg: Any, seed: int = 0) -> tuple[Transformer, Any, Any]:
 
 def load_for_inference(workdir: str | os.PathLike) -> tuple[Transformer, Any, Any]:
   """(model, params, tokenizer) from a training workdir (config.json + latest Orbax checkpoint)."""
-  try:
-    from tformer_jax.checkpoint import restore_params
-  except ImportError as e:
-    raise NotImplementedError(
-        "loading a workdir needs tformer_jax.checkpoint.restore_params, which is not available "
-        f"({e}); use --random_init --config=... or --hf DIR") from None
   cfg, params = restore_params(workdir)
   return model_from_config(cfg), params, tokenizer_from_config(cfg)
 
 
-def load_hf(path: str | os.PathLike) -> tuple[Any, Any, Any]:
-  """(model, params, tokenizer) from a Hugging Face model directory, via tformer_jax.interop.hf."""
-  try:
-    from tformer_jax.interop.hf import load_hf as _load_hf
-  except ImportError as e:
-    raise NotImplementedError(
-        f"--hf needs tformer_jax.interop.hf.load_hf, which is not available ({e})") from None
-  out = _load_hf(path)
-  if isinstance(out, tuple) and len(out) == 3:
-    return out
-  if isinstance(out, tuple) and len(out) == 2:
-    from tformer_jax.data.tokenizers import get_tokenizer
-    return out[0], out[1], get_tokenizer(f"hf:{path}")
-  raise TypeError(f"tformer_jax.interop.hf.load_hf returned {type(out).__name__}; expected "
-                  "(model, params[, tokenizer])")
+def load_hf(path: str | os.PathLike) -> tuple[Transformer, Any, Any]:
+  """(model, params, tokenizer) from a Hugging Face model directory (its tokenizer.json)."""
+  model, params = hf.load_hf(path)
+  return model, params, hf.load_hf_tokenizer(path)
