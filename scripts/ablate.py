@@ -12,28 +12,33 @@ tformer_jax/diagnostics/ablate.py.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 from typing import Sequence
 
+from absl import flags
+
+
+def define_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_multi_string("sweep", [], "KEY=V1,V2,...: one sweep (runs are the cartesian "
+                            "product); each value set as --config.KEY=V would set it", flag_values=fv)
+  flags.DEFINE_integer("steps", 200, "training steps per run", flag_values=fv)
+  flags.DEFINE_string("out", "ablations/run", "output directory", flag_values=fv)
+  flags.DEFINE_string("title", "", "title of the table and plot (default: the swept keys)", flag_values=fv)
+
 
 def main(argv: Sequence[str] | None = None) -> int:
+  from tformer_jax import cli_common
   from tformer_jax.diagnostics import ablate
-  from tformer_jax.diagnostics.cli import load_config, split_config_args
-  path, overrides, rest = split_config_args(sys.argv[1:] if argv is None else argv)
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--sweep", action="append", default=[], help="KEY=V1,V2,... (repeatable)")
-  p.add_argument("--steps", type=int, default=200)
-  p.add_argument("--out", default="ablations/run")
-  p.add_argument("--title", default="")
-  args = p.parse_args(rest)
-  if not path:
-    p.error("pass --config=configs/<name>.py")
+  args = cli_common.parse(argv, define_flags, doc=__doc__, prog="scripts/ablate.py", config="required")
+  try:
+    sweeps = [ablate.parse_sweep(s) for s in args.sweep]
+    for combo in ablate.grid(sweeps):    # every value parses before the first run trains
+      cli_common.override(args.config, combo)
+  except (ValueError, cli_common.UsageError) as e:
+    cli_common.fail(str(e))
   logging.basicConfig(level=logging.WARNING)
-  cfg = load_config(path, overrides)
-  sweeps = [ablate.parse_sweep(s) for s in args.sweep]
-  results = ablate.run_ablation(cfg, sweeps, args.steps, args.out)
+  results = ablate.run_ablation(args.config, sweeps, args.steps, args.out)
   paths = ablate.write_results(results, args.out, args.title or ", ".join(k for k, _ in sweeps))
   print("\n" + ablate.markdown_table(results))
   print(f"\nwritten: {paths['md']}, {paths['json']}, {paths['png']}")

@@ -5,50 +5,52 @@ r"""Attention heatmaps of one text: a PNG grid of per-head maps per layer, plus 
   python scripts/attention_map.py --config=configs/gpt2_tiny.py --random_init --text "To be" \
       [--config.model.num_heads=8]
 
+With --workdir the trained parameters are used with the run's config.json (--config.a.b=v overrides
+apply to it, e.g. --config.runtime.attention=reference).
+
 Writes OUT/layer_<i>.png (rows = queries, columns = keys, tokens on both axes) and OUT/summary.json
 (per layer and head: entropy, uniform entropy over the visible keys, their ratio, mean max weight,
 collapse/blur flags; see tformer_jax/diagnostics/attention_maps.py), and prints the table.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import sys
 from typing import Sequence
 
 import numpy as np
+from absl import flags
 
 
-def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, str | None, dict[str, str]]:
-  from tformer_jax.diagnostics.cli import split_config_args
-  path, overrides, rest = split_config_args(argv)
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--workdir", help="training workdir (config.json + checkpoints/)")
-  p.add_argument("--random_init", action="store_true", help="random weights from --config")
-  p.add_argument("--text", required=True, help="the text to encode")
-  p.add_argument("--out", default="attention_maps", help="output directory")
-  p.add_argument("--seed", type=int, default=0)
-  args = p.parse_args(rest)
-  if not args.workdir and not (args.random_init and path):
-    p.error("pass --workdir=RUN, or --config=FILE --random_init")
-  return args, path, overrides
+def define_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_string("workdir", None, "training workdir (config.json + checkpoints/)", flag_values=fv)
+  flags.DEFINE_bool("random_init", False, "random weights from --config", flag_values=fv)
+  flags.DEFINE_string("text", None, "the text to encode (required)", flag_values=fv)
+  flags.DEFINE_string("out", "attention_maps", "output directory", flag_values=fv)
+  flags.DEFINE_integer("seed", 0, "random-init seed", flag_values=fv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  args, path, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+  from tformer_jax import cli_common
+  args = cli_common.parse(argv, define_flags, doc=__doc__, prog="scripts/attention_map.py",
+                          config=True, from_workdir=True)
+  if args.text is None:
+    cli_common.fail("pass --text=TEXT")
+  if not args.workdir and not (args.random_init and args.config_file):
+    cli_common.fail("pass --workdir=RUN, or --config=FILE --random_init")
   from tformer_jax import decode_io
   from tformer_jax.diagnostics import attention_maps, plots
-  from tformer_jax.diagnostics.cli import load_config
 
-  if args.workdir and not args.random_init:
-    model, params, tok = decode_io.load_for_inference(args.workdir)
+  if args.random_init:
+    model, params, tok = decode_io.random_init(args.config, args.seed)
   else:
-    cfg = load_config(path, overrides)
-    model, params, tok = decode_io.random_init(cfg, args.seed)
+    from tformer_jax.checkpoint import restore_params
+    _, params = restore_params(args.workdir)
+    model, tok = decode_io.model_from_config(args.config), decode_io.tokenizer_from_config(args.config)
   tokens = np.asarray(tok.encode(args.text), np.int32)
   if tokens.size == 0:
-    raise SystemExit("error: --text encodes to no tokens")
+    cli_common.fail("--text encodes to no tokens")
   if tokens.size > model.cfg.max_len:
     tokens = tokens[: model.cfg.max_len]
     print(f"note: text truncated to model.max_len={model.cfg.max_len} tokens", file=sys.stderr)

@@ -15,46 +15,56 @@ remat='full' with scan_layers=True (XLA:CPU only saves memory with remat under s
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
 from typing import Sequence
 
+from absl import flags
+
+
+def define_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_integer("batch", None, "sequences per step (default data.batch_size)", flag_values=fv)
+  flags.DEFINE_integer("seq", None, "sequence length (default data.seq_len)", flag_values=fv)
+  flags.DEFINE_bool("remat", False, "per-layer rematerialisation (remat='full', scan_layers)", flag_values=fv)
+  flags.DEFINE_integer("kv-batch", None, "KV cache: batch", flag_values=fv)
+  flags.DEFINE_integer("kv-len", None, "KV cache: length", flag_values=fv)
+  flags.DEFINE_bool("no-compile", False, "skip the XLA side", flag_values=fv)
+  flags.DEFINE_string("json", None, "also write the numbers to this file", flag_values=fv)
+
 
 def main(argv: Sequence[str] | None = None) -> int:
-  from tformer_jax.config import validate
+  from tformer_jax import backends, cli_common
+  from tformer_jax.config import ConfigError, validate
   from tformer_jax.diagnostics import estimate as est_lib
-  from tformer_jax.diagnostics.cli import load_config, split_config_args
-  path, overrides, rest = split_config_args(sys.argv[1:] if argv is None else argv)
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--batch", type=int, default=None, help="sequences per step (default data.batch_size)")
-  p.add_argument("--seq", type=int, default=None, help="sequence length (default data.seq_len)")
-  p.add_argument("--remat", action="store_true", help="per-layer rematerialisation (remat='full', scan_layers)")
-  p.add_argument("--kv-batch", dest="kv_batch", type=int, default=None, help="KV cache: batch")
-  p.add_argument("--kv-len", dest="kv_len", type=int, default=None, help="KV cache: length")
-  p.add_argument("--no-compile", dest="compile", action="store_false", help="skip the XLA side")
-  p.add_argument("--json", dest="json_out", default=None, help="also write the numbers to this file")
-  args = p.parse_args(rest)
-  cfg = load_config(path, overrides)
-  m = validate(cfg)
+  args = cli_common.parse(argv, define_flags, doc=__doc__, prog="scripts/estimate_memory.py",
+                          config="required")
+  cfg = args.config
+  try:
+    m = validate(cfg)
+    backend = None if args.no_compile else backends.resolve_runtime(cfg, quiet=True).backend
+  except ConfigError as e:
+    cli_common.fail(str(e))
   batch = args.batch or int(cfg.data.batch_size)
   seq = args.seq or int(cfg.data.seq_len)
   if args.remat:
     m = dataclasses.replace(m, remat="full", scan_layers=True)
   est = est_lib.estimate(m, batch, seq, remat=args.remat)
-  xla = est_lib.compiled_analysis(m, batch, seq, cfg.optim) if args.compile else None
+  xla = None
+  if backend is not None:          # the step as the run would compile it: under cfg.runtime's backend
+    with backends.use(backend):
+      xla = est_lib.compiled_analysis(m, batch, seq, cfg.optim)
   kv = None
   if args.kv_batch or args.kv_len:
     kv = (args.kv_batch or 1, args.kv_len or m.max_len)
   print(est_lib.format_report(m, est, batch, seq, xla, kv))
-  if args.json_out:
+  if args.json:
     out = {"params": est.params, "estimate": est.bytes, "estimate_total": est.total,
            "activation_per_layer": est.activation_per_layer, "flops_per_token": est.flops_per_token,
            "xla": xla}
     if kv:
       out["kv_cache_bytes_fp16"] = est_lib.kv_cache_bytes(m.num_layers, kv[0], kv[1], m.kv_heads, m.hd, 2)
-    with open(args.json_out, "w") as f:
+    with open(args.json, "w") as f:
       json.dump(out, f, indent=2)
   return 0
 

@@ -2,54 +2,65 @@
 
   python scripts/generate.py --workdir runs/gpt2_tiny --prompt "ROMEO:" --max_new_tokens 200
   python scripts/generate.py --hf path/to/hf_model --prompt "Hello" --temperature 0.7 --top_p 0.9
-  python scripts/generate.py --random_init --config configs/gpt2_tiny.py --prompt "To be"   # smoke test
+  python scripts/generate.py --random_init --config=configs/gpt2_tiny.py --prompt "To be"   # smoke test
+
+One source of weights: --workdir (its config.json; --config.a.b=v overrides apply to it), --hf, or
+--random_init with --config=FILE (and overrides).
 
 Several --prompt (or --prompts_file, one prompt per line) run as one left-padded batch; a single
 prompt streams chunk by chunk. --stop strings end a row (the text is cut before the stop string).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Any, Sequence
 
 import numpy as np
+from absl import flags
 
-from tformer_jax import decode, decode_io
+from tformer_jax import cli_common, decode, decode_io
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  src = p.add_mutually_exclusive_group(required=True)
-  src.add_argument("--workdir", help="training workdir (config.json + checkpoints/)")
-  src.add_argument("--hf", help="Hugging Face model directory")
-  src.add_argument("--random_init", action="store_true", help="random weights from --config")
-  p.add_argument("--config", help="config file (with --random_init)")
-  p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-  p.add_argument("--prompts_file", help="a file with one prompt per line")
-  p.add_argument("--max_new_tokens", type=int, default=200)
-  p.add_argument("--temperature", type=float, default=0.8)
-  p.add_argument("--top_k", type=int, default=0)
-  p.add_argument("--top_p", type=float, default=1.0)
-  p.add_argument("--repetition_penalty", type=float, default=1.0)
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-  p.add_argument("--chunk_size", type=int, default=16, help="tokens per streamed chunk")
-  args = p.parse_args(argv)
-  if args.random_init and not args.config:
-    p.error("--random_init needs --config=configs/<name>.py")
+def define_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_string("workdir", None, "training workdir (config.json + checkpoints/)", flag_values=fv)
+  flags.DEFINE_string("hf", None, "Hugging Face model directory", flag_values=fv)
+  flags.DEFINE_bool("random_init", False, "random weights from --config", flag_values=fv)
+  flags.DEFINE_multi_string("prompt", [], "a prompt", flag_values=fv)
+  flags.DEFINE_string("prompts_file", None, "a file with one prompt per line", flag_values=fv)
+  flags.DEFINE_integer("max_new_tokens", 200, "tokens generated per prompt", flag_values=fv)
+  flags.DEFINE_float("temperature", 0.8, "sampling temperature (0: greedy)", flag_values=fv)
+  flags.DEFINE_integer("top_k", 0, "sample from the k most likely tokens (0: all)", flag_values=fv)
+  flags.DEFINE_float("top_p", 1.0, "nucleus sampling mass", flag_values=fv)
+  flags.DEFINE_float("repetition_penalty", 1.0, "penalty of already generated tokens", flag_values=fv)
+  flags.DEFINE_integer("seed", 0, "sampling (and random-init) seed", flag_values=fv)
+  flags.DEFINE_multi_string("stop", [], "a stop string", flag_values=fv)
+  flags.DEFINE_integer("chunk_size", 16, "tokens per streamed chunk", flag_values=fv)
+
+
+def parse_args(argv: Sequence[str] | None) -> Any:
+  args = cli_common.parse(argv, define_flags, doc=__doc__, prog="scripts/generate.py", config=True,
+                          from_workdir=True)
+  sources = [name for name in ("workdir", "hf", "random_init") if getattr(args, name)]
+  if len(sources) != 1:
+    cli_common.fail("pass exactly one of --workdir=RUN, --hf=DIR, --random_init")
+  if args.random_init and args.config is None:
+    cli_common.fail("--random_init needs --config=configs/<name>.py")
+  if args.hf and args.config is not None:
+    cli_common.fail("--hf takes its config from the model directory, not --config")
   return args
 
 
-def load(args: argparse.Namespace) -> tuple[Any, Any, Any, str]:
+def load(args: Any) -> tuple[Any, Any, Any, str]:
   """(model, params, tokenizer, default prompt)."""
+  cfg = args.config
   if args.random_init:
-    cfg = decode_io.load_config_file(args.config)
     model, params, tok = decode_io.random_init(cfg, args.seed)
     return model, params, tok, cfg.train.sample_prompt if "train" in cfg else "\n"
   if args.hf:
     return (*decode_io.load_hf(args.hf), "Hello")
-  return (*decode_io.load_for_inference(args.workdir), "\n")
+  from tformer_jax.checkpoint import restore_params
+  _, params = restore_params(args.workdir)
+  return decode_io.model_from_config(cfg), params, decode_io.tokenizer_from_config(cfg), "\n"
 
 
 class RowText:
@@ -92,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   encoded = [tok.encode(p) for p in prompts]
   for p, ids in zip(prompts, encoded):
     if len(ids) == 0:
-      raise SystemExit(f"prompt {p!r} encodes to no tokens")
+      cli_common.fail(f"prompt {p!r} encodes to no tokens")
   stop_tokens = sorted({int(ids[0]) for ids in map(tok.encode, args.stop) if len(ids) == 1})
   rows = [RowText(tok, args.stop) for _ in prompts]
   stream = decode.generate_stream(

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tformer_jax import cli_common
 from tformer_jax.config import ModelConfig, default_config
 from tformer_jax.diagnostics import ablate, attention_maps, estimate, stats
-from tformer_jax.diagnostics.cli import apply_overrides, split_config_args
 from tformer_jax.nn import Transformer
 from tformer_jax.train import optim, precision, state as state_lib, step as step_lib
 from tformer_jax.train.loop import train
@@ -199,28 +199,76 @@ def test_remat_estimate_is_smaller_and_the_report_prints():
 
 
 def test_sweeps_parse_and_expand():
-  assert ablate.parse_sweep("model.num_heads=1,4,8") == ("model.num_heads", [1, 4, 8])
+  assert ablate.parse_sweep("model.num_heads=1,4,8") == ("model.num_heads", ["1", "4", "8"])
   assert ablate.parse_sweep("model.position=none,rope") == ("model.position", ["none", "rope"])
   combos = ablate.grid([("a.x", [1, 2]), ("b.y", ["p", "q"])])
   assert combos == [{"a.x": 1, "b.y": "p"}, {"a.x": 1, "b.y": "q"}, {"a.x": 2, "b.y": "p"}, {"a.x": 2, "b.y": "q"}]
-  path, over, rest = split_config_args(["--config=c.py", "--config.model.d_model=64", "--steps", "3"])
-  assert (path, over, rest) == ("c.py", {"model.d_model": "64"}, ["--steps", "3"])
-  cfg = apply_overrides(default_config(), {"model.d_model": "64", "optim.peak_lr": "1e-2"})
-  assert cfg.model.d_model == 64 and cfg.optim.peak_lr == 0.01
   with pytest.raises(ValueError):
     ablate.parse_sweep("model.num_heads")
 
 
+def test_override_parses_text_by_the_field_type():
+  base = default_config()
+  cfg = cli_common.override(base, {"model.d_model": "64", "optim.peak_lr": "1e-2", "model.scan_layers": "true",
+                                   "mesh.shape": "(2, 2, 1)", "model.position": "rope", "train.steps": 7})
+  assert (cfg.model.d_model, cfg.optim.peak_lr, cfg.model.scan_layers) == (64, 0.01, True)
+  assert cfg.mesh.shape == (2, 2, 1) and cfg.model.position == "rope" and cfg.train.steps == 7
+  assert base.model.d_model != 64                               # a copy: the base is unchanged
+  for bad in ({"model.d_modl": "64"}, {"model.d_model": "sixty"}, {"model.nope": 1}):
+    with pytest.raises(cli_common.UsageError):
+      cli_common.override(base, bad)
+
+
+def test_cli_applies_overrides_and_rejects_unknown_fields(capsys):
+  def define(fv):
+    from absl import flags
+    flags.DEFINE_integer("steps", 3, "steps", flag_values=fv)
+  cfg_file = str(ROOT / "configs" / "gpt2_tiny.py")
+  args = cli_common.parse(["--config.model.d_model=64", "--steps=5", f"--config={cfg_file}",
+                           "--config.model.remat", "full"], define, config="required")
+  assert (args.config.model.d_model, args.config.model.remat, args.steps) == (64, "full", 5)
+  assert args.overrides == {"model.d_model": 64, "model.remat": "full"} and args.config_file == cfg_file
+  again = cli_common.parse([f"--config={cfg_file}"], define, config="required")   # a fresh parse each call
+  assert again.config.model.d_model != 64 and again.steps == 3
+  for argv, needle in [([f"--config={cfg_file}", "--config.model.num_layer=2"], "unknown config field"),
+                       ([f"--config={cfg_file}", "--config.model.num_layers=x"], "num_layers=x"),
+                       ([f"--config={cfg_file}", "stray"], "unexpected arguments: stray"),
+                       (["--config.model.num_layers=2"], "pass --config=")]:
+    with pytest.raises(SystemExit) as e:
+      cli_common.parse(argv, define, config="required")
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_workdir_config_json_then_overrides(tmp_path):
+  saved = default_config()
+  saved.model.d_model, saved.mesh.shape = 48, (1, 1, 1)
+  saved_dict = saved.to_dict()
+  saved_dict["model"]["attention_impl"] = "chunked"          # a field older versions kept: skipped
+  (tmp_path / "config.json").write_text(json.dumps(saved_dict))
+
+  def define(fv):
+    from absl import flags
+    flags.DEFINE_string("workdir", None, "run", flag_values=fv)
+  args = cli_common.parse([f"--workdir={tmp_path}", "--config.model.num_layers=3"], define, config=True,
+                          from_workdir=True)
+  assert (args.config.model.d_model, args.config.model.num_layers, args.config.mesh.shape) == (48, 3, (1, 1, 1))
+  assert args.config_file == str(tmp_path / "config.json")
+
+
 def test_ablate_script_writes_table_json_and_curves(tmp_path, capsys):
   rc = _script("ablate").main([
-      f"--config={ROOT / 'configs' / 'shakespeare_char.py'}", "--sweep", "model.position=none,rope",
+      "--config.model.vocab_size=18", f"--config={ROOT / 'configs' / 'shakespeare_char.py'}",
+      "--sweep", "model.position=none,rope",
       "--steps", "4", "--out", str(tmp_path),
-      "--config.data.corpus=synthetic:reverse", "--config.model.vocab_size=18", "--config.data.seq_len=16",
+      "--config.data.corpus=synthetic:reverse", "--config.data.seq_len=16",
       "--config.data.batch_size=8", "--config.model.d_model=32", "--config.model.num_layers=1",
       "--config.model.max_len=16", "--config.train.eval_batches=1", "--config.optim.warmup_steps=1"])
   assert rc == 0
   rows = json.loads((tmp_path / "results.json").read_text())
   assert [r["name"] for r in rows] == ["position=none", "position=rope"]
+  assert [r["overrides"] for r in rows] == [{"model.position": "none"}, {"model.position": "rope"}]
   for r in rows:
     assert r["steps"] == 4 and np.isfinite(r["val_loss"]) and 0.0 <= r["exact_match"] <= 1.0
     assert len(r["curves"]["loss"]) == 4 and r["wall_s"] > 0

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tformer_jax.config import validate
-from tformer_jax.diagnostics.cli import load_config
+from tformer_jax.cli_common import load_config
 from tformer_jax.doctor import checks, faults
 from tformer_jax.doctor.__main__ import main as doctor_main
 from tformer_jax.nn import Transformer
@@ -41,6 +41,14 @@ def test_healthy_gpt2_tiny_passes_every_check(tmp_path):
   assert set(results) == set(checks.CHECKS)
   assert all(r["status"] == "PASS" for r in results.values()), results
   assert results["scale"]["detail"].startswith("measured scale 0.125 ")
+
+
+def test_unknown_override_is_one_line_error_rc_2(capsys):
+  with pytest.raises(SystemExit) as e:
+    doctor_main([f"--config={GPT2}", "--config.model.num_layer=2"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: unknown config field 'num_layer'") and len(err.strip().splitlines()) == 1
 
 
 def test_scale_1_over_d_fails_and_exits_nonzero(tmp_path):

@@ -4,8 +4,9 @@
   results = run_ablation(base_cfg, sweeps, steps=300, out_dir="ablations/heads")
   write_results(results, "ablations/heads")      # results.md, results.json, loss_curves.png
 
-Every run is `tformer_jax.train.loop.train` on a copy of the base config with the overrides applied,
-in its own workdir OUT/runs/<name>. Reported per run: the final train loss (mean of the last 10% of
+Every run is `tformer_jax.train.loop.train` on a copy of the base config with the overrides applied
+(each value text parsed by its field's type, exactly as `--config.KEY=VALUE` on a command line;
+tformer_jax/cli_common.py), in its own workdir OUT/runs/<name>. Reported per run: the final train loss (mean of the last 10% of
 the logged steps, the per-step loss is noisy), the final validation loss / token accuracy, for
 synthetic tasks the exact-match accuracy of the answer spans (validation batches, greedy argmax with
 teacher forcing), the parameter count, throughput and wall time (compile included).
@@ -13,6 +14,7 @@ teacher forcing), the parameter count, throughput and wall time (compile include
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -24,15 +26,16 @@ from typing import Any, Sequence
 import ml_collections
 import numpy as np
 
-from tformer_jax.diagnostics.cli import apply_overrides, parse_value
+from tformer_jax.cli_common import override
 
 
-def parse_sweep(spec: str) -> tuple[str, list[Any]]:
-  """'model.num_heads=1,4,8' -> ('model.num_heads', [1, 4, 8])."""
+def parse_sweep(spec: str) -> tuple[str, list[str]]:
+  """'model.num_heads=1,4,8' -> ('model.num_heads', ['1', '4', '8']): each value is set as
+  `--config.model.num_heads=4` would set it."""
   key, eq, values = spec.partition("=")
   if not eq or not key or not values:
     raise ValueError(f"bad sweep {spec!r}; expected KEY=V1,V2,... e.g. model.num_heads=1,4,8")
-  return key.strip(), [parse_value(v.strip()) for v in values.split(",") if v.strip()]
+  return key.strip(), [v.strip() for v in values.split(",") if v.strip()]
 
 
 def grid(sweeps: Sequence[tuple[str, list[Any]]]) -> list[dict[str, Any]]:
@@ -96,11 +99,16 @@ def exact_match(cfg: ml_collections.ConfigDict, workdir: pathlib.Path) -> float 
   return float(np.mean(scores))
 
 
+def _field(cfg: ml_collections.ConfigDict, dotted: str) -> Any:
+  """cfg.a.b for 'a.b' (the typed value an override set)."""
+  return functools.reduce(lambda node, name: node[name], dotted.split("."), cfg)
+
+
 def run_one(base: ml_collections.ConfigDict, overrides: dict[str, Any], steps: int, workdir: pathlib.Path,
             evals: int = 4) -> RunResult:
   """Train one configuration from scratch in `workdir` (deleted first) and summarise it."""
   from tformer_jax.train.loop import train
-  cfg = apply_overrides(base, overrides)
+  cfg = override(base, overrides)
   cfg.train.steps = steps
   cfg.train.eval_every = max(1, steps // max(evals, 1))
   cfg.train.ckpt_every = steps
@@ -118,7 +126,8 @@ def run_one(base: ml_collections.ConfigDict, overrides: dict[str, Any], steps: i
   rough = float(np.mean(np.abs(np.diff(half)))) if half.size > 1 else float("nan")
   tps = [v for _, v in curves["tokens_per_s"]][1:] or [float("nan")]
   return RunResult(
-      name=run_name(overrides), overrides=dict(overrides), params=int(final.get("params", 0)), steps=steps,
+      name=run_name(overrides), overrides={k: _field(cfg, k) for k in overrides},
+      params=int(final.get("params", 0)), steps=steps,
       final_train_loss=float(np.mean(tail)) if tail else float("nan"),
       val_loss=float(final.get("val_loss", float("nan"))), val_accuracy=float(final.get("val_accuracy", float("nan"))),
       exact_match=exact_match(cfg, workdir), wall_s=wall, tokens_per_s=float(np.median(tps)), curves=curves,

@@ -10,6 +10,7 @@ variant's median.
 """
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
@@ -17,27 +18,34 @@ from typing import Any, Sequence
 
 import jax
 import ml_collections
+from absl import flags
+
+from tformer_jax import cli_common
 
 
 def time_train_steps(cfgs: dict[str, ml_collections.ConfigDict], batch: int, seq: int, *, rounds: int = 5,
                      steps: int = 5, seed: int = 0) -> dict[str, dict[str, Any]]:
-  """{variant: {'median_ms', 'min_ms', 'samples_ms', 'compile_s'}} for one (batch, seq) shape."""
+  """{variant: {'median_ms', 'min_ms', 'samples_ms', 'compile_s'}} for one (batch, seq) shape; each
+  variant's step runs with the backend of its cfg.runtime, as in the training loop."""
+  from tformer_jax import backends
   from tformer_jax.config import validate
   from tformer_jax.nn import Transformer
   from tformer_jax.train import optim, precision, state as state_lib, step as step_lib
   runners = {}
   for name, cfg in cfgs.items():
     m = validate(cfg)
+    backend = backends.resolve_runtime(cfg, quiet=True).backend
     model = Transformer(m)
-    tx, schedule = optim.make_optimizer(cfg.optim, 1000)
+    tx, schedule = optim.make_optimizer(cfg.optim, 1000, backend)
     init = state_lib.init_fn(model, tx, precision.get_policy("float32").initial_loss_scale(), seq)
-    state = jax.jit(lambda r, init=init: state_lib.unbox_plain(init(r)))(jax.random.PRNGKey(seed))
     tok = jax.random.randint(jax.random.PRNGKey(seed + 1), (batch, seq + 1), 0, m.vocab_size)
     data = {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
-    t0 = time.perf_counter()
-    step = jax.jit(step_lib.make_train_step(model, tx, schedule, cfg.optim), donate_argnums=(0,))
-    step = step.lower(state, data).compile()
-    compile_s = time.perf_counter() - t0
+    with backends.use(backend):
+      state = jax.jit(lambda r, init=init: state_lib.unbox_plain(init(r)))(jax.random.PRNGKey(seed))
+      t0 = time.perf_counter()
+      step = jax.jit(step_lib.make_train_step(model, tx, schedule, cfg.optim), donate_argnums=(0,))
+      step = step.lower(state, data).compile()
+      compile_s = time.perf_counter() - t0
     for _ in range(2):
       state, metrics = step(state, data)
     jax.block_until_ready(metrics)
@@ -64,27 +72,29 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
   return "\n".join(lines)
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_multi_string("sweep", [], "KEY=V1,V2,...: variants, the cartesian product of the sweeps"
+                            "; each value set as --config.KEY=V would set it", flag_values=fv)
+  flags.DEFINE_integer("batch", 8, "sequences per step", flag_values=fv)
+  flags.DEFINE_integer("seq", 128, "sequence length", flag_values=fv)
+  flags.DEFINE_integer("rounds", 5, "interleaved rounds", flag_values=fv)
+  flags.DEFINE_integer("steps", 5, "timed steps per variant per round", flag_values=fv)
+  flags.DEFINE_string("json", None, "also write the results to this file", flag_values=fv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-  import argparse
-  import json
   from tformer_jax.diagnostics import ablate
-  from tformer_jax.diagnostics.cli import apply_overrides, load_config, split_config_args
-  path, overrides, rest = split_config_args(sys.argv[1:] if argv is None else argv)
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--sweep", action="append", default=[])
-  p.add_argument("--batch", type=int, default=8)
-  p.add_argument("--seq", type=int, default=128)
-  p.add_argument("--rounds", type=int, default=5)
-  p.add_argument("--steps", type=int, default=5)
-  p.add_argument("--json", dest="json_out", default=None)
-  args = p.parse_args(rest)
-  base = load_config(path, overrides)
-  combos = ablate.grid([ablate.parse_sweep(s) for s in args.sweep]) or [{}]
-  cfgs = {ablate.run_name(c): apply_overrides(base, c) for c in combos}
+  args = cli_common.parse(argv, define_flags, doc=__doc__, prog="python -m tformer_jax.diagnostics.timing",
+                          config="required")
+  try:
+    combos = ablate.grid([ablate.parse_sweep(s) for s in args.sweep]) or [{}]
+    cfgs = {ablate.run_name(c): cli_common.override(args.config, c) for c in combos}
+  except (ValueError, cli_common.UsageError) as e:
+    cli_common.fail(str(e))
   res = time_train_steps(cfgs, args.batch, args.seq, rounds=args.rounds, steps=args.steps)
   print(format_table(res))
-  if args.json_out:
-    with open(args.json_out, "w") as f:
+  if args.json:
+    with open(args.json, "w") as f:
       json.dump(res, f, indent=2)
   return 0
 

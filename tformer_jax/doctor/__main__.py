@@ -2,26 +2,35 @@
 
 Runs the articles' troubleshooting checklists as automatic checks and prints a PASS/WARN/FAIL table
 with the suggested action for every WARN/FAIL. Exit status: 0 without FAIL, 1 with one, 2 on usage
-or config errors. Options:
-  --workdir=RUN       use the checkpoint's parameters (and its config.json when --config is absent)
-  --only=a,b / --skip=a,b   select checks (data scale padding causal rows kv_cache order activations
-                      lr head_dim overfit)
-  --plant=FAULT       plant one of tformer_jax/doctor/faults.py's faults, to see it caught
-  --json=PATH         also write the results as JSON
+or config errors. With --workdir=RUN the checks use the checkpoint's parameters, and the run's
+config.json when --config is absent.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from typing import Any, Sequence
 
+from absl import flags
 
-def _injections(fault: str, ctx: Any) -> tuple[dict[str, str], dict[str, dict[str, Any]]]:
+
+def define_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_string("workdir", None, "use the checkpoint's parameters (and its config.json when "
+                      "--config is absent)", flag_values=fv)
+  flags.DEFINE_string("only", "", "comma-separated checks to run (data scale padding causal rows "
+                      "kv_cache order activations lr head_dim overfit); default all", flag_values=fv)
+  flags.DEFINE_string("skip", "", "comma-separated checks to leave out", flag_values=fv)
+  flags.DEFINE_string("plant", "", "plant one of tformer_jax/doctor/faults.py's faults, to see it caught",
+                      flag_values=fv)
+  flags.DEFINE_string("json", None, "also write the results as JSON to this file", flag_values=fv)
+  flags.DEFINE_integer("seed", 0, "initialisation and batch seed", flag_values=fv)
+
+
+def _injections(fault: str, ctx: Any) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
   """(config overrides, per-check injected arguments) for a planted fault."""
   from tformer_jax.doctor import checks, faults
   if fault in faults.CONFIG_FAULTS:
-    return {k: repr(v) for k, v in faults.CONFIG_FAULTS[fault](ctx.m).items()}, {}
+    return faults.CONFIG_FAULTS[fault](ctx.m), {}
   if fault in faults.ATTENTION_FAULTS:
     fn = faults.ATTENTION_FAULTS[fault]
     return {}, {k: {"attention_fn": fn} for k in ("scale", "padding", "causal", "rows")}
@@ -37,22 +46,14 @@ def _injections(fault: str, ctx: Any) -> tuple[dict[str, str], dict[str, dict[st
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  from tformer_jax import cli_common
   from tformer_jax.config import ConfigError
-  from tformer_jax.diagnostics.cli import apply_overrides, load_config, split_config_args
   from tformer_jax.doctor import checks
 
-  path, overrides, rest = split_config_args(sys.argv[1:] if argv is None else argv)
-  p = argparse.ArgumentParser(prog="python -m tformer_jax.doctor", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--workdir", default=None)
-  p.add_argument("--only", default="")
-  p.add_argument("--skip", default="")
-  p.add_argument("--plant", default="")
-  p.add_argument("--json", dest="json_out", default=None)
-  p.add_argument("--seed", type=int, default=0)
-  args = p.parse_args(rest)
+  args = cli_common.parse(argv, define_flags, doc=__doc__, prog="python -m tformer_jax.doctor",
+                          config="required", from_workdir=True)
   try:
-    cfg = load_config(path, overrides, args.workdir)
+    cfg = args.config
     params = None
     if args.workdir:
       from tformer_jax.checkpoint import restore_params
@@ -62,8 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plant:
       extra, inject = _injections(args.plant, ctx)
       if extra:
-        ctx = checks.make_context(apply_overrides(cfg, extra), params, args.seed)
-  except (ConfigError, ValueError, FileNotFoundError) as e:
+        ctx = checks.make_context(cli_common.override(cfg, extra), params, args.seed)
+  except (ConfigError, ValueError, FileNotFoundError, cli_common.UsageError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   only = [c for c in args.only.split(",") if c] or list(checks.CHECKS)
@@ -74,10 +75,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   src = f"checkpoint {args.workdir}" if args.workdir else "fresh init"
-  print(f"tformer_jax doctor: {path or args.workdir} ({src})" + (f", planted fault {args.plant}" if args.plant else ""))
+  print(f"tformer_jax doctor: {args.config_file} ({src})" + (f", planted fault {args.plant}" if args.plant else ""))
   print(checks.format_table(results))
-  if args.json_out:
-    with open(args.json_out, "w") as f:
+  if args.json:
+    with open(args.json, "w") as f:
       json.dump([r.to_dict() for r in results], f, indent=2)
   return 1 if any(r.status == checks.FAIL for r in results) else 0
 
