@@ -18,8 +18,6 @@ by default. Prints a table, then one JSON line.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import pathlib
 import statistics
@@ -31,29 +29,32 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import torch_gpt2  # noqa: E402
+from absl import flags  # noqa: E402
 
+from tformer_jax import cli_common  # noqa: E402
 from tformer_jax.bench import flops as flops_lib  # noqa: E402
 from tformer_jax.bench import train as jbench  # noqa: E402
-from tformer_jax.bench import emit
+from tformer_jax.bench import emit  # noqa: E402
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(prog="compare_torch", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  jbench.add_model_args(p)
-  p.add_argument("--rounds", type=int, default=4)
-  p.add_argument("--k", type=int, default=3, help="steps per contender per round")
-  p.add_argument("--warmup", type=int, default=2)
-  p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
-  p.add_argument("--attn", choices=("sdpa", "naive"), default="sdpa", help="torch attention")
-  p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
-  p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
-                 help="an XLA option for the JAX step's compilation only (repeatable)")
-  p.add_argument("--foreach-adam", action="store_true", help="torch AdamW(foreach) instead of fused")
-  p.add_argument("--peak-n", type=int, default=2048)
-  p.add_argument("--peak-reps", type=int, default=3, help="matmuls per round")
-  p.add_argument("--json")
-  return p.parse_args(jbench.split_config_flags(sys.argv[1:] if argv is None else list(argv)))
+def define_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_integer("rounds", 4, "rounds of every contender", flag_values=fv)
+  flags.DEFINE_integer("k", 3, "steps per contender per round", flag_values=fv)
+  flags.DEFINE_integer("warmup", 2, "untimed steps per contender after compilation", flag_values=fv)
+  flags.DEFINE_integer("threads", os.cpu_count(), "torch intra-op threads", flag_values=fv)
+  flags.DEFINE_enum("attn", "sdpa", ["sdpa", "naive"], "torch attention", flag_values=fv)
+  flags.DEFINE_bool("no-compile", False, "skip torch.compile", flag_values=fv)
+  flags.DEFINE_multi_string("xla-option", [], "NAME=VALUE: an XLA option for the JAX step's compilation "
+                            "only", flag_values=fv)
+  flags.DEFINE_bool("foreach-adam", False, "torch AdamW(foreach) instead of fused", flag_values=fv)
+  flags.DEFINE_integer("peak-n", 2048, "matmul size of the peak", flag_values=fv)
+  flags.DEFINE_integer("peak-reps", 3, "matmuls per round", flag_values=fv)
+  flags.DEFINE_string("json", None, "also write the result dict to this file", flag_values=fv)
+
+
+def parse_args(argv: Sequence[str] | None) -> Any:
+  return cli_common.parse(argv, define_flags, doc=__doc__, prog="python -m tformer_jax.bench compare",
+                          config=jbench.DEFAULT_CONFIG)
 
 
 def torch_config(m: Any, batch: int, seq: int, attn: str) -> torch_gpt2.GPTConfig:
@@ -72,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   import torch
   args = parse_args(argv)
   torch.set_num_threads(args.threads)
-  cfg = jbench.load_config(args.config, args.set)
+  cfg = args.config
   info = jbench.machine_info()
   print(f"machine: {info['nproc']} cpus ({info['cpu']}), load {info['loadavg']}, jax {info['jax']}, "
         f"torch {torch.__version__} ({torch.get_num_threads()} threads), allocator {info['allocator']} "
@@ -151,7 +152,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   print("ratios (tokens/s over the run): " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
   print("ratios (median of per-round pairs): " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios_paired.items()))
   print("ratios (tokens per CPU-second): " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios_cpu.items()))
-  res = {"bench": "compare_torch", "config": args.config, "overrides": list(args.set), "rounds": args.rounds,
+  res = {"bench": "compare_torch", "config": args.config_file, "overrides": jbench.overrides_list(args),
+         "rounds": args.rounds,
          "k": args.k, "tokens_per_step": jx.tokens_per_step, "flops_per_step": fl["flops_per_step"],
          "flops_formula": fl["formula"], "peak_gflops": round(peak, 2),
          "peak_gflops_sustained": round(peak_sustained, 2), "results": rows, "ratios": ratios,

@@ -2,6 +2,7 @@
 
   python benchmarks/gpu_mfu.py [--steps 10 --warmup 3 --json OUT]      # on the GPU machine
   python benchmarks/gpu_mfu.py --smoke                                  # anywhere: tiny CPU override
+  python benchmarks/gpu_mfu.py --config.model.remat=full [--config=FILE]  # config overrides
 
 It runs `python -m tformer_jax.bench train` in-process on the ~0.9B Llama-style config in bf16 with cuDNN
 attention, trying the (batch, remat) choices of --attempts in order until one fits in memory, and reports
@@ -14,7 +15,6 @@ met / missed in the table and the JSON; missing it is not a self-check failure.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import pathlib
@@ -25,25 +25,32 @@ from typing import Any, Sequence
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-SMOKE_SET = ["model.vocab_size=256", "model.d_model=64", "model.num_layers=2", "model.num_heads=4",
-             "model.num_kv_heads=2", "model.d_ff=128", "model.max_len=64", "model.attention_impl=xla",
-             "data.seq_len=64"]
+from absl import flags  # noqa: E402
+
+from tformer_jax import cli_common  # noqa: E402
+
+DEFAULT_CONFIG = "configs/bench/llama_1b_gpu.py"
+SMOKE = {"model.vocab_size": 256, "model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4,
+         "model.num_kv_heads": 2, "model.d_ff": 128, "model.max_len": 64, "runtime.attention": "xla",
+         "data.seq_len": 64}
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--config", default="configs/bench/llama_1b_gpu.py")
-  p.add_argument("--set", action="append", default=[], help="extra KEY=VALUE config overrides")
-  p.add_argument("--attempts", default="16:none,16:dots,8:dots",
-                 help="batch:remat choices, tried in order until one fits")
-  p.add_argument("--steps", type=int, default=10)
-  p.add_argument("--warmup", type=int, default=3)
-  p.add_argument("--nominal-tflops", type=float, default=989.0)
-  p.add_argument("--target", type=float, default=0.55)
-  p.add_argument("--smoke", action="store_true",
-                 help="tiny model on whatever backend (CPU): checks the pipeline")
-  p.add_argument("--json")
-  return p.parse_args(argv)
+def define_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_string("attempts", "16:none,16:dots,8:dots", "batch:remat choices, tried in order until one "
+                      "fits", flag_values=fv)
+  flags.DEFINE_integer("steps", 10, "timed steps", flag_values=fv)
+  flags.DEFINE_integer("warmup", 3, "untimed steps after compilation", flag_values=fv)
+  flags.DEFINE_float("nominal-tflops", 989.0, "datasheet dense bf16 peak (H100/H200 SXM: 989)",
+                     flag_values=fv)
+  flags.DEFINE_float("target", 0.55, "the MFU target reported as met / missed", flag_values=fv)
+  flags.DEFINE_bool("smoke", False, "tiny model on whatever backend (CPU): checks the pipeline",
+                    flag_values=fv)
+  flags.DEFINE_string("json", None, "also write the result dict to this file", flag_values=fv)
+
+
+def parse_args(argv: Sequence[str] | None) -> Any:
+  return cli_common.parse(argv, define_flags, doc=__doc__, prog="python benchmarks/gpu_mfu.py",
+                          config=DEFAULT_CONFIG)
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -54,7 +61,7 @@ def _is_oom(e: BaseException) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
   checks: list[tuple[str, bool, str]] = []
-  res: dict[str, Any] = {"bench": "gpu_mfu", "smoke": args.smoke, "config": args.config}
+  res: dict[str, Any] = {"bench": "gpu_mfu", "smoke": args.smoke, "config": args.config_file}
   try:
     import jax
     backend, devices = jax.default_backend(), jax.devices()
@@ -67,14 +74,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                  f"{len(devices)} x {devices[0].device_kind}"
                  + (" (smoke: not required)" if args.smoke else "")))
   from tformer_jax.bench import train as train_bench
-  from tformer_jax.config import ConfigError
   from tformer_jax.train.loop import resolve_model_config
-  sets = list(SMOKE_SET if args.smoke else []) + list(args.set)
+  # the smoke model's fields where the command line sets none, then the command line's overrides
+  smoke = {k: v for k, v in SMOKE.items() if k not in args.overrides} if args.smoke else {}
+  overrides = {**smoke, **args.overrides}
   try:
-    m = resolve_model_config(train_bench.load_config(args.config, sets))
+    cfg = cli_common.override(args.config, smoke)
+    m = resolve_model_config(cfg)
     checks.append(("config validates", True, f"d_model {m.d_model}, {m.num_layers} layers, {m.num_heads}/"
-                   f"{m.kv_heads} heads, d_ff {m.ff}, {m.attention_impl}, {m.dtype}"))
-  except (ConfigError, SystemExit, Exception) as e:  # noqa: BLE001
+                   f"{m.kv_heads} heads, d_ff {m.ff}, attention {cfg.runtime.attention}, {m.dtype}"))
+  except Exception as e:  # noqa: BLE001
     checks.append(("config validates", False, str(e)))
     return _finish(args, checks, res)
   if not all(ok for _, ok, _ in checks):
@@ -90,9 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   out = None
   tried = []
   for batch, remat in attempts:
-    argv_t = ["--config", args.config, *steps, *peak_args, "--nominal-peak-tflops", str(args.nominal_tflops)]
-    for s in sets + [f"data.batch_size={batch}", f"model.remat={remat}"]:
-      argv_t += ["--set", s]
+    argv_t = [f"--config={args.config_file}", *steps, *peak_args,
+              f"--nominal-peak-tflops={args.nominal_tflops}"]
+    argv_t += [f"--config.{k}={v}" for k, v in {**overrides, "data.batch_size": batch,
+                                                 "model.remat": remat}.items()]
     print(f"--- attempt: batch {batch}, remat {remat}", flush=True)
     try:
       out = train_bench.main(argv_t)
@@ -114,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   return _finish(args, checks, res)
 
 
-def _finish(args: argparse.Namespace, checks: list[tuple[str, bool, str]], res: dict[str, Any]) -> int:
+def _finish(args: Any, checks: list[tuple[str, bool, str]], res: dict[str, Any]) -> int:
   ok = all(c for _, c, _ in checks)
   out = res.get("result")
   smoke = "(SMOKE: tiny model, numbers meaningless) " if args.smoke else ""

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tformer_jax import cli_common
 from tformer_jax.bench import flops
 from tformer_jax.bench import train as train_bench
 from tformer_jax.config import ModelConfig
@@ -25,7 +26,7 @@ TINY = ["model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.ma
 
 
 def _sets(items):
-  return [a for s in items for a in ("--set", s)]
+  return [f"--config.{s}" for s in items]
 
 
 def _last_json(out: str) -> dict:
@@ -49,13 +50,51 @@ def test_train_cli_prints_documented_json(capsys):
   assert out["flops_formula"] == flops.FORMULA["full"]
 
 
-def test_config_flag_spelling_and_unknown_field():
-  assert train_bench.split_config_flags(["--config.model.d_model=8", "--steps", "2"]) == [
-      "--set", "model.d_model=8", "--steps", "2"]
-  cfg = train_bench.load_config("configs/bench/gpt2_cpu.py", ["model.num_layers=3", "optim.peak_lr=1e-3"])
-  assert cfg.model.num_layers == 3 and cfg.optim.peak_lr == 1e-3
-  with pytest.raises(SystemExit):
-    train_bench.load_config("configs/bench/gpt2_cpu.py", ["model.not_a_field=1"])
+def test_config_overrides_anywhere_on_the_line():
+  args = train_bench.parse_args(["--config.model.num_layers=3", "--steps", "2",
+                                 "--config=configs/bench/gpt2_cpu.py", "--config.optim.peak_lr", "1e-3",
+                                 "--no-donate", "--xla-option=a=1", "--xla-option", "b=true"])
+  assert args.config.model.num_layers == 3 and args.config.optim.peak_lr == 1e-3
+  assert args.steps == 2 and args.no_donate and args.xla_option == ["a=1", "b=true"]
+  assert args.config_file == "configs/bench/gpt2_cpu.py"
+  assert train_bench.overrides_list(args) == ["model.num_layers=3", "optim.peak_lr=0.001"]
+  default = train_bench.parse_args([])                     # the default file, no overrides
+  assert default.config.model.num_layers == 6 and default.overrides == {}
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--config.model.num_layer=2"], "unknown config field 'num_layer'"),
+    (["--config.model.num_layers=two"], "--config.model.num_layers=two"),
+    (["--stepz=2"], "stepz"),
+    (["--config=configs/nope.py"], "configs/nope.py"),
+])
+def test_bad_command_line_is_one_line_error_rc_2(argv, needle, capsys):
+  with pytest.raises(SystemExit) as e:
+    train_bench.main(argv)
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: ") and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_unknown_override_exits_2_without_traceback():
+  p = subprocess.run([sys.executable, "-m", "tformer_jax.bench", "train", "--steps", "1",
+                      "--config.model.num_layer=2"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu", TFORMER_JAX_ALLOCATOR="system"))
+  assert p.returncode == 2, p.stderr[-2000:]
+  assert p.stderr.strip().splitlines()[-1].startswith("error: unknown config field 'num_layer'")
+  assert "Traceback" not in p.stderr
+
+
+def test_every_bench_help_lists_its_flags(capsys):
+  from tformer_jax.bench.__main__ import main
+  for name, flag in [("train", "--peak-n"), ("compile", "--layers"), ("attention", "--kv-heads"),
+                     ("decode", "--new-tokens"), ("moe", "--capacity-factor")]:
+    with pytest.raises(SystemExit) as e:
+      main([name, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert f"  {flag}: " in out, (name, out)
+    assert ("--config: " in out) == (name in ("train", "compile", "decode")), name
 
 
 def test_compile_cli_prints_json(capsys):
@@ -120,7 +159,7 @@ def test_torch_reference_matches_param_count_and_flops():
   pytest.importorskip("torch")
   tg = _torch_gpt2()
   from tformer_jax.train.loop import resolve_model_config
-  m = resolve_model_config(train_bench.load_config("configs/bench/gpt2_cpu.py"))
+  m = resolve_model_config(cli_common.load_config("configs/bench/gpt2_cpu.py"))
   c = tg.GPTConfig()
   assert (c.vocab_size, c.d_model, c.num_layers, c.num_heads, c.seq, c.batch) == (
       m.vocab_size, m.d_model, m.num_layers, m.num_heads, 256, 8)
@@ -162,8 +201,9 @@ def test_project_matches_einsum_values_and_gradients(spec, xs, ws):
 
 def test_llama_gpu_config_validates():
   from tformer_jax.train.loop import resolve_model_config
-  m = resolve_model_config(train_bench.load_config("configs/bench/llama_1b_gpu.py"))
-  assert (m.d_model, m.num_layers, m.kv_heads, m.ff, m.attention_impl, m.dtype) == (
+  cfg = cli_common.load_config("configs/bench/llama_1b_gpu.py")
+  m = resolve_model_config(cfg)
+  assert (m.d_model, m.num_layers, m.kv_heads, m.ff, cfg.runtime.attention, m.dtype) == (
       2048, 16, 8, 5632, "cudnn", "bfloat16")
   assert 0.8e9 < flops.param_counts(m)["total"] < 1.2e9
 

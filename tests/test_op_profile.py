@@ -60,7 +60,7 @@ def test_missing_trace_is_a_clear_error(tmp_path):
 
 def test_bench_train_profile_accounts_for_the_step(tmp_path, capsys):
   from tformer_jax.bench import train as train_bench
-  sets = [a for s in TINY for a in ("--set", s)]
+  sets = [f"--config.{s}" for s in TINY]
   res = train_bench.main(["--steps", "2", "--warmup", "1", "--peak-n", "0", "--profile",
                           str(tmp_path / "prof"), *sets])
   prof = res["op_profile"]

@@ -1,6 +1,6 @@
 """Attention benchmark: compiled memory and wall time of one causal attention layer, forward + backward.
 
-  python -m tformer_jax.bench.attention --seq 1024,2048,4096,8192,16384 --impls reference,blockwise \
+  python -m tformer_jax.bench attention --seq 1024,2048,4096,8192,16384 --impls reference,blockwise \
       --block 512 --json OUT.json
 
 For each impl and length it jits grad(sum(attention(q, k, v))) w.r.t. q, k, v, reads the compiled
@@ -10,15 +10,16 @@ reported but not run. Prints one human-readable line per case and, last, one JSO
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from absl import flags
+
+from tformer_jax import cli_common
 
 from tformer_jax.ops import masks
 from tformer_jax.ops.attention import dot_product_attention
@@ -53,7 +54,7 @@ def _memory(compiled: Any) -> dict[str, int | None]:
   return {"temp_bytes": temp, "arg_bytes": arg, "out_bytes": out, "peak_bytes": temp + arg + out - alias}
 
 
-def run_case(impl: str, seq: int, args: argparse.Namespace) -> dict[str, Any]:
+def run_case(impl: str, seq: int, args: Any) -> dict[str, Any]:
   """Compile (and maybe time) one impl at one length; returns a result row."""
   dtype = jnp.dtype(args.dtype)
   kv_heads = args.kv_heads or args.heads
@@ -115,35 +116,41 @@ def _targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
   return out
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--seq", default="1024,2048,4096,8192,16384", help="comma-separated sequence lengths")
-  p.add_argument("--heads", type=int, default=8)
-  p.add_argument("--kv-heads", type=int, default=0, help="0 = --heads (MHA)")
-  p.add_argument("--head-dim", type=int, default=64)
-  p.add_argument("--batch", type=int, default=1)
-  p.add_argument("--impls", default="reference,blockwise", help=f"comma-separated, from {IMPLS}")
-  p.add_argument("--block", type=int, default=256,
-                 help="blockwise tile size (queries and keys); 256 was fastest on CPU for L = 2k..4k")
-  p.add_argument("--block-q", type=int, default=0, help="override --block for queries")
-  p.add_argument("--block-k", type=int, default=0, help="override --block for keys")
-  p.add_argument("--dtype", default="float32")
-  p.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up (median reported)")
-  p.add_argument("--time-budget-s", type=float, default=60.0,
-                 help="fewer repeats (at least 1) when warm-up time x repeats would exceed this")
-  p.add_argument("--max-timed-temp-gb", type=float, default=6.0,
-                 help="do not run dense impls whose compiled temporaries exceed this")
-  p.add_argument("--json", default="", help="also write the result dict to this file")
-  return p.parse_args(argv)
+def define_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_string("seq", "1024,2048,4096,8192,16384", "comma-separated sequence lengths", flag_values=fv)
+  flags.DEFINE_integer("heads", 8, "query heads", flag_values=fv)
+  flags.DEFINE_integer("kv-heads", 0, "key/value heads; 0 = --heads (MHA)", flag_values=fv)
+  flags.DEFINE_integer("head-dim", 64, "head dimension", flag_values=fv)
+  flags.DEFINE_integer("batch", 1, "batch size", flag_values=fv)
+  flags.DEFINE_string("impls", "reference,blockwise", f"comma-separated, from {', '.join(IMPLS)}",
+                      flag_values=fv)
+  flags.DEFINE_integer("block", 256, "blockwise tile size (queries and keys); 256 was fastest on CPU for "
+                       "L = 2k..4k", flag_values=fv)
+  flags.DEFINE_integer("block-q", 0, "override --block for queries", flag_values=fv)
+  flags.DEFINE_integer("block-k", 0, "override --block for keys", flag_values=fv)
+  flags.DEFINE_string("dtype", "float32", "q, k, v dtype", flag_values=fv)
+  flags.DEFINE_integer("repeats", 3, "timed runs after the warm-up (median reported)", flag_values=fv)
+  flags.DEFINE_float("time-budget-s", 60.0, "fewer repeats (at least 1) when warm-up time x repeats would "
+                     "exceed this", flag_values=fv)
+  flags.DEFINE_float("max-timed-temp-gb", 6.0, "do not run dense impls whose compiled temporaries exceed "
+                     "this", flag_values=fv)
+  flags.DEFINE_string("json", "", "also write the result dict to this file", flag_values=fv)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def parse_args(argv: Sequence[str] | None) -> Any:
+  return cli_common.parse(argv, define_flags, doc=__doc__, prog="python -m tformer_jax.bench attention")
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = parse_args(argv)
-  seqs = [int(s) for s in args.seq.split(",") if s.strip()]
+  try:
+    seqs = [int(s) for s in args.seq.split(",") if s.strip()]
+  except ValueError:
+    cli_common.fail(f"--seq takes comma-separated integers, not {args.seq!r}")
   impls = [s.strip() for s in args.impls.split(",") if s.strip()]
   for impl in impls:
     if impl not in IMPLS:
-      raise SystemExit(f"unknown impl {impl!r}; expected one of {IMPLS}")
+      cli_common.fail(f"unknown impl {impl!r}; expected one of {IMPLS}")
   config = {k: v for k, v in vars(args).items() if k != "json"}
   config["backend"] = jax.default_backend()
   print(f"attention fwd+bwd, causal, batch={args.batch} heads={args.heads} head_dim={args.head_dim} "
@@ -169,4 +176,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  main()

@@ -1,7 +1,7 @@
 """Decoding benchmark: KV-cache generation vs full recomputation at every step.
 
-  python -m tformer_jax.bench.decode --batch 1 --prompt-len 64 --new-tokens 512 --json OUT.json
-  python -m tformer_jax.bench.decode --config configs/llama_tiny.py --max-len 1024
+  python -m tformer_jax.bench decode --batch 1 --prompt-len 64 --new-tokens 512 --json OUT.json
+  python -m tformer_jax.bench decode --config=configs/llama_tiny.py --config.model.max_len=1024
 
 Default model (no --config): RoPE, d_model 256, 4 layers, 4 heads, vocab 256, max_len 1024, random
 weights. Greedy decoding, no stop tokens, so every run makes exactly --new-tokens tokens per row.
@@ -13,46 +13,46 @@ Prints human-readable lines, then one JSON line.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import sys
 import time
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
-from tformer_jax import decode, decode_io
+from tformer_jax import cli_common, decode, decode_io
 from tformer_jax.config import default_config
 from tformer_jax.bench import emit
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--config", help="a config file with get_config(); else the size flags below")
-  p.add_argument("--d-model", type=int, default=256)
-  p.add_argument("--layers", type=int, default=4)
-  p.add_argument("--heads", type=int, default=4)
-  p.add_argument("--kv-heads", type=int, default=0)
-  p.add_argument("--vocab", type=int, default=256)
-  p.add_argument("--position", default="rope")
-  p.add_argument("--max-len", type=int, default=0, help="model max_len (0: 1024, or the config's)")
-  p.add_argument("--batch", type=int, default=1)
-  p.add_argument("--prompt-len", type=int, default=64)
-  p.add_argument("--new-tokens", type=int, default=512)
-  p.add_argument("--runs", type=int, default=3, help="timed runs of the cached path")
-  p.add_argument("--recompute-runs", type=int, default=2, help="timed runs of the recompute path")
-  p.add_argument("--no-recompute", action="store_true", help="skip the (slow) recompute baseline")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--json", help="also write the result dict to this file")
-  return p.parse_args(argv)
+def define_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_integer("d-model", 256, "model width (without --config)", flag_values=fv)
+  flags.DEFINE_integer("layers", 4, "layers (without --config)", flag_values=fv)
+  flags.DEFINE_integer("heads", 4, "query heads (without --config)", flag_values=fv)
+  flags.DEFINE_integer("kv-heads", 0, "key/value heads, 0 = --heads (without --config)", flag_values=fv)
+  flags.DEFINE_integer("vocab", 256, "vocabulary size (without --config)", flag_values=fv)
+  flags.DEFINE_string("position", "rope", "position scheme (without --config)", flag_values=fv)
+  flags.DEFINE_integer("max-len", 0, "model max_len (0: 1024, or the config's)", flag_values=fv)
+  flags.DEFINE_integer("batch", 1, "rows decoded together", flag_values=fv)
+  flags.DEFINE_integer("prompt-len", 64, "prompt tokens per row", flag_values=fv)
+  flags.DEFINE_integer("new-tokens", 512, "tokens generated per row", flag_values=fv)
+  flags.DEFINE_integer("runs", 3, "timed runs of the cached path", flag_values=fv)
+  flags.DEFINE_integer("recompute-runs", 2, "timed runs of the recompute path", flag_values=fv)
+  flags.DEFINE_bool("no-recompute", False, "skip the (slow) recompute baseline", flag_values=fv)
+  flags.DEFINE_integer("seed", 0, "weights and prompts seed", flag_values=fv)
+  flags.DEFINE_string("json", None, "also write the result dict to this file", flag_values=fv)
 
 
-def build_config(args: argparse.Namespace) -> Any:
-  if args.config:
-    cfg = decode_io.load_config_file(args.config)
+def parse_args(argv: Sequence[str] | None) -> Any:
+  return cli_common.parse(argv, define_flags, doc=__doc__, prog="python -m tformer_jax.bench decode",
+                          config=True)
+
+
+def build_config(args: Any) -> Any:
+  if args.config is not None:
+    cfg = args.config
     if args.max_len:
       cfg.model.max_len = args.max_len
     return cfg
@@ -122,5 +122,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
-  sys.exit(0)
+  main()

@@ -1,6 +1,6 @@
 """MoE FFN benchmark: throughput and compiled memory of one layer, forward + backward.
 
-  python -m tformer_jax.bench.moe --tokens 4096 --d-model 256 --experts 8 --top-k 2 --json OUT.json
+  python -m tformer_jax.bench moe --tokens 4096 --d-model 256 --experts 8 --top-k 2 --json OUT.json
 
 Cases: the MoEFFN layer with capacity dispatch (one-hot einsums, or scatter/gather:
 'capacity_scatter'), with dropless (sort + ragged_dot) dispatch, and a dense FFN with the same active parameters per token (hidden = top_k * F). Each case jits
@@ -10,15 +10,17 @@ warm-up). Prints one line per case and, last, one JSON line.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from absl import flags
+
+from tformer_jax import cli_common
 
 from tformer_jax.config import ModelConfig, MoEConfig
 from tformer_jax.nn.moe import MoEFFN, collect_aux_loss, expert_hidden
@@ -27,14 +29,14 @@ from tformer_jax.ops import moe as moe_ops
 CASES = ("capacity", "capacity_scatter", "dropless", "dense")
 
 
-def _cfg(args: argparse.Namespace, dispatch: str) -> ModelConfig:
+def _cfg(args: Any, dispatch: str) -> ModelConfig:
   return ModelConfig(d_model=args.d_model, d_ff=args.d_ff, activation=args.activation,
                      dtype=args.dtype, moe=MoEConfig(num_experts=args.experts, top_k=args.top_k,
                                                      dispatch=dispatch,
                                                      capacity_factor=args.capacity_factor))
 
 
-def _case(name: str, args: argparse.Namespace) -> tuple[Callable, Any, dict[str, Any]]:
+def _case(name: str, args: Any) -> tuple[Callable, Any, dict[str, Any]]:
   """(loss(params, x), params, info) for one case; grad of loss is what gets timed."""
   x_shape = (1, args.tokens, args.d_model)
   key = jax.random.key(0)
@@ -85,7 +87,7 @@ def _analysis(compiled: Any) -> dict[str, Any]:
   return out
 
 
-def run_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_case(name: str, args: Any) -> dict[str, Any]:
   loss, params, info = _case(name, args)
   x = jax.random.normal(jax.random.key(1), (1, args.tokens, args.d_model), jnp.float32)
   step = jax.jit(jax.grad(loss, argnums=(0, 1)))
@@ -105,28 +107,31 @@ def run_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
   return row
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--tokens", type=int, default=4096)
-  p.add_argument("--d-model", type=int, default=256)
-  p.add_argument("--experts", type=int, default=8)
-  p.add_argument("--top-k", type=int, default=2)
-  p.add_argument("--d-ff", type=int, default=0, help="expert hidden size; 0 = ModelConfig.ff")
-  p.add_argument("--activation", default="swiglu")
-  p.add_argument("--capacity-factor", type=float, default=1.25)
-  p.add_argument("--dtype", default="float32")
-  p.add_argument("--repeats", type=int, default=5, help="timed runs after the warm-up (median)")
-  p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {CASES}")
-  p.add_argument("--json", default="", help="also write the result dict to this file")
-  return p.parse_args(argv)
+def define_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_integer("tokens", 4096, "tokens per step (one row)", flag_values=fv)
+  flags.DEFINE_integer("d-model", 256, "model width", flag_values=fv)
+  flags.DEFINE_integer("experts", 8, "number of experts", flag_values=fv)
+  flags.DEFINE_integer("top-k", 2, "experts per token", flag_values=fv)
+  flags.DEFINE_integer("d-ff", 0, "expert hidden size; 0 = ModelConfig.ff", flag_values=fv)
+  flags.DEFINE_string("activation", "swiglu", "FFN activation", flag_values=fv)
+  flags.DEFINE_float("capacity-factor", 1.25, "capacity dispatch: slots per expert over the even share",
+                     flag_values=fv)
+  flags.DEFINE_string("dtype", "float32", "compute dtype", flag_values=fv)
+  flags.DEFINE_integer("repeats", 5, "timed runs after the warm-up (median)", flag_values=fv)
+  flags.DEFINE_string("cases", ",".join(CASES), f"comma-separated, from {', '.join(CASES)}", flag_values=fv)
+  flags.DEFINE_string("json", "", "also write the result dict to this file", flag_values=fv)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def parse_args(argv: Sequence[str] | None) -> Any:
+  return cli_common.parse(argv, define_flags, doc=__doc__, prog="python -m tformer_jax.bench moe")
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = parse_args(argv)
   cases = [c.strip() for c in args.cases.split(",") if c.strip()]
   for c in cases:
     if c not in CASES:
-      raise SystemExit(f"unknown case {c!r}; expected one of {CASES}")
+      cli_common.fail(f"unknown case {c!r}; expected one of {CASES}")
   config = {k: v for k, v in vars(args).items() if k != "json"}
   config["backend"] = jax.default_backend()
   print(f"MoE FFN fwd+bwd: tokens={args.tokens} d_model={args.d_model} experts={args.experts} "

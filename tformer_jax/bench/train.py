@@ -1,7 +1,7 @@
 """Training-step throughput with honest accounting: tokens/s, FLOP/s and MFU of the real train step.
 
   python -m tformer_jax.bench train --config=configs/bench/gpt2_cpu.py --steps 20 --warmup 3 --json OUT
-  python -m tformer_jax.bench train --set model.num_layers=2 --set data.batch_size=2   # overrides
+  python -m tformer_jax.bench train --config.model.num_layers=2 --config.data.batch_size=2   # overrides
 
 What is measured. The step is `tformer_jax.train.step.make_train_step` (forward, backward, clipping,
 AdamW, the non-finite guard) on the state of `train.state.init_fn`, jitted with the state donated,
@@ -26,9 +26,6 @@ Prints human-readable lines, then one JSON line (the returned dict).
 """
 from __future__ import annotations
 
-import argparse
-import ast
-import json
 import os
 import pathlib
 import statistics
@@ -39,56 +36,15 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
+
+from tformer_jax import cli_common
 from tformer_jax.bench import emit
 from tformer_jax.host_alloc import loaded_allocator
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = "configs/bench/gpt2_cpu.py"
 JSON_KEYS = ("tokens_per_s", "step_ms_median", "compile_s", "params", "flops_per_step",
              "flops_formula", "achieved_gflops", "peak_gflops", "mfu")
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--config", default=DEFAULT_CONFIG, help=f"experiment file (default {DEFAULT_CONFIG})")
-  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                 help="override a config field, e.g. model.num_layers=2 (repeatable; "
-                      "--config.model.num_layers=2 works too)")
-
-
-def load_config(path: str, overrides: Sequence[str] = ()) -> Any:
-  """The experiment config at `path` (relative to the cwd or the repo root), with KEY=VALUE overrides."""
-  from tformer_jax.decode_io import load_config_file
-  p = pathlib.Path(path)
-  if not p.is_file() and (REPO / path).is_file():
-    p = REPO / path
-  cfg = load_config_file(p)
-  for item in overrides:
-    key, sep, raw = item.partition("=")
-    if not sep:
-      raise SystemExit(f"error: override {item!r} is not KEY=VALUE")
-    try:
-      value = ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
-      value = raw
-    *parents, leaf = key.split(".")
-    node = cfg
-    for name in parents:
-      node = node[name]
-    if leaf not in node:
-      raise SystemExit(f"error: unknown config field {key!r}")
-    node[leaf] = type(node[leaf])(value) if isinstance(node[leaf], float) else value
-  return cfg
-
-
-def split_config_flags(argv: Sequence[str]) -> list[str]:
-  """--config.a.b=v -> --set a.b=v (the scripts/train.py spelling)."""
-  out = []
-  for a in argv:
-    if a.startswith("--config.") and "=" in a:
-      out += ["--set", a[len("--config."):]]
-    else:
-      out.append(a)
-  return out
 
 
 def parse_xla_options(items: Sequence[str]) -> dict[str, Any]:
@@ -97,7 +53,7 @@ def parse_xla_options(items: Sequence[str]) -> dict[str, Any]:
   for item in items:
     name, sep, raw = item.partition("=")
     if not sep:
-      raise SystemExit(f"error: --xla-option {item!r} is not NAME=VALUE")
+      cli_common.fail(f"--xla-option {item!r} is not NAME=VALUE")
     low = raw.lower()
     value: Any = int(raw) if raw.isdigit() else raw
     out[name.lstrip("-")] = (low == "true") if low in ("true", "false") else value
@@ -118,22 +74,27 @@ def compile_with(lowered: Any, options: dict[str, Any]) -> Any:
 class TrainBench:
   """The real train step on synthetic tokens: compile once, then run timed rounds of k steps.
 
-  compiler_options: XLA options for this step's compilation (default none: as the training loop)."""
+  The step runs with the backend `backends.resolve_runtime` makes of cfg.runtime (as the training
+  loop, one device). compiler_options: XLA options for this step's compilation (default none: as the
+  training loop)."""
 
   def __init__(self, cfg: Any, seed: int = 0, num_batches: int = 4,
                compiler_options: dict[str, Any] | None = None, donate: bool = True):
+    from tformer_jax import backends
     from tformer_jax.nn import Transformer
     from tformer_jax.train import loop, optim, precision, state as state_lib, step as step_lib
     self.cfg = cfg
     self.compiler_options = dict(compiler_options or {})
+    self.runtime = backends.resolve_runtime(cfg, quiet=True)
     self.m = loop.resolve_model_config(cfg)
     self.batch, self.seq = int(cfg.data.batch_size), int(cfg.data.seq_len)
     self.tokens_per_step = self.batch * self.seq
     model = Transformer(self.m)
-    tx, schedule = optim.make_optimizer(cfg.optim, int(cfg.train.steps))
+    tx, schedule = optim.make_optimizer(cfg.optim, int(cfg.train.steps), self.runtime.backend)
     policy = precision.get_policy(cfg.train.precision)
     init = state_lib.init_fn(model, tx, policy.initial_loss_scale(), self.seq)
-    self.state = jax.jit(lambda r: state_lib.unbox_plain(init(r)))(jax.random.PRNGKey(seed))
+    with backends.use(self.runtime.backend):
+      self.state = jax.jit(lambda r: state_lib.unbox_plain(init(r)))(jax.random.PRNGKey(seed))
     self.params = state_lib.param_count(self.state.params)
     step = step_lib.make_train_step(model, tx, schedule, cfg.optim)
     self._jit = jax.jit(step, donate_argnums=(0,) if donate else ())
@@ -148,8 +109,11 @@ class TrainBench:
     self.last_metrics: dict[str, Any] = {}
 
   def compile(self) -> float:
+    from tformer_jax import backends
     t0 = time.perf_counter()
-    self.compiled = compile_with(self._jit.lower(self.state, self.batches[0]), self.compiler_options)
+    with backends.use(self.runtime.backend):    # traced (lowered) under the run's backend
+      lowered = self._jit.lower(self.state, self.batches[0])
+    self.compiled = compile_with(lowered, self.compiler_options)
     self.compile_s = time.perf_counter() - t0
     return self.compile_s
 
@@ -233,40 +197,43 @@ def machine_info() -> dict[str, Any]:
           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(prog="python -m tformer_jax.bench train", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  add_model_args(p)
-  p.add_argument("--steps", type=int, default=20, help="timed steps")
-  p.add_argument("--warmup", type=int, default=3, help="untimed steps after compilation")
-  p.add_argument("--attn-flops", choices=("full", "causal"), default="full")
-  p.add_argument("--peak-n", type=int, default=2048, help="matmul size for the peak (0: skip)")
-  p.add_argument("--peak-reps", type=int, default=3, help="matmul calls per measurement")
-  p.add_argument("--chunks", type=int, default=4,
-                 help="timed steps run in this many chunks, the matmul measured before each and after "
-                      "the last")
-  p.add_argument("--peak-dtype", default="float32")
-  p.add_argument("--nominal-peak-tflops", type=float, default=0.0,
-                 help="a datasheet peak to compute mfu against (e.g. 989 for H100/H200 dense bf16)")
-  p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
-                 help="an XLA debug option for this step's compilation only, e.g. "
-                      "xla_cpu_enable_concurrency_optimized_scheduler=true (repeatable)")
-  p.add_argument("--no-donate", action="store_true",
-                 help="do not donate the state (the training loop donates; on CPU XLA then copies the "
-                      "AdamW moments it updates in place, ~5%% of a step)")
-  p.add_argument("--profile", metavar="DIR",
-                 help="trace 3 extra steps with jax.profiler into DIR and print the step's time by op "
-                      "kind (matmuls, elementwise fusions, each custom call) and the slowest ops "
-                      "(tformer_jax/bench/op_profile.py)")
-  p.add_argument("--json", help="also write the result dict to this file")
-  argv = sys.argv[1:] if argv is None else list(argv)
-  return p.parse_args(split_config_flags(argv))
+def define_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_integer("steps", 20, "timed steps", flag_values=fv)
+  flags.DEFINE_integer("warmup", 3, "untimed steps after compilation", flag_values=fv)
+  flags.DEFINE_enum("attn-flops", "full", ["full", "causal"], "attention FLOP count: every (query, key) "
+                    "pair, or the causal half", flag_values=fv)
+  flags.DEFINE_integer("peak-n", 2048, "matmul size for the peak (0: skip)", flag_values=fv)
+  flags.DEFINE_integer("peak-reps", 3, "matmul calls per measurement", flag_values=fv)
+  flags.DEFINE_integer("chunks", 4, "timed steps run in this many chunks, the matmul measured before each "
+                       "and after the last", flag_values=fv)
+  flags.DEFINE_string("peak-dtype", "float32", "dtype of the peak matmul", flag_values=fv)
+  flags.DEFINE_float("nominal-peak-tflops", 0.0, "a datasheet peak to compute mfu against (e.g. 989 for "
+                     "H100/H200 dense bf16)", flag_values=fv)
+  flags.DEFINE_multi_string("xla-option", [], "NAME=VALUE: an XLA debug option for this step's "
+                            "compilation only, e.g. xla_cpu_enable_concurrency_optimized_scheduler=true",
+                            flag_values=fv)
+  flags.DEFINE_bool("no-donate", False, "do not donate the state (the training loop donates; on CPU XLA "
+                    "then copies the AdamW moments it updates in place, ~5% of a step)", flag_values=fv)
+  flags.DEFINE_string("profile", None, "DIR: trace 3 extra steps with jax.profiler into DIR and print the "
+                      "step's time by op kind (matmuls, elementwise fusions, each custom call) and the "
+                      "slowest ops (tformer_jax/bench/op_profile.py)", flag_values=fv)
+  flags.DEFINE_string("json", None, "also write the result dict to this file", flag_values=fv)
+
+
+def parse_args(argv: Sequence[str] | None) -> Any:
+  return cli_common.parse(argv, define_flags, doc=__doc__, prog="python -m tformer_jax.bench train",
+                          config=DEFAULT_CONFIG)
+
+
+def overrides_list(args: Any) -> list[str]:
+  """The applied --config.a.b=v overrides, as 'a.b=v' strings for the result JSON."""
+  return [f"{k}={v}" for k, v in args.overrides.items()]
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   from tformer_jax.bench import flops as flops_lib
   args = parse_args(argv)
-  cfg = load_config(args.config, args.set)
+  cfg = args.config
   options = parse_xla_options(args.xla_option)
   bench = TrainBench(cfg, compiler_options=options, donate=not args.no_donate)
   peak_option_sets = [{}, options]
@@ -277,8 +244,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"({info['device']}), jax {info['jax']}, allocator {info['allocator']}")
   print(f"model: {bench.params / 1e6:.2f}M params (N_matmul {fl['n_matmul'] / 1e6:.2f}M), "
         f"layers={m.num_layers} "
-        f"d_model={m.d_model} heads={m.num_heads}/{m.kv_heads} attention={m.attention_impl} dtype={m.dtype} "
+        f"d_model={m.d_model} heads={m.num_heads}/{m.kv_heads} dtype={m.dtype} "
         f"scan={m.scan_layers} remat={m.remat}; batch {bench.batch} x seq {bench.seq}")
+  print(bench.runtime.summary())
   compile_s = bench.compile()
   xla_flops = bench.xla_flops()
   print(f"compile: {compile_s:.2f}s; flops/step {fl['flops_per_step'] / 1e9:.2f} G ({fl['formula']})"
@@ -314,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   nominal = args.nominal_peak_tflops * 1e3
   mfu_measured = achieved / peak if peak == peak and peak > 0 else float("nan")
   res: dict[str, Any] = dict(
-      bench="train", config=args.config, overrides=list(args.set), steps=args.steps, warmup=args.warmup,
+      bench="train", config=args.config_file, overrides=overrides_list(args), steps=args.steps, warmup=args.warmup,
       batch=bench.batch, seq=bench.seq, tokens_per_step=bench.tokens_per_step,
       tokens_per_s=round(tok_s, 1), step_ms_median=round(1e3 * statistics.median(intervals), 2),
       step_ms_min=round(1e3 * min(intervals), 2), compile_s=round(compile_s, 3), params=bench.params,
@@ -325,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       mfu_vs_sustained=round(achieved / peak_sustained, 4) if samples else nan, chunks=chunks,
       mfu=round(achieved / nominal, 4) if nominal else round(mfu_measured, 4),
       nominal_peak_gflops=nominal or None, final_loss=loss, loss_finite=bool(np.isfinite(loss)),
-      attention_impl=m.attention_impl, dtype=m.dtype, donate=not args.no_donate,
+      runtime=bench.runtime.as_dict(), dtype=m.dtype, donate=not args.no_donate,
       xla_options=options,
       machine=info)
   if op_summary is not None:
