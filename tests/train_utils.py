@@ -25,6 +25,7 @@ def tiny_config(steps: int = 20, **overrides):
     *path, last = key.split(".")
     for p in path:
       node = node[p]
+    assert last in node, f"tiny_config: unknown field {key}"
     node[last] = value
   return c
 
@@ -35,7 +36,8 @@ def overrides_to_flags(**overrides) -> list[str]:
 
 TINY_FLAGS = overrides_to_flags(**{
     "model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4, "model.max_len": 64,
-    "model.position": "rope", "model.norm": "rmsnorm", "data.seq_len": 32, "data.batch_size": 8,
+    "model.position": "rope", "model.norm": "rmsnorm", "model.activation": "gelu", "data.seq_len": 32,
+    "data.batch_size": 8,
     "optim.peak_lr": 3e-3, "optim.warmup_steps": 5, "train.eval_batches": 2, "train.sample_tokens": 0,
     "train.log_every": 1})
 

@@ -18,13 +18,14 @@ from tformer_jax.backends.base import ATTENTION_IMPLS, AdamWSpec, Backend
 from tformer_jax.backends.runtime import Runtime, resolve_runtime
 from tformer_jax.backends.xla_cpu import XlaCpuBackend
 
-_CURRENT: contextvars.ContextVar[Backend] = contextvars.ContextVar("tformer_jax_backend",
-                                                                    default=Backend())
+_DEFAULT = Backend()
+_CURRENT: contextvars.ContextVar[Backend | None] = contextvars.ContextVar("tformer_jax_backend",
+                                                                           default=None)
 
 
 def current() -> Backend:
   """The backend the modules use now."""
-  return _CURRENT.get()
+  return _CURRENT.get() or _DEFAULT
 
 
 @contextlib.contextmanager

@@ -25,6 +25,8 @@ import numpy as np
 
 from tformer_jax import backends
 from tformer_jax.nn.attention import visibility
+from tformer_jax.nn.transformer import sown_per_layer
+from tformer_jax.ops.attention import head_statistics
 
 COLLAPSE_MAX_WEIGHT = 0.9
 BLUR_ENTROPY_RATIO = 0.95
@@ -35,28 +37,11 @@ def weights_backend() -> contextlib.AbstractContextManager:
   return backends.use(backends.Backend())
 
 
-def _collect(tree: Any, name: str) -> list[jax.Array]:
-  """Values sown as `name`, in layer order. Unrolled layers live under 'layers_<i>'; a scanned stack
-  under 'layers' holds arrays with a leading (num_layers,) axis, split here into one per layer."""
-  found: list[tuple[int, int, jax.Array]] = []
-  for path, value in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    keys = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
-    if name not in keys:
-      continue
-    layer = next((int(k[7:]) for k in keys if k.startswith("layers_") and k[7:].isdigit()), None)
-    if layer is None and "layers" in keys:
-      found.extend((i, 0, value[i]) for i in range(value.shape[0]))
-    else:
-      found.append((-1 if layer is None else layer, len(found), value))
-  found.sort(key=lambda t: (t[0], t[1]))
-  return [v for _, _, v in found]
-
-
 def sown(model: nn.Module, params: Any, tokens_BxL: jax.Array, name: str, **apply_kwargs: Any
          ) -> tuple[jax.Array, list[jax.Array]]:
   """(model output, the per-layer values sown under `name` in 'intermediates')."""
   out, mut = model.apply({"params": params}, tokens_BxL, mutable=["intermediates"], **apply_kwargs)
-  return out, _collect(mut.get("intermediates", {}), name)
+  return out, sown_per_layer(mut.get("intermediates", {}), name)
 
 
 def attention_weights(model: nn.Module, params: Any, tokens_BxL: jax.Array, **apply_kwargs: Any
@@ -81,24 +66,6 @@ def visible_keys(cfg: Any, attention_mask_BxL: jax.Array | None, b: int, l: int)
   if structural is not None:
     vis = vis & structural[None]
   return vis & valid_BxL[:, :, None]   # padding queries are not analysed
-
-
-def head_statistics(weights_BxHxLxS: jax.Array, visible_BxLxS: jax.Array) -> dict[str, jax.Array]:
-  """Per-head (H,) statistics over the queries that see >= 2 keys: entropy (nats), the uniform
-  entropy log(#visible) averaged the same way, their ratio, and the mean row max."""
-  w = weights_BxHxLxS.astype(jnp.float32)
-  n_vis_BxL = jnp.sum(visible_BxLxS, axis=-1).astype(jnp.float32)
-  use_BxL = (n_vis_BxL >= 2).astype(jnp.float32)
-  denom = jnp.maximum(jnp.sum(use_BxL), 1.0)
-  ent_BxHxL = -jnp.sum(jnp.where(w > 0, w * jnp.log(jnp.where(w > 0, w, 1.0)), 0.0), axis=-1)
-  uni_BxL = jnp.log(jnp.maximum(n_vis_BxL, 1.0))
-  mx_BxHxL = jnp.max(w, axis=-1)
-  ent_H = jnp.sum(ent_BxHxL * use_BxL[:, None], axis=(0, 2)) / denom
-  uni = jnp.sum(uni_BxL * use_BxL) / denom
-  ratio_H = jnp.sum(ent_BxHxL / jnp.maximum(uni_BxL, 1e-9)[:, None] * use_BxL[:, None], axis=(0, 2)) / denom
-  max_H = jnp.sum(mx_BxHxL * use_BxL[:, None], axis=(0, 2)) / denom
-  return {"entropy": ent_H, "uniform_entropy": jnp.broadcast_to(uni, ent_H.shape),
-          "entropy_ratio": ratio_H, "max_weight": max_H}
 
 
 def summarize(weights: list[jax.Array], visible_BxLxS: jax.Array) -> list[dict[str, Any]]:

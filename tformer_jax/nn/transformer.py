@@ -2,6 +2,8 @@
 final norm and LM head. Every variant in the articles is a field of `ModelConfig`, not a subclass."""
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -127,3 +129,20 @@ class Transformer(nn.Module):
       head = param(self, "head", normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt)
       logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, head.astype(dt))
     return logits_BxLxV.astype(jnp.float32)
+
+
+def sown_per_layer(tree: Any, name: str) -> list[jax.Array]:
+  """Values sown as `name` (e.g. in the 'intermediates' collection), in layer order. Unrolled layers live under 'layers_<i>'; a scanned stack
+  under 'layers' holds arrays with a leading (num_layers,) axis, split here into one per layer."""
+  found: list[tuple[int, int, jax.Array]] = []
+  for path, value in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    keys = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+    if name not in keys:
+      continue
+    layer = next((int(k[7:]) for k in keys if k.startswith("layers_") and k[7:].isdigit()), None)
+    if layer is None and "layers" in keys:
+      found.extend((i, 0, value[i]) for i in range(value.shape[0]))
+    else:
+      found.append((-1 if layer is None else layer, len(found), value))
+  found.sort(key=lambda t: (t[0], t[1]))
+  return [v for _, _, v in found]

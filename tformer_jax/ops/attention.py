@@ -107,3 +107,21 @@ def dot_product_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, 
   if return_weights:
     return out_BxLxHxD, weights_BxHxLxS
   return out_BxLxHxD
+
+
+def head_statistics(weights_BxHxLxS: jax.Array, visible_BxLxS: jax.Array) -> dict[str, jax.Array]:
+  """Per-head (H,) statistics over the queries that see >= 2 keys: entropy (nats), the uniform
+  entropy log(#visible) averaged the same way, their ratio, and the mean row max."""
+  w = weights_BxHxLxS.astype(jnp.float32)
+  n_vis_BxL = jnp.sum(visible_BxLxS, axis=-1).astype(jnp.float32)
+  use_BxL = (n_vis_BxL >= 2).astype(jnp.float32)
+  denom = jnp.maximum(jnp.sum(use_BxL), 1.0)
+  ent_BxHxL = -jnp.sum(jnp.where(w > 0, w * jnp.log(jnp.where(w > 0, w, 1.0)), 0.0), axis=-1)
+  uni_BxL = jnp.log(jnp.maximum(n_vis_BxL, 1.0))
+  mx_BxHxL = jnp.max(w, axis=-1)
+  ent_H = jnp.sum(ent_BxHxL * use_BxL[:, None], axis=(0, 2)) / denom
+  uni = jnp.sum(uni_BxL * use_BxL) / denom
+  ratio_H = jnp.sum(ent_BxHxL / jnp.maximum(uni_BxL, 1e-9)[:, None] * use_BxL[:, None], axis=(0, 2)) / denom
+  max_H = jnp.sum(mx_BxHxL * use_BxL[:, None], axis=(0, 2)) / denom
+  return {"entropy": ent_H, "uniform_entropy": jnp.broadcast_to(uni, ent_H.shape),
+          "entropy_ratio": ratio_H, "max_weight": max_H}

@@ -7,6 +7,7 @@ from the latest good checkpoint, so a resumed run continues bit-for-bit.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -26,8 +27,10 @@ from tformer_jax import backends
 from tformer_jax import config as config_lib
 from tformer_jax.nn import Transformer
 from tformer_jax.parallel import mesh as mesh_lib
+from tformer_jax.parallel import pmap as pmap_lib
 from tformer_jax.parallel import rules as rules_lib
 from tformer_jax.train import optim, precision, state as state_lib, step as step_lib
+from tformer_jax.train.stats import make_stats_fn
 from tformer_jax.train.metrics import MetricWriter
 
 log = logging.getLogger("tformer_jax")
@@ -148,9 +151,9 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
   batch_sh = mesh_lib.batch_sharding(mesh)
   use_pmap = cfg.mesh.parallelism == "pmap"
   if use_pmap:  # replicated state, batch split over local devices (tformer_jax/parallel/pmap.py)
-    from tformer_jax.parallel import pmap as pmap_lib
-    jstep = pmap_lib.make_train_step(model, tx, schedule, cfg.optim, mesh, shardings)
-    jeval = pmap_lib.make_eval_step(model, mesh)
+    jstep = pmap_lib.make_train_step(
+        step_lib.make_train_step(model, tx, schedule, cfg.optim, axis_name=pmap_lib.AXIS), mesh, shardings)
+    jeval = pmap_lib.make_eval_step(functools.partial(step_lib.eval_step, model=model), mesh)
   else:  # traced under the rules, so the model's activation constraints take effect
     jstep = jax.jit(mesh_lib.traced_under(train_step, mesh, rules), in_shardings=(shardings, batch_sh),
                     out_shardings=(shardings, None), donate_argnums=(0,))
@@ -158,8 +161,7 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
                     in_shardings=(shardings.params, batch_sh))
 
   stats_every, jstats = int(cfg.train.get("stats_every", 0)), None
-  if stats_every > 0 and cfg.mesh.parallelism != "pmap":  # layer statistics, tformer_jax/diagnostics/stats.py
-    from tformer_jax.diagnostics.stats import make_stats_fn
+  if stats_every > 0 and cfg.mesh.parallelism != "pmap":  # layer statistics, train/stats.py
     jstats = jax.jit(mesh_lib.traced_under(make_stats_fn(model, tx), mesh, rules),
                      in_shardings=(shardings, batch_sh))
 

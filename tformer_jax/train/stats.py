@@ -14,8 +14,8 @@ prev_params=None) -> {name: float32 scalar}` with
   pos_embed_grad_norm, pos_embed_grad_ratio   the learned position table's gradient norm and its ratio
                                        to the token embedding's (the second article's check that
                                        positions are used: a ratio stuck near 0 means they are not)
-One forward+backward on the given batch (no dropout), with the model cloned to the 'reference'
-attention impl so the weights can be read: every `stats_every` steps this costs about one step.
+One forward+backward on the given batch (no dropout), under the reference backend so the attention
+weights can be read: every `stats_every` steps this costs about one step.
 """
 from __future__ import annotations
 
@@ -27,8 +27,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from tformer_jax.diagnostics.attention_maps import _collect, head_statistics, weights_backend
+from tformer_jax import backends
 from tformer_jax.nn.attention import visibility
+from tformer_jax.nn.transformer import sown_per_layer
+from tformer_jax.ops.attention import head_statistics
 
 
 def module_name(path: tuple) -> tuple[str, bool]:
@@ -86,7 +88,7 @@ def make_stats_fn(model: nn.Module, tx: optax.GradientTransformation | None = No
     opt_state = getattr(state_or_params, "opt_state", None)
 
     def loss_fn(p):
-      with weights_backend() if attention else contextlib.nullcontext():
+      with backends.use(backends.Backend()) if attention else contextlib.nullcontext():
         logits, mut = model.apply({"params": p}, batch["inputs"], deterministic=True,
                                   mutable=["intermediates"])
       return _lm_loss(logits, batch), mut.get("intermediates", {})
@@ -97,13 +99,13 @@ def make_stats_fn(model: nn.Module, tx: optax.GradientTransformation | None = No
       loss, inter = loss_fn(params)
     out: dict[str, jax.Array] = {"loss": loss}
 
-    for i, x in enumerate(_collect(inter, "block_out")):
+    for i, x in enumerate(sown_per_layer(inter, "block_out")):
       x = x.astype(jnp.float32)
       out[f"act_mean/layer_{i}"] = jnp.mean(x)
       out[f"act_std/layer_{i}"] = jnp.std(x)
       out[f"act_rms/layer_{i}"] = jnp.sqrt(jnp.mean(x * x))
 
-    weights = _collect(inter, "attention_weights")
+    weights = sown_per_layer(inter, "attention_weights")
     if weights:
       b, l = batch["inputs"].shape
       vis = jnp.ones((b, l, l), bool)

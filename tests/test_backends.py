@@ -1,0 +1,241 @@
+"""The backend boundary (tformer_jax/backends): the model computes the same function on every backend.
+
+- Forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize) through `model.apply` works with the
+  library default (the reference backend), checked against reverse mode / finite differences.
+- Logits and every parameter gradient of the xla_cpu backend (custom VJPs, barrier, C++ kernels on
+  and off) equal the reference backend's: float32, 1e-5 relative to each array's largest entry.
+- One visibility rule: every attention implementation, given the same `ops.masks.Visibility`, equals
+  softmax attention under a mask built independently from the `ops.masks` builders (1e-5).
+- `resolve_runtime` logs one line; the layering holds (ops <- nn <- train/decode/interop <- tools) and
+  `nn/` holds no speed machinery.
+"""
+import ast
+import logging
+import pathlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tformer_jax import backends
+from tformer_jax.config import ModelConfig, default_config, validate_model
+from tformer_jax.nn import Transformer
+from tformer_jax.ops import attention as attn_ops
+from tformer_jax.ops import cpu_kernel
+from tformer_jax.ops import masks
+
+PKG = pathlib.Path(__file__).resolve().parents[1] / "tformer_jax"
+TOL = 1e-5
+KERNELS = cpu_kernel.available()[0]
+
+
+def _cfg(**kw) -> ModelConfig:
+  base = dict(vocab_size=53, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, max_len=32,
+              position="rope", norm="rmsnorm", activation="swiglu")
+  base.update(kw)
+  m = ModelConfig(**base)
+  validate_model(m)
+  return m
+
+
+def _setup(m: ModelConfig, length: int = 13):
+  model = Transformer(m)
+  tokens = jax.random.randint(jax.random.PRNGKey(3), (2, length), 0, m.vocab_size)
+  params = nn.unbox(model.init(jax.random.PRNGKey(0), tokens)["params"])
+  return model, params, tokens
+
+
+# -- forward mode ---------------------------------------------------------------------------------
+
+def test_forward_mode_autodiff_through_apply():
+  model, params, tokens = _setup(_cfg(norm="layernorm", activation="gelu", position="learned",
+                                      qkv_bias=True, num_layers=1))
+  assert backends.current().name == "reference"   # no `use` block: the library default
+
+  def loss(p):
+    return jnp.mean(jnp.tanh(model.apply({"params": p}, tokens)))
+
+  direction = jax.tree.map(lambda x: jax.random.normal(jax.random.PRNGKey(x.size), x.shape), params)
+  _, jvp = jax.jvp(loss, (params,), (direction,))
+  vjp = sum(jnp.vdot(g, d) for g, d in zip(jax.tree.leaves(jax.grad(loss)(params)),
+                                          jax.tree.leaves(direction)))
+  np.testing.assert_allclose(float(jvp), float(vjp), rtol=1e-4)
+
+  y, lin = jax.linearize(loss, params)
+  np.testing.assert_allclose(float(lin(direction)), float(jvp), rtol=1e-5)
+  np.testing.assert_allclose(float(y), float(loss(params)), rtol=1e-6)
+
+  # jacfwd of the logits w.r.t. the embedding table of a tiny model, against reverse mode
+  emb = params["embed"]
+
+  def logits_of(e):
+    return model.apply({"params": {**params, "embed": e}}, tokens[:1, :4])[0, -1, :5]
+
+  np.testing.assert_allclose(np.asarray(jax.jacfwd(logits_of)(emb)),
+                             np.asarray(jax.jacrev(logits_of)(emb)), rtol=1e-5, atol=1e-6)
+
+
+# -- reference == xla_cpu ---------------------------------------------------------------------------
+
+def _logits_and_grads(model, params, tokens, backend):
+  w = jax.random.normal(jax.random.PRNGKey(7), tokens.shape + (model.cfg.vocab_size,))
+
+  def f(p):
+    logits = model.apply({"params": p}, tokens)
+    return jnp.sum(logits * w), logits
+
+  with backends.use(backend):
+    (_, logits), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+  return np.asarray(logits), jax.device_get(grads)
+
+
+def _assert_close(got, want):
+  np.testing.assert_allclose(got[0], want[0], rtol=TOL, atol=TOL)
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got[1])[0], jax.tree.leaves(want[1])):
+    scale = max(1.0, float(np.max(np.abs(b))))
+    np.testing.assert_allclose(a, b, rtol=TOL, atol=TOL * scale, err_msg=jax.tree_util.keystr(path))
+
+
+ARCHS = {
+    "gpt2": dict(norm="layernorm", activation="gelu_tanh", position="learned", qkv_bias=True,
+                 out_bias=True, mlp_bias=True, num_kv_heads=0),
+    "llama_gqa": {},
+    "alibi_window": dict(position="alibi", window=5, num_kv_heads=1),
+    "postln_scanned": dict(norm="layernorm", norm_position="post", scan_layers=True, remat="full"),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("kernels", [False, True], ids=["xla_ops", "cpu_kernels"])
+def test_xla_cpu_backend_equals_reference(arch, kernels):
+  if kernels and not KERNELS:
+    pytest.skip(f"C++ kernels unavailable: {cpu_kernel.available()[1]}")
+  model, params, tokens = _setup(_cfg(**ARCHS[arch]))
+  want = _logits_and_grads(model, params, tokens, backends.Backend())
+  fast = backends.XlaCpuBackend(attention_impl="chunked", block_q=4, cpu_kernels=kernels)
+  _assert_close(_logits_and_grads(model, params, tokens, fast), want)
+
+
+def test_xla_cpu_backend_really_runs_its_machinery():
+  if not KERNELS:
+    pytest.skip("C++ kernels unavailable")
+  model, params, tokens = _setup(_cfg())
+  f = lambda p: jnp.sum(model.apply({"params": p}, tokens))  # noqa: E731
+  with backends.use(backends.XlaCpuBackend(attention_impl="chunked", block_q=4)):
+    hlo = jax.jit(jax.grad(f)).lower(params).as_text()
+  assert "tfj_matmul" in hlo and "tfj_chunked_attention" in hlo and "while" in hlo
+  hlo_ref = jax.jit(jax.grad(f)).lower(params).as_text()   # outside: the reference backend
+  assert "tfj_" not in hlo_ref and "while" not in hlo_ref
+
+
+# -- one visibility rule ----------------------------------------------------------------------------
+
+def _qkv(l: int, s: int, h: int = 4, kh: int = 2, d: int = 8):
+  ks = jax.random.split(jax.random.PRNGKey(11), 3)
+  return (jax.random.normal(ks[0], (2, l, h, d)), jax.random.normal(ks[1], (2, s, kh, d)),
+          jax.random.normal(ks[2], (2, s, kh, d)))
+
+
+VALID = jnp.asarray([[True] * 12, [False] * 3 + [True] * 9])
+CASES = {  # name: (Visibility, the same rule spelled with the ops.masks builders), L = S = 12
+    "causal": (masks.Visibility(), masks.causal_mask(12)),
+    "window": (masks.Visibility(window=4), masks.sliding_window_mask(12, window=4)),
+    "bidirectional_window": (masks.Visibility(causal=False, window=3),
+                             masks.local_window_mask(12, window=3)),
+    "padded_causal": (masks.Visibility(kv_valid_BxS=VALID),
+                      masks.combine_masks(masks.causal_mask(12), masks.padding_mask(VALID))),
+    "segments": (masks.Visibility(q_segment_ids_BxL=jnp.asarray([[1] * 5 + [2] * 7] * 2),
+                                  kv_segment_ids_BxS=jnp.asarray([[1] * 5 + [2] * 7] * 2)),
+                 masks.combine_masks(masks.causal_mask(12),
+                                     masks.segment_mask(jnp.asarray([[1] * 5 + [2] * 7] * 2)))),
+}
+IMPLS = [backends.Backend(attention_impl=a, block_q=4, block_k=4)
+         for a in ("reference", "chunked", "blockwise", "xla")]
+IMPLS += [backends.XlaCpuBackend(attention_impl="chunked", block_q=4, cpu_kernels=True)]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("backend", IMPLS, ids=lambda b: f"{b.name}-{b.attention_impl}")
+def test_every_implementation_follows_the_visibility(case, backend):
+  if backend.name == "xla_cpu" and not KERNELS:
+    pytest.skip("C++ kernels unavailable")
+  vis, mask = CASES[case]
+  q, k, v = _qkv(12, 12)
+  with backends.use(backend):
+    got, _ = backends.current().attention(q, k, v, vis)
+  want = attn_ops.dot_product_attention(q, k, v, mask=mask)
+  rows = np.asarray(jnp.any(mask, axis=-1))[:, 0, :, None, None] if mask.shape[0] > 1 else True
+  np.testing.assert_allclose(np.where(rows, np.asarray(got), 0), np.where(rows, np.asarray(want), 0),
+                             rtol=TOL, atol=TOL)
+  np.testing.assert_array_equal(np.asarray(vis.mask(12, 12)), np.asarray(jnp.broadcast_to(
+      mask, vis.mask(12, 12).shape)))
+
+
+def test_visibility_with_global_tokens_and_offset():
+  vis = masks.Visibility(window=3, num_global=2)
+  want = masks.combine_masks(masks.causal_mask(10),
+                             masks.local_window_mask(10, window=3) | masks.global_token_mask(10, num_global=2))
+  np.testing.assert_array_equal(np.asarray(vis.mask(10, 10)), np.asarray(want))
+  # a decode step: query 0 of the call sits at cache slot 6
+  step = masks.Visibility(window=3, q_offset=6).mask(1, 10)
+  np.testing.assert_array_equal(np.asarray(step[0, 0, 0]), (np.arange(10) >= 4) & (np.arange(10) <= 6))
+
+
+# -- runtime resolution and structure -----------------------------------------------------------------
+
+def test_resolve_runtime_logs_one_line(caplog):
+  cfg = default_config()
+  with caplog.at_level(logging.INFO, logger="tformer_jax"):
+    rt = backends.resolve_runtime(cfg)
+  lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("runtime:")]
+  assert len(lines) == 1 and rt.backend.name in lines[0] and rt.allocator in lines[0]
+  assert rt.as_dict()["attention"] == rt.backend.attention_impl
+  quiet = backends.resolve_runtime(cfg, platform="gpu", quiet=True)
+  assert (quiet.backend.name, quiet.backend.attention_impl) == ("reference", "xla")
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+  """The tformer_jax subpackages/modules a file imports (first component after tformer_jax.)."""
+  out = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.ImportFrom) and node.module:
+      mods = ([f"tformer_jax.{a.name}" for a in node.names] if node.module == "tformer_jax"
+              else [node.module])
+    elif isinstance(node, ast.Import):
+      mods = [a.name for a in node.names]
+    else:
+      continue
+    out |= {m.split(".")[1] for m in mods if m.startswith("tformer_jax.")}
+  return out
+
+
+# What each layer may import from the package (besides itself).
+ALLOWED = {
+    "ops": set(),
+    "config": set(), "host_alloc": set(),
+    "backends": {"ops", "config", "host_alloc"},
+    "nn": {"ops", "config", "backends"},
+    "parallel": {"config"},
+}
+TOOLS = {"bench", "doctor", "diagnostics", "experiments", "cli_common"}
+
+
+def test_imports_run_downward():
+  for path in PKG.rglob("*.py"):
+    parts = path.relative_to(PKG).with_suffix("").parts
+    unit = parts[0]
+    imported = _imports(path) - {unit}
+    if unit in ALLOWED:
+      assert imported <= ALLOWED[unit], f"{path.relative_to(PKG)} imports {imported - ALLOWED[unit]}"
+    elif unit not in TOOLS:  # services and train never reach up into the tools
+      assert not imported & TOOLS, f"{path.relative_to(PKG)} imports {imported & TOOLS}"
+
+
+def test_nn_holds_no_speed_machinery():
+  for path in (PKG / "nn").glob("*.py"):
+    text = path.read_text()
+    for word in ("cpu_kernel", "barrier", "host_alloc", "tcmalloc", "custom_vjp", '"auto"', "'auto'",
+                 "default_backend"):
+      assert word not in text, f"nn/{path.name} mentions {word}"
