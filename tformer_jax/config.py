@@ -34,9 +34,13 @@ RUNTIME_ATTENTION = ("auto", "reference", "chunked", "blockwise", "xla", "cudnn"
 TILED_ATTENTION = ("chunked", "blockwise")   # no dense bias, no global tokens, no dropout
 AUTO_ON_OFF = ("auto", "on", "off")
 
-# ModelConfig fields that say how the function is computed or stored, not which function: the
-# architecture signature (HF export, checkpoint compatibility) leaves them out.
-EXECUTION_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat")
+# ModelConfig fields that change neither the function the model computes at inference nor what its
+# parameters mean: training-time regularisation and initialisation, dtypes, how layers are traced
+# (scan/remat), and mlp_ratio (a default for d_ff, compared resolved). The architecture signature
+# (HF export, `interop.hf`) leaves them out.
+NON_ARCHITECTURE_FIELDS = ("embed_dropout", "attn_dropout", "resid_dropout", "init_std",
+                           "scale_residual_init", "dtype", "param_dtype", "scan_layers", "remat",
+                           "mlp_ratio")
 # Execution fields that older versions kept in `model` (still found in saved config.json files);
 # now in the runtime section, and dropped when such a file is read.
 LEGACY_RUNTIME_FIELDS = ("attention_impl", "attention_block_q", "attention_block_k",

@@ -31,7 +31,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from tformer_jax.config import ModelConfig, MoEConfig, RopeScaling, validate_model
+from tformer_jax.config import NON_ARCHITECTURE_FIELDS, ModelConfig, MoEConfig, RopeScaling, validate_model
 from tformer_jax.data.tokenizers import get_tokenizer
 from tformer_jax.interop import axes
 from tformer_jax.interop.families import FAMILIES, MIXTRAL, Family, OneOf, Rule, get_family
@@ -182,11 +182,6 @@ def _write_safetensors(tensors: Mapping[str, np.ndarray], d: pathlib.Path, max_s
 # ----------------------------------------------------------------------------------------------
 # Configs
 
-# TODO(core): use config.NON_ARCHITECTURE_FIELDS once config.py defines it. The ModelConfig fields
-# that change neither the function the model computes (at inference) nor its parameter layout:
-# dropout, initialisation, dtypes, layer scan/remat, mlp_ratio (derived: d_ff is compared resolved).
-NON_ARCHITECTURE_FIELDS = ("embed_dropout", "attn_dropout", "resid_dropout", "init_std", "scale_residual_init",
-                           "dtype", "param_dtype", "scan_layers", "remat", "mlp_ratio")
 _SCALING_FIELDS = {"none": (), "linear": ("factor",), "ntk": ("factor",),
                    "dynamic": ("factor", "original_max_len"),
                    "yarn": ("factor", "original_max_len", "beta_fast", "beta_slow", "attention_factor"),
