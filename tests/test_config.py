@@ -1,4 +1,5 @@
 """Config validation: every shipped preset runs; each invalid case names its field."""
+import dataclasses
 import importlib.util
 import pathlib
 
@@ -6,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from tformer_jax import backends
 from tformer_jax.config import ConfigError, ModelConfig, default_config, validate
 from tformer_jax.nn import Transformer
 
@@ -27,16 +29,18 @@ def test_shipped_config_validates_inits_and_runs(path):
   m = validate(cfg)
   # Shrink depth so the smoke test stays cheap; every other field is as shipped.
   small = ModelConfig.from_config(cfg.model)
-  import dataclasses
   small = dataclasses.replace(small, num_layers=min(small.num_layers, 2), dtype="float32")
-  if small.attention_impl == "cudnn" and jax.default_backend() != "gpu":
-    small = dataclasses.replace(small, attention_impl="xla")  # same semantics; cuDNN needs a GPU
   if small.moe.num_experts:
     small = dataclasses.replace(small, moe=dataclasses.replace(small.moe, every=1))
+  # The shipped runtime section, as this run resolves it (every 'auto' decided here).
+  if cfg.runtime.attention == "cudnn" and jax.default_backend() != "gpu":
+    cfg.runtime.attention = "xla"  # same semantics; cuDNN needs a GPU
+  backend = backends.resolve_runtime(cfg, quiet=True).backend
   model = Transformer(small)
   tok = jnp.zeros((1, 16), jnp.int32)
-  out, variables = model.init_with_output(jax.random.PRNGKey(0), tok)
-  out = model.apply(variables, tok + 1)
+  with backends.use(backend):
+    out, variables = model.init_with_output(jax.random.PRNGKey(0), tok)
+    out = model.apply(variables, tok + 1)
   assert bool(jnp.isfinite(out).all())
   expected_last = m.vocab_size if m.lm_head else m.d_model
   assert out.shape == (1, 16, expected_last)
@@ -66,11 +70,21 @@ INVALID = [
     ({"model.attn_dropout": -0.1}, "model.attn_dropout"),
     ({"model.norm_position": "middle"}, "model.norm_position"),
     ({"model.remat": "some"}, "model.remat"),
-    ({"model.attention_impl": "flash"}, "model.attention_impl"),
+    ({"runtime.attention": "flash"}, "runtime.attention"),
     ({"model.dtype": "int8"}, "model.dtype"),
-    ({"model.attention_impl": "chunked_cpu", "model.dtype": "bfloat16"}, "model.attention_impl"),
-    ({"model.attention_impl": "chunked_cpu", "train.precision": "bf16"}, "train.precision"),
-    ({"model.weight_grad_impl": "cpu_kernel", "train.precision": "fp16"}, "train.precision"),
+    ({"runtime.cpu_kernels": "on", "model.dtype": "bfloat16"}, "runtime.cpu_kernels"),
+    ({"runtime.cpu_kernels": "on", "train.precision": "bf16"}, "runtime.cpu_kernels"),
+    ({"runtime.cpu_kernels": "on", "train.precision": "fp16"}, "runtime.cpu_kernels"),
+    ({"runtime.cpu_kernels": "on", "model.param_dtype": "bfloat16"}, "runtime.cpu_kernels"),
+    ({"runtime.cpu_kernels": "on", "runtime.backend": "reference"}, "runtime.cpu_kernels"),
+    ({"runtime.cpu_kernels": "yes"}, "runtime.cpu_kernels"),
+    ({"runtime.backend": "tpu"}, "runtime.backend"),
+    ({"runtime.attention_block_q": 0}, "runtime.attention_block_q"),
+    ({"runtime.attention_block_k": -4}, "runtime.attention_block_k"),
+    ({"model.attn_dropout": 0.1, "runtime.attention": "chunked"}, "runtime.attention"),
+    ({"model.position": "t5", "runtime.attention": "blockwise"}, "runtime.attention"),
+    ({"model.window": 8, "model.num_global_tokens": 2, "runtime.attention": "chunked"},
+     "runtime.attention"),
     ({"model.rope_scaling.type": "yarn", "model.position": "learned"}, "model.rope_scaling.type"),
     ({"model.position": "rope", "model.rope_scaling.type": "magic"}, "model.rope_scaling.type"),
     ({"model.moe.num_experts": 4, "model.moe.top_k": 5}, "model.moe.top_k"),

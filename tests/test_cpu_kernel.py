@@ -1,7 +1,7 @@
-"""The C++ CPU attention kernel (ops/cpu_kernel, attention_impl='chunked_cpu') equals dense
-dot_product_attention: outputs and q/k/v gradients on every case of the blockwise suite that it
-supports (all but segment ids), two chunk sizes; plus vmap, fully padded rows, argument errors and
-the build step's errors.
+"""The C++ CPU attention kernel (ops/cpu_kernel: the xla_cpu backend's 'chunked' attention with
+runtime.cpu_kernels on, backends/xla_cpu.py) equals dense dot_product_attention: outputs and q/k/v
+gradients on every case of the blockwise suite that it supports (all but segment ids), two chunk
+sizes; plus vmap, fully padded rows, argument errors and the build step's errors.
 
 Tolerance: float32, atol = rtol = 1e-5 (the kernel's exp is a polynomial with relative error < 2e-7).
 Skipped, with the reason, only where no C++ compiler exists (CI machines have g++).

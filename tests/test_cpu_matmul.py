@@ -1,5 +1,5 @@
 """The C++ CPU matmul (ops.cpu_kernel.matmul_cpu) and its one use, the weight gradients of
-nn.common.project under model.weight_grad_impl='cpu_kernel' / 'auto'.
+backends.xla_cpu.project with the xla_cpu backend's C++ kernels on (runtime.cpu_kernels 'on' / 'auto').
 
 Tolerances: float32 against a float64 product, 1e-5 relative to the largest entry; model gradients
 against the XLA path, 1e-5 (only the summation order differs). Skipped only without a C++ compiler.
@@ -10,13 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
 from test_cpu_kernel import pytestmark  # noqa: F401  (skip without a C++ compiler)
-from test_long_context import _assert_same, _cfg, _init, _logits_and_grads, _tokens
+from test_long_context import (_assert_same, _cfg, _init, _logits_and_grads, _runtime_cfg,
+                               _tokens)
 
-from tformer_jax.config import ConfigError, validate_model
-from tformer_jax.nn.attention import resolve_attention_impl
-from tformer_jax.nn.common import project, resolve_weight_grad_impl
+from tformer_jax import backends
+from tformer_jax.backends.xla_cpu import project
+from tformer_jax.config import ConfigError, default_config, validate_runtime
+from tformer_jax.nn import Transformer
 from tformer_jax.ops.cpu_kernel import matmul_cpu
 
 SHAPES = [(37, 53, 19), (5, 300, 200), (200, 64, 3), (1, 1, 1), (16, 0, 8), (512, 96, 384)]
@@ -65,47 +66,84 @@ def test_project_weight_grad_kernel_equals_xla(spec, x_shape, w_shape):
   r = np.random.default_rng(1)
   x, w = (jnp.asarray(r.standard_normal(s), jnp.float32) for s in (x_shape, w_shape))
 
-  def grads(impl, x, w):
-    return jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.tanh(project(spec, x, w, impl))),
+  def grads(cpu_kernels, x, w):
+    return jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.tanh(project(spec, x, w, cpu_kernels))),
                             argnums=(0, 1)))(x, w)
 
-  hlo = jax.jit(jax.grad(lambda w: jnp.sum(project(spec, x, w, "cpu_kernel")))).lower(w).as_text()
+  hlo = jax.jit(jax.grad(lambda w: jnp.sum(project(spec, x, w, True)))).lower(w).as_text()
   assert "tfj_matmul" in hlo   # the kernel really computes dw here
-  for g, want in zip(grads("cpu_kernel", x, w), grads("xla", x, w)):
+  for g, want in zip(grads(True, x, w), grads(False, x, w)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(want), atol=1e-5, rtol=1e-5)
+  # and both are the gradients of plain einsum autodiff (the reference backend's dense)
+  plain = jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.tanh(jnp.einsum(spec, x, w))), argnums=(0, 1)))
+  for g, want in zip(grads(True, x, w), plain(x, w)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(want), atol=1e-5, rtol=1e-5)
   # half precision is not the kernel's: the same call falls back to XLA's dot
   xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
-  for g, want in zip(grads("cpu_kernel", xb, wb), grads("xla", xb, wb)):
+  for g, want in zip(grads(True, xb, wb), grads(False, xb, wb)):
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(want, np.float32))
 
 
 def test_model_gradients_equal_with_the_kernel():
-  """A GQA/SwiGLU model and a GELU one with biases: logits and every parameter gradient match."""
+  """A GQA/SwiGLU model and a GELU one with biases: logits and every parameter gradient match with
+  the xla_cpu backend's kernels on and off (reference attention: only the matmul kernel differs)."""
+  on = backends.XlaCpuBackend(attention_impl="reference", cpu_kernels=True)
+  off = backends.XlaCpuBackend(attention_impl="reference", cpu_kernels=False)
   for kw in (dict(), dict(activation="gelu", mlp_bias=True, qkv_bias=True, position="learned")):
     ref = _cfg(**kw)
     params, tokens = _init(ref), _tokens(2)
-    _assert_same(_logits_and_grads(dataclasses.replace(ref, weight_grad_impl="cpu_kernel"),
-                                   params, tokens),
-                 _logits_and_grads(ref, params, tokens))
+    model = Transformer(ref)
+
+    def loss(p, model=model, tokens=tokens):
+      return jnp.sum(model.apply({"params": p}, tokens))
+
+    with backends.use(on):
+      hlo = jax.jit(jax.grad(loss)).lower(params).as_text()
+    assert "tfj_matmul" in hlo
+    _assert_same(_logits_and_grads(ref, params, tokens, backend=on),
+                 _logits_and_grads(ref, params, tokens, backend=off))
 
 
 def test_auto_uses_the_kernels_only_on_one_device_in_float32():
-  auto = _cfg(weight_grad_impl="auto", attention_impl="auto", position="alibi", num_kv_heads=0)
-  assert resolve_weight_grad_impl(auto) == "cpu_kernel"
-  assert resolve_attention_impl(auto) == "chunked_cpu"
-  assert resolve_weight_grad_impl(dataclasses.replace(auto, dtype="bfloat16")) == "xla"
-  assert resolve_weight_grad_impl(dataclasses.replace(auto, weight_grad_impl="xla")) == "xla"
-  mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
-  with jax.set_mesh(mesh):   # a custom call is not partitioned: sharded runs keep XLA's ops
-    assert resolve_weight_grad_impl(auto) == "xla"
-    assert resolve_attention_impl(auto) == "chunked"
-  one = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
-  with jax.set_mesh(one):
-    assert resolve_weight_grad_impl(auto) == "cpu_kernel"
+  """runtime.cpu_kernels 'auto' (backends.resolve_runtime): on for float32 on one CPU device;
+  off in half precision (model dtypes or train.precision) and under a multi-device mesh (a custom
+  call is not partitioned: sharded runs keep XLA's ops)."""
+  auto = _cfg(position="alibi", num_kv_heads=0)
+
+  def resolve(m, precision="float32", mesh_devices=1, **runtime):
+    return backends.resolve_runtime(_runtime_cfg(m, precision, **runtime), mesh_devices=mesh_devices,
+                                    platform="cpu", quiet=True).backend
+
+  b = resolve(auto)
+  assert type(b) is backends.XlaCpuBackend and b.cpu_kernels and b.attention_impl == "chunked"
+  assert not resolve(dataclasses.replace(auto, dtype="bfloat16")).cpu_kernels
+  assert not resolve(dataclasses.replace(auto, param_dtype="bfloat16")).cpu_kernels
+  assert not resolve(auto, precision="bf16").cpu_kernels
+  assert not resolve(auto, cpu_kernels="off").cpu_kernels
+  two = resolve(auto, mesh_devices=2)
+  assert not two.cpu_kernels and two.attention_impl == "chunked"
+  assert resolve(auto, mesh_devices=1).cpu_kernels
+  assert resolve(auto, cpu_kernels="on").cpu_kernels
+  assert type(resolve(auto, backend="reference")) is backends.Backend   # no kernels there
+  gpu = backends.resolve_runtime(_runtime_cfg(auto), platform="gpu", quiet=True).backend
+  assert type(gpu) is backends.Backend and gpu.attention_impl == "xla"
 
 
-@pytest.mark.parametrize("kw", [dict(weight_grad_impl="cpu_kernel", dtype="bfloat16"),
-                                dict(weight_grad_impl="fast")])
-def test_config_rejects(kw):
-  with pytest.raises(ConfigError, match="weight_grad_impl"):
-    validate_model(dataclasses.replace(_cfg(), **kw))
+@pytest.mark.parametrize("kw,model_kw,match", [
+    (dict(cpu_kernels="on"), dict(dtype="bfloat16"), "runtime.cpu_kernels"),
+    (dict(cpu_kernels="fast"), {}, "runtime.cpu_kernels"),
+    (dict(cpu_kernels="on", backend="reference"), {}, "runtime.cpu_kernels"),
+])
+def test_config_rejects(kw, model_kw, match):
+  r = default_config().runtime
+  r.update(kw)
+  with pytest.raises(ConfigError, match=match):
+    validate_runtime(r, dataclasses.replace(_cfg(), **model_kw))
+
+
+def test_resolve_rejects_what_this_platform_cannot_run():
+  with pytest.raises(ConfigError, match="runtime.cpu_kernels"):   # 'on' with no xla_cpu backend
+    backends.resolve_runtime(_runtime_cfg(_cfg(), backend="reference", cpu_kernels="on"),
+                             platform="cpu", quiet=True)
+  with pytest.raises(ConfigError, match="runtime.backend"):       # xla_cpu off the CPU platform
+    backends.resolve_runtime(_runtime_cfg(_cfg(), backend="xla_cpu"), platform="gpu", quiet=True)

@@ -1,11 +1,13 @@
-"""The C++ CPU AdamW (ops.cpu_kernel.adamw_update_cpu, optim.update_impl) equals the optax chain.
+"""The C++ CPU AdamW (ops.cpu_kernel.adamw_update_cpu / adamw_apply_cpu; the xla_cpu backend's
+optimizer, backends.xla_cpu.fused_adamw) equals the optax chain.
 
 Kernel: 6 steps against optax.chain(clip_by_global_norm, adamw) + apply_updates, with steps that are
 clipped and steps that are not; tolerance 1e-6 relative (float32 rounding of g * (clip / norm)
 against optax's (g / norm) * clip, and the compiler's fused multiply-adds), with an absolute floor of
-1e-6 of each array's largest entry (mu = 0.1 g + 0.9 mu cancels). Train step: 3 steps of a small model with update_impl
-'cpu_kernel' against 'optax': same parameters (rtol 1e-5: the gradients themselves are the same
-computation), the same optimizer-state tree and counts, a non-finite step skipped by both.
+1e-6 of each array's largest entry (mu = 0.1 g + 0.9 mu cancels). Train step: 3 steps of a small
+model with the xla_cpu backend's tx (optim.make_optimizer, C++ kernels on) against the reference
+backend's (optax): same parameters (rtol 1e-5: the gradients themselves are the same computation),
+the same optimizer-state tree and counts, a non-finite step skipped by both.
 """
 import dataclasses
 
@@ -14,13 +16,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType
 from test_cpu_kernel import pytestmark  # noqa: F401  (skip without a C++ compiler)
 
+from tformer_jax import backends
 from tformer_jax.config import ConfigError, default_config, validate
 from tformer_jax.nn import Transformer
-from tformer_jax.ops.cpu_kernel import adamw_update_cpu
-from tformer_jax.train import fused_adamw, optim, precision, state as state_lib, step as step_lib
+from tformer_jax.ops.cpu_kernel import adamw_apply_cpu, adamw_scalars, adamw_update_cpu
+from tformer_jax.train import optim, precision, state as state_lib, step as step_lib
+
+KERNELS = backends.XlaCpuBackend(cpu_kernels=True)
+REFERENCE = backends.Backend()
 
 
 @pytest.mark.parametrize("clip,wd", [(1.0, 0.1), (0.0, 0.0)])
@@ -32,12 +37,18 @@ def test_kernel_matches_optax(clip, wd):
   st, want, got, mu, nu = tx.init(p), p, p, jnp.zeros_like(p), jnp.zeros_like(p)
   step = jax.jit(lambda p, g, m, v, s, t: adamw_update_cpu(
       p, g, m, v, lr=3e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=wd, count=t, grad_scale=s))
+  apply = jax.jit(lambda p, g, m, v, s, t: adamw_apply_cpu(p, g, m, v, adamw_scalars(
+      lr=3e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=wd, count=t, grad_scale=s, finite=True)))
   for t in range(1, 7):
     g = jnp.asarray(r.standard_normal(p.shape), jnp.float32) * (0.003 if t % 2 else 1.0)
     u, st = tx.update(g, st, want)
-    want = optax.apply_updates(want, u)
     n = optax.tree.norm(g)
     scale = jnp.where(n < clip, 1.0, clip / n) if clip else 1.0
+    # adamw_apply_cpu: optax's update itself (-lr * direction), from the same p, mu, nu
+    upd, _, _ = apply(got, g, mu, nu, scale, t)
+    np.testing.assert_allclose(np.asarray(upd), np.asarray(u), rtol=1e-6,
+                               atol=1e-6 * np.abs(np.asarray(u)).max())
+    want = optax.apply_updates(want, u)
     got, mu, nu = step(got, g, mu, nu, scale, t)
   adam = st[-1][0]
   for a, b in ((got, want), (mu, adam.mu), (nu, adam.nu)):
@@ -51,6 +62,11 @@ def test_non_finite_step_keeps_everything():
   out = jax.jit(lambda *a: adamw_update_cpu(*a, lr=1.0, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
                                             count=1, finite=False))(p, g, m, v)
   for o, i in zip(out, (p, m, v)):
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(i))
+  scalars = adamw_scalars(lr=1.0, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, count=1, finite=False)
+  upd, mu, nu = jax.jit(adamw_apply_cpu)(p, g, m, v, scalars)   # the update is zero
+  np.testing.assert_array_equal(np.asarray(upd), np.zeros((5, 3), np.float32))
+  for o, i in zip((mu, nu), (m, v)):
     np.testing.assert_array_equal(np.asarray(o), np.asarray(i))
 
 
@@ -71,10 +87,12 @@ def _cfg(**optim):
   return c
 
 
-def _run(c, steps=3, nan_at=None):
+def _run(c, backend, steps=3, nan_at=None):
+  """`steps` train steps with `backend`'s optimizer; the model runs under the reference backend in
+  both runs, so only the optimizer differs."""
   m = validate(c)
   model = Transformer(m)
-  tx, schedule = optim.make_optimizer(c.optim, 10)
+  tx, schedule = optim.make_optimizer(c.optim, 10, backend)
   init = state_lib.init_fn(model, tx, precision.get_policy("float32").initial_loss_scale(), 16)
   state = jax.jit(lambda r: state_lib.unbox_plain(init(r)))(jax.random.PRNGKey(0))
   step = jax.jit(step_lib.make_train_step(model, tx, schedule, c.optim))
@@ -89,8 +107,8 @@ def _run(c, steps=3, nan_at=None):
 
 @pytest.mark.parametrize("optim_kw", [dict(), dict(clip_norm=0.0, grad_accum=2)])
 def test_train_step_matches_optax(optim_kw):
-  want, hlo_o = _run(_cfg(update_impl="optax", **optim_kw), nan_at=1)
-  got, hlo_k = _run(_cfg(update_impl="cpu_kernel", **optim_kw), nan_at=1)
+  want, hlo_o = _run(_cfg(**optim_kw), REFERENCE, nan_at=1)
+  got, hlo_k = _run(_cfg(**optim_kw), KERNELS, nan_at=1)
   assert "tfj_adamw" in hlo_k and "tfj_adamw" not in hlo_o
   assert jax.tree.structure(got.opt_state) == jax.tree.structure(want.opt_state)
   assert int(got.skipped) == int(want.skipped) == 1
@@ -103,20 +121,41 @@ def test_train_step_matches_optax(optim_kw):
 
 
 def test_auto_resolution():
+  """runtime.cpu_kernels 'auto' (backends.resolve_runtime) gives the C++ AdamW to float32 parameters
+  on one CPU device only; the fused update refuses other parameters clearly."""
+  def fused(**kw):
+    c = _cfg()
+    mesh_devices = kw.pop("mesh_devices", 1)
+    c.model.update(kw)
+    b = backends.resolve_runtime(c, mesh_devices=mesh_devices, platform="cpu", quiet=True).backend
+    tx, _ = optim.make_optimizer(c.optim, 10, b)
+    return b.cpu_kernels, tx
+
+  on, tx = fused()
+  assert on
   params = {"w": jnp.ones((2, 2))}
-  assert fused_adamw.kernel_applies(params)
-  assert not fused_adamw.kernel_applies({"w": jnp.ones((2, 2), jnp.bfloat16)})
-  mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
-  with jax.set_mesh(mesh):
-    assert not fused_adamw.kernel_applies(params)
+  hlo = jax.jit(lambda p: tx.update(p, tx.init(p), p)).lower(params).as_text()
+  assert "tfj_adamw" in hlo
+  bf16 = {"w": jnp.ones((2, 2), jnp.bfloat16)}
+  with pytest.raises(ValueError, match="float32 parameters"):
+    tx.update(bf16, tx.init(bf16), bf16)
+  for kw in (dict(param_dtype="bfloat16"), dict(mesh_devices=2)):
+    on, tx = fused(**kw)
+    assert not on, kw
+    assert "tfj_adamw" not in jax.jit(lambda p, tx=tx: tx.update(p, tx.init(p), p)).lower(
+        params).as_text()
 
 
-@pytest.mark.parametrize("kw,field", [(dict(update_impl="fast"), "optim.update_impl")])
+@pytest.mark.parametrize("kw,field", [(dict(cpu_kernels="fast"), "runtime.cpu_kernels")])
 def test_config_rejects(kw, field):
+  c = _cfg()
+  c.runtime.update(kw)
   with pytest.raises(ConfigError, match=field):
-    validate(_cfg(**kw))
-  c = _cfg(update_impl="cpu_kernel")
-  c.model.param_dtype = "bfloat16"
-  with pytest.raises(ConfigError, match="optim.update_impl"):
     validate(c)
-  assert dataclasses.is_dataclass(validate(_cfg(update_impl="auto")))
+  c = _cfg()
+  c.runtime.cpu_kernels = "on"
+  c.model.param_dtype = "bfloat16"
+  with pytest.raises(ConfigError, match="runtime.cpu_kernels"):
+    validate(c)
+  c.runtime.cpu_kernels = "auto"
+  assert dataclasses.is_dataclass(validate(c))

@@ -1,6 +1,9 @@
-"""nn.common.grad_fusion_barrier: an identity in values and gradients (also for NaN/inf cotangents),
-whose backward really keeps its one-trip loop in the compiled XLA:CPU program, and a Transformer with
-the barrier on equals the one with it off (logits and parameter gradients, float32, 1e-6)."""
+"""backends.xla_cpu.grad_fusion_barrier: an identity in values and gradients (also for NaN/inf
+cotangents), whose backward really keeps its one-trip loop in the compiled XLA:CPU program, and a
+Transformer under the xla_cpu backend (the barrier on every block's residual input) equals the same
+backend with the barrier off (logits and parameter gradients, float32, 1e-6) and the reference
+backend (no barrier, autodiff: the same within float32 summation order, 1e-6 of each gradient's
+largest entry)."""
 import dataclasses
 
 import flax.linen as nn
@@ -9,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tformer_jax import backends
+from tformer_jax.backends.xla_cpu import grad_fusion_barrier
 from tformer_jax.config import ModelConfig, validate_model
 from tformer_jax.nn import Transformer
-from tformer_jax.nn.common import grad_fusion_barrier
 
 
 def test_identity_in_value_and_gradient():
@@ -34,24 +38,47 @@ def test_compiled_backward_keeps_the_loop():
   assert " while(" in hlo  # XLA neither folded nor hoisted it: the cotangent is materialised
 
 
+@dataclasses.dataclass(frozen=True)
+class _BarrierOff(backends.XlaCpuBackend):
+  """The xla_cpu backend with everything but the residual barrier."""
+
+  def residual(self, x_BxLxD):
+    return x_BxLxD
+
+
 @pytest.mark.parametrize("extra", [{}, {"scan_layers": True}])
 def test_model_same_with_and_without_barrier(extra):
   base = ModelConfig(vocab_size=50, d_model=32, num_layers=3, num_heads=4, max_len=16,
                      position="learned", norm="layernorm", activation="gelu_tanh", **extra)
   validate_model(base)
-  on, off = (dataclasses.replace(base, residual_grad_barrier=m) for m in ("on", "off"))
+  # reference attention and no C++ kernels, so that only the named differences remain
+  on = backends.XlaCpuBackend(attention_impl="reference", cpu_kernels=False)
+  off = _BarrierOff(attention_impl="reference", cpu_kernels=False)
+  ref = backends.Backend(attention_impl="reference")
   tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 16), 0, 50)
-  params = nn.unbox(Transformer(on).init(jax.random.PRNGKey(0), tokens)["params"])
+  params = nn.unbox(Transformer(base).init(jax.random.PRNGKey(0), tokens)["params"])
   w = jax.random.normal(jax.random.PRNGKey(2), (2, 16, 50))
 
-  def run(m):
+  def run(backend):
     def f(p):
-      logits = Transformer(m).apply({"params": p}, tokens)
+      logits = Transformer(base).apply({"params": p}, tokens)
       return jnp.sum(logits * w), logits
-    (_, logits), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
-    return logits, grads
+    with backends.use(backend):   # a fresh f per backend: traced under it
+      step = jax.jit(jax.value_and_grad(f, has_aux=True))
+      (_, logits), grads = step(params)
+      hlo = step.lower(params).compile().as_text()
+    return logits, grads, hlo
 
-  (la, ga), (lb, gb) = run(on), run(off)
+  (la, ga, hlo_on), (lb, gb, hlo_off), (lr, gr, _) = run(on), run(off), run(ref)
+  if jax.default_backend() == "cpu":   # the xla_cpu backend really puts the loop in the backward
+    assert " while(" in hlo_on
+    if not extra:
+      assert " while(" not in hlo_off
   np.testing.assert_allclose(np.asarray(la), np.asarray(lb), rtol=1e-6, atol=1e-6)
   for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+  # xla_cpu against the reference backend: its project / norm VJPs sum in another order
+  np.testing.assert_allclose(np.asarray(la), np.asarray(lr), rtol=1e-6, atol=1e-6)
+  for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gr)):
+    y = np.asarray(y)
+    np.testing.assert_allclose(np.asarray(x), y, rtol=1e-5, atol=1e-6 * max(1.0, np.abs(y).max()))

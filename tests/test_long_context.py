@@ -1,6 +1,8 @@
-"""Long context at the model level: blockwise/chunked/xla attention inside a whole Transformer equal the
-reference path (logits and parameter gradients, float32, 1e-5), 'cudnn' without a GPU fails clearly,
-every RoPE scaling runs end to end past max_len, and the extrapolation experiment's pieces work."""
+"""Long context at the model level: blockwise/chunked/xla attention inside a whole Transformer (run
+under a backend, tformer_jax/backends) equal the reference backend (logits and parameter gradients,
+float32, 1e-5), 'cudnn' without a GPU fails clearly, runtime 'auto' picks an exact attention for the
+config (backends.resolve_runtime), every RoPE scaling runs end to end past max_len, and the
+extrapolation experiment's pieces work."""
 import dataclasses
 import json
 import math
@@ -11,8 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tformer_jax.config import ModelConfig, RopeScaling, validate_model
+from tformer_jax import backends
+from tformer_jax.config import (ConfigError, ModelConfig, RopeScaling, default_config,
+                                validate_model)
 from tformer_jax.nn import Transformer
+from tformer_jax.ops import cpu_kernel
 
 TOL = 1e-5
 B, L = 2, 23  # 23 is not a multiple of the 8 x 4 blocks: the ragged last tiles are exercised
@@ -20,12 +25,31 @@ B, L = 2, 23  # 23 is not a multiple of the 8 x 4 blocks: the ragged last tiles 
 
 def _cfg(**kw) -> ModelConfig:
   base = dict(vocab_size=61, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, max_len=64,
-              position="rope", norm="rmsnorm", activation="swiglu", attention_block_q=8,
-              attention_block_k=4)
+              position="rope", norm="rmsnorm", activation="swiglu")
   base.update(kw)
   m = ModelConfig(**base)
   validate_model(m)
   return m
+
+
+BLOCKS = dict(block_q=8, block_k=4)
+# Attention implementations under test, each as the backend that runs it. 'chunked_cpu': the xla_cpu
+# backend with its C++ kernels (chunked attention as the C++ kernel, C++ weight-gradient matmul).
+BACKENDS = {
+    "blockwise": lambda: backends.Backend(attention_impl="blockwise", **BLOCKS),
+    "chunked": lambda: backends.Backend(attention_impl="chunked", **BLOCKS),
+    "chunked_cpu": lambda: backends.XlaCpuBackend(attention_impl="chunked", cpu_kernels=True, **BLOCKS),
+}
+
+
+def _runtime_cfg(m: ModelConfig, precision: str = "float32", **runtime):
+  """A full config whose runtime-relevant model fields are m's (what resolve_runtime reads)."""
+  c = default_config()
+  for name in ("attn_dropout", "position", "window", "num_global_tokens", "dtype", "param_dtype"):
+    c.model[name] = getattr(m, name)
+  c.train.precision = precision
+  c.runtime.update(runtime)
+  return c
 
 
 def _tokens(seed: int = 0, length: int = L) -> jax.Array:
@@ -36,8 +60,9 @@ def _init(m: ModelConfig, length: int = L):
   return nn.unbox(Transformer(m).init(jax.random.PRNGKey(0), jnp.zeros((1, length), jnp.int32))["params"])
 
 
-def _logits_and_grads(m: ModelConfig, params, tokens, mask=None):
-  """Logits and d(sum(logits * w))/dparams for a fixed random w (so every logit's gradient counts)."""
+def _logits_and_grads(m: ModelConfig, params, tokens, mask=None, backend=None):
+  """Logits and d(sum(logits * w))/dparams for a fixed random w (so every logit's gradient counts),
+  traced under `backend` (default: the reference backend)."""
   model = Transformer(m)
   w = jax.random.normal(jax.random.PRNGKey(7), tokens.shape + (m.vocab_size,))
 
@@ -45,11 +70,12 @@ def _logits_and_grads(m: ModelConfig, params, tokens, mask=None):
     logits = model.apply({"params": p}, tokens, attention_mask_BxL=mask)
     return jnp.sum(logits * w), logits
 
-  (_, logits), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+  with backends.use(backend or backends.Backend()):   # a fresh f: traced here, under this backend
+    (_, logits), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
   return np.asarray(logits), jax.device_get(grads)
 
 
-def _real_only(m: ModelConfig, params, tokens, mask):
+def _real_only(m: ModelConfig, params, tokens, mask, backend=None):
   """Like _logits_and_grads, but padding positions get zero logits and no gradient: a padding query
   sees no key, which the reference and blockwise paths answer with zeros and jax.nn's XLA path with a
   uniform average (a don't-care value either way)."""
@@ -60,8 +86,15 @@ def _real_only(m: ModelConfig, params, tokens, mask):
     logits = model.apply({"params": p}, tokens, attention_mask_BxL=mask) * mask[..., None]
     return jnp.sum(logits * w), logits
 
-  (_, logits), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+  with backends.use(backend or backends.Backend()):
+    (_, logits), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
   return np.asarray(logits), jax.device_get(grads)
+
+
+def _forward(m: ModelConfig, params, tokens, backend=None):
+  """Logits of m under `backend` (default: the reference), from a fresh jitted function."""
+  with backends.use(backend or backends.Backend()):
+    return np.asarray(jax.jit(lambda p, t: Transformer(m).apply({"params": p}, t))(params, tokens))
 
 
 def _assert_same(a, b):
@@ -86,23 +119,22 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("impl", ["blockwise", "chunked", "chunked_cpu"])
+@pytest.mark.parametrize("impl", list(BACKENDS))
 @pytest.mark.parametrize("name", list(CASES))
 def test_blockwise_model_matches_reference(name, impl):
   ref = _cfg(**CASES[name])
-  blk = dataclasses.replace(ref, attention_impl=impl)
+  blk = BACKENDS[impl]()
   params = _init(ref)
   tokens = _tokens()
-  got = _logits_and_grads(blk, params, tokens, MASK)
+  got = _logits_and_grads(ref, params, tokens, MASK, backend=blk)
   want = _logits_and_grads(ref, params, tokens, MASK)
   assert np.all(np.isfinite(got[0]))
   _assert_same(got, want)
   if name == "rope_gqa":  # padding is invisible: row 1's real tokens equal the unpadded sequence
-    alone = jax.jit(Transformer(blk).apply)({"params": params}, tokens[1:, PAD:])
-    np.testing.assert_allclose(got[0][1:, PAD:], np.asarray(alone), rtol=TOL, atol=TOL)
+    alone = _forward(ref, params, tokens[1:, PAD:], blk)
+    np.testing.assert_allclose(got[0][1:, PAD:], alone, rtol=TOL, atol=TOL)
   if name == "window5":  # the window really changes the model (so the comparison is not vacuous)
-    full = np.asarray(jax.jit(Transformer(dataclasses.replace(ref, window=0)).apply)(
-        {"params": params}, tokens[:1]))
+    full = _forward(dataclasses.replace(ref, window=0), params, tokens[:1])
     assert np.max(np.abs(full[0, 5:] - want[0][0, 5:])) > 1e-4
     np.testing.assert_allclose(full[0, :5], want[0][0, :5], rtol=TOL, atol=TOL)
 
@@ -112,7 +144,7 @@ def test_xla_model_matches_reference(position):
   ref = _cfg(position=position, window=5 if position == "rope" else 0)
   params = _init(ref)
   tokens = _tokens(1)
-  got = _real_only(dataclasses.replace(ref, attention_impl="xla"), params, tokens, MASK)
+  got = _real_only(ref, params, tokens, MASK, backend=backends.Backend(attention_impl="xla"))
   _assert_same(got, _real_only(ref, params, tokens, MASK))
 
 
@@ -123,7 +155,7 @@ def test_unpadded_xla_matches_reference(position, window):
   ref = _cfg(position=position, window=window, num_kv_heads=0 if position == "alibi" else 2)
   params = _init(ref)
   tokens = _tokens(2)
-  got = _logits_and_grads(dataclasses.replace(ref, attention_impl="xla"), params, tokens)
+  got = _logits_and_grads(ref, params, tokens, backend=backends.Backend(attention_impl="xla"))
   _assert_same(got, _logits_and_grads(ref, params, tokens))
 
 
@@ -140,8 +172,13 @@ def test_is_causal_equals_the_causal_mask():
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the error without a GPU")
 def test_cudnn_without_gpu_is_a_clear_error():
-  m = _cfg(attention_impl="cudnn")
-  with pytest.raises(ValueError, match="attention impl 'cudnn' needs a GPU"):
+  m = _cfg()
+  # the run's choice is refused before anything compiles ...
+  with pytest.raises(ConfigError, match="runtime.attention: 'cudnn' needs a GPU"):
+    backends.resolve_runtime(_runtime_cfg(m, attention="cudnn"), quiet=True)
+  # ... and a backend built by hand fails clearly when the model traces
+  with backends.use(backends.Backend(attention_impl="cudnn")), pytest.raises(
+      ValueError, match="attention impl 'cudnn' needs a GPU"):
     Transformer(m).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
 
 
@@ -167,11 +204,11 @@ def test_rope_scaling_end_to_end(kind):
   assert logits.shape == (B, 64, 61) and np.all(np.isfinite(logits))
   assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
   assert any(float(np.max(np.abs(g))) > 0 for g in jax.tree.leaves(grads))
-  base = jax.jit(Transformer(plain).apply)({"params": params}, tokens)
-  assert float(jnp.max(jnp.abs(logits - base))) > 1e-3
+  base = _forward(plain, params, tokens)
+  assert float(np.max(np.abs(logits - base))) > 1e-3
   if kind == "dynamic":
-    short = jax.jit(Transformer(m).apply)({"params": params}, tokens[:, :32])
-    np.testing.assert_allclose(np.asarray(short), np.asarray(base[:, :32]), rtol=TOL, atol=TOL)
+    short = _forward(m, params, tokens[:, :32])
+    np.testing.assert_allclose(short, base[:, :32], rtol=TOL, atol=TOL)
 
 
 @pytest.mark.slow
@@ -205,22 +242,32 @@ def test_cpu_kernel_under_remat_and_scan(remat):
   ref = _cfg(num_layers=2, scan_layers=True, position="alibi", num_kv_heads=0)
   params = _init(ref)
   tokens = _tokens(3)
-  got = _logits_and_grads(dataclasses.replace(ref, attention_impl="chunked_cpu", remat=remat),
-                          params, tokens, MASK)
+  got = _logits_and_grads(dataclasses.replace(ref, remat=remat), params, tokens, MASK,
+                          backend=BACKENDS["chunked_cpu"]())
   _assert_same(got, _logits_and_grads(ref, params, tokens, MASK))
 
 
 def test_auto_picks_an_exact_impl_for_the_config():
-  """'auto' resolves per backend and config (CPU here) and gives the reference's logits/gradients."""
-  from tformer_jax.nn.attention import resolve_attention_impl
-  from tformer_jax.ops import cpu_kernel
-  auto = _cfg(attention_impl="auto", position="alibi", num_kv_heads=0)
-  assert resolve_attention_impl(auto) == ("chunked_cpu" if cpu_kernel.available()[0] else "chunked")
-  assert resolve_attention_impl(dataclasses.replace(auto, dtype="bfloat16")) == "chunked"
-  assert resolve_attention_impl(auto, dropout=True) == "reference"
-  assert resolve_attention_impl(dataclasses.replace(auto, position="t5")) == "reference"
-  assert resolve_attention_impl(dataclasses.replace(auto, attention_impl="blockwise")) == "blockwise"
-  ref = dataclasses.replace(auto, attention_impl="reference")
-  params = _init(ref)
+  """runtime 'auto' resolves once per run from the platform and config (backends.resolve_runtime)
+  and the backend it picks gives the reference's logits/gradients."""
+  auto = _cfg(position="alibi", num_kv_heads=0)
+
+  def resolve(m, **runtime):
+    return backends.resolve_runtime(_runtime_cfg(m, **runtime), platform="cpu", quiet=True).backend
+
+  b = resolve(auto, attention_block_q=8, attention_block_k=4)
+  assert type(b) is backends.XlaCpuBackend and b.attention_impl == "chunked"
+  assert (b.block_q, b.block_k) == (8, 4)
+  assert b.cpu_kernels == cpu_kernel.available()[0]       # the C++ kernel where it builds
+  bf16 = resolve(dataclasses.replace(auto, dtype="bfloat16"))
+  assert bf16.attention_impl == "chunked" and not bf16.cpu_kernels
+  assert resolve(dataclasses.replace(auto, attn_dropout=0.1)).attention_impl == "reference"
+  assert resolve(dataclasses.replace(auto, position="t5")).attention_impl == "reference"
+  assert resolve(dataclasses.replace(auto, window=4, num_global_tokens=2)).attention_impl == "reference"
+  assert resolve(auto, attention="blockwise").attention_impl == "blockwise"
+  gpu = backends.resolve_runtime(_runtime_cfg(auto), platform="gpu", quiet=True).backend
+  assert type(gpu) is backends.Backend and gpu.attention_impl == "xla"
+  params = _init(auto)
   tokens = _tokens(4)
-  _assert_same(_logits_and_grads(auto, params, tokens, MASK), _logits_and_grads(ref, params, tokens, MASK))
+  _assert_same(_logits_and_grads(auto, params, tokens, MASK, backend=b),
+               _logits_and_grads(auto, params, tokens, MASK))

@@ -241,8 +241,8 @@ def test_layer_aux_losses_sown_with_coefficients():
   assert float(collect_aux_loss(mut)) == pytest.approx(0.3 * float(lb) + 0.07 * float(z), rel=1e-5)
   assert float(collect_aux_loss({})) == 0.0
   m = collect_moe_metrics(mut)
-  assert set(m) == {"moe_load", "moe_load_max", "moe_dropped_fraction", "moe_router_entropy",
-                    "moe_load_balance", "moe_z_loss"}
+  assert set(m) == {"moe_load", "moe_load_max", "moe_load_min", "moe_load_ratio",
+                    "moe_dropped_fraction", "moe_router_entropy", "moe_load_balance", "moe_z_loss"}
   np.testing.assert_allclose(m["moe_load"], moe.expert_load(ex, 4), **TOL)
 
 
