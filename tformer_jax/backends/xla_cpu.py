@@ -11,8 +11,8 @@ what changes is how XLA:CPU runs them (docs/benchmarks.md has the measurements):
   attention  'chunked' runs as the C++ kernel (ops/cpu_kernel/attention.py) with the kernels on.
   optimizer  AdamW as one in-place C++ pass per parameter array (`FusedAdamW`), with the kernels on.
 The custom VJPs block forward-mode autodiff (`jax.jvp`); use the reference backend for that.
-The C++ kernels are single-device custom calls: `resolve_runtime` turns them off under a
-multi-device mesh (XLA would gather their operands onto every device).
+The C++ kernels are single-device custom calls: runtime.cpu_kernels='auto' leaves them off under a
+multi-device jit mesh (XLA would gather their operands onto every device); 'on' keeps them there.
 """
 from __future__ import annotations
 
