@@ -1,5 +1,7 @@
 """Diagnostics: attention maps and flags, training-time statistics, the memory/FLOPs estimator against
-XLA's compiled analysis, and the heatmap/ablation commands on tiny configs."""
+XLA's compiled analysis, the heatmap/ablation commands on tiny configs, and the one command-line
+syntax (tformer_jax/cli_common.py: --config=FILE --config.a.b=v)."""
+import contextlib
 import importlib.util
 import json
 import pathlib
@@ -10,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tformer_jax import cli_common
+from tformer_jax import backends, cli_common
 from tformer_jax.config import ModelConfig, default_config
-from tformer_jax.diagnostics import ablate, attention_maps, estimate, stats
+from tformer_jax.diagnostics import ablate, attention_maps, estimate
+from tformer_jax.train import stats
 from tformer_jax.nn import Transformer
 from tformer_jax.train import optim, precision, state as state_lib, step as step_lib
 from tformer_jax.train.loop import train
@@ -40,10 +43,14 @@ def _init(m: ModelConfig, length: int = 12):
 # ----------------------------------------------------------------------------------- attention maps
 
 
-@pytest.mark.parametrize("extra", [{}, {"scan_layers": True}, {"attention_impl": "blockwise"}])
-def test_attention_weights_per_layer_rows_and_causality(extra):
+@pytest.mark.parametrize("extra,run_attention", [({}, None), ({"scan_layers": True}, None),
+                                                  ({}, "blockwise")])
+def test_attention_weights_per_layer_rows_and_causality(extra, run_attention):
   model, params, tok = _init(ModelConfig(**TINY, **extra))
-  ws = jax.jit(lambda p, t: attention_maps.attention_weights(model, p, t))(params, tok)
+  # the weights come out whatever backend the run traces under (attention_maps uses the reference one)
+  run = backends.use(backends.Backend(attention_impl=run_attention)) if run_attention else contextlib.nullcontext()
+  with run:
+    ws = jax.jit(lambda p, t: attention_maps.attention_weights(model, p, t))(params, tok)
   assert len(ws) == 2 and all(w.shape == (2, 4, 12, 12) for w in ws)
   for w in ws:
     np.testing.assert_allclose(np.sum(w, -1), 1.0, atol=1e-5)

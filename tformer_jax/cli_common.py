@@ -122,9 +122,8 @@ def _one_line(e: BaseException) -> str:
   while isinstance(e, (AttributeError, KeyError)) and e.args and isinstance(e.args[0], BaseException):
     e = e.args[0]                 # config_flags: AttributeError(KeyError("'x'\nDid you mean ..."))
   if isinstance(e, KeyError):
-    text = str(e.args[0]) if e.args else "?"
-    return "unknown config field " + "; ".join(s.strip() for s in text.replace("Did you", "did you").splitlines()
-                                              if s.strip())
+    text = (str(e.args[0]) if e.args else "?").replace("Did you", "did you")
+    return "unknown config field " + "; ".join(s.strip() for s in text.splitlines() if s.strip())
   return "; ".join(s.strip() for s in str(e).splitlines() if s.strip()) or type(e).__name__
 
 
