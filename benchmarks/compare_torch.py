@@ -7,11 +7,12 @@ Everything is built, compiled and warmed first (compile times reported apart). T
 each runs --k steps of every contender back to back (the order rotates every round) plus float32
 2048^3 matmuls (--peak-reps calls with XLA's default options and with the JAX step's; the faster set
 counts), so all contenders and the matmul peak see the same machine load. The JAX step compiles with
-XLA's default options, as in the training loop (--xla-option NAME=VALUE adds some). Per contender: tokens/s = all timed tokens / all timed seconds, and the median over rounds; the ratios
-also as the median of per-round pairs (adjacent in time) and per process CPU-second (less sensitive to
-other programs' load; torch's OpenMP spin-waiting counts as its CPU time). The FLOP
-count per step is the same formula for all (tformer_jax/bench/flops.py). MFU = achieved FLOP/s over
-the fastest single matmul call of the run (strict: a lucky moment on a loaded machine raises it);
+XLA's default options, as in the training loop (--xla-option NAME=VALUE adds some). Per contender:
+tokens/s = all timed tokens / all timed seconds, and the median over rounds; the ratios also as the
+median of per-round pairs (adjacent in time) and per process CPU-second (less sensitive to other
+programs' load; torch's OpenMP spin-waiting counts as its CPU time). The FLOP count per step is the
+same formula for all (tformer_jax/bench/flops.py). MFU = achieved FLOP/s over the fastest single
+matmul call of the run (strict: a lucky moment on a loaded machine raises it);
 'MFU sust.' = over the sustained matmul rate (all matmul FLOPs / all matmul time, every round).
 torch.set_num_threads(--threads, default all cores); XLA uses all cores
 by default. Prints a table, then one JSON line.
@@ -32,9 +33,7 @@ import torch_gpt2  # noqa: E402
 from absl import flags  # noqa: E402
 
 from tformer_jax import cli_common  # noqa: E402
-from tformer_jax.bench import flops as flops_lib  # noqa: E402
-from tformer_jax.bench import train as jbench  # noqa: E402
-from tformer_jax.bench import emit  # noqa: E402
+from tformer_jax.bench import emit, flops as flops_lib, train as jbench  # noqa: E402
 
 
 def define_flags(fv: flags.FlagValues) -> None:

@@ -18,7 +18,6 @@ torch.set_num_threads(--threads, default: all cores). torch.compile failures are
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -31,6 +30,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
 from tformer_jax.bench import emit
 
 

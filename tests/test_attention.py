@@ -6,8 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tformer_jax.ops import attention as A
-from tformer_jax.ops import masks as M
+from tformer_jax.ops import attention as A, masks as M
 
 
 def test_article_hand_example():

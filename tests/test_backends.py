@@ -22,9 +22,7 @@ import pytest
 from tformer_jax import backends
 from tformer_jax.config import ModelConfig, default_config, validate_model
 from tformer_jax.nn import Transformer
-from tformer_jax.ops import attention as attn_ops
-from tformer_jax.ops import cpu_kernel
-from tformer_jax.ops import masks
+from tformer_jax.ops import attention as attn_ops, cpu_kernel, masks
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "tformer_jax"
 TOL = 1e-5

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 from tformer_jax import cli_common
-from tformer_jax.bench import flops
-from tformer_jax.bench import train as train_bench
+from tformer_jax.bench import flops, train as train_bench
 from tformer_jax.config import ModelConfig
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from tformer_jax.checkpoint import CheckpointError, Checkpointer, restore_params
+from tformer_jax.checkpoint import Checkpointer, CheckpointError, restore_params
 
 
 @flax.struct.dataclass

@@ -25,7 +25,8 @@ def load(path: pathlib.Path):
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(CONFIG_DIR)))
 def test_shipped_config_validates_inits_and_runs(path):
   cfg = load(path)
-  assert path.read_text().lstrip().lstrip('r').startswith('"""'), "each config needs a docstring (launch command, result)"
+  assert path.read_text().lstrip().lstrip('r').startswith('"""'), \
+      "each config needs a docstring (launch command, result)"
   m = validate(cfg)
   # Shrink depth so the smoke test stays cheap; every other field is as shipped.
   small = ModelConfig.from_config(cfg.model)

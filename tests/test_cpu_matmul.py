@@ -11,8 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_cpu_kernel import pytestmark  # noqa: F401  (skip without a C++ compiler)
-from test_long_context import (_assert_same, _cfg, _init, _logits_and_grads, _runtime_cfg,
-                               _tokens)
+from test_long_context import _assert_same, _cfg, _init, _logits_and_grads, _runtime_cfg, _tokens
 
 from tformer_jax import backends
 from tformer_jax.backends.xla_cpu import project

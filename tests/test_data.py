@@ -197,7 +197,7 @@ def test_bpe_vocab_too_large_is_clear(cache):
 
 
 def test_hf_tokenizer_json(tmp_path):
-  from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
   hf = Tokenizer(models.BPE())
   hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   hf.decoder = decoders.ByteLevel()

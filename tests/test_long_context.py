@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 from tformer_jax import backends
-from tformer_jax.config import (ConfigError, ModelConfig, RopeScaling, default_config,
-                                validate_model)
+from tformer_jax.config import ConfigError, ModelConfig, RopeScaling, default_config, validate_model
 from tformer_jax.nn import Transformer
 from tformer_jax.ops import cpu_kernel
 

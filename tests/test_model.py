@@ -1,5 +1,6 @@
 """The linen Transformer: causality by gradient, permutation behaviour, GQA/MQA, scan and remat."""
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -88,12 +89,14 @@ def test_scan_equals_unrolled_and_remat_equals_plain(position):
 
   ref, g_ref = jax.value_and_grad(lambda p: loss(model, p))(params)
   for remat in ("none", "full", "dots"):
-    val, g = jax.value_and_grad(lambda p: loss(Transformer(dataclasses.replace(scan_cfg, remat=remat)), p))(sparams)
+    scan_model = Transformer(dataclasses.replace(scan_cfg, remat=remat))
+    val, g = jax.value_and_grad(functools.partial(loss, scan_model))(sparams)
     np.testing.assert_allclose(float(val), float(ref), rtol=1e-6)
     g_unstacked = stack_layers(g_ref, cfg.num_layers)
     for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g_unstacked)):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
-    val_u, g_u = jax.value_and_grad(lambda p: loss(Transformer(dataclasses.replace(cfg, remat=remat)), p))(params)
+    unrolled_model = Transformer(dataclasses.replace(cfg, remat=remat))
+    val_u, g_u = jax.value_and_grad(functools.partial(loss, unrolled_model))(params)
     np.testing.assert_allclose(float(val_u), float(ref), rtol=1e-6)
     for a, b in zip(jax.tree_util.tree_leaves(g_u), jax.tree_util.tree_leaves(g_ref)):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)

@@ -180,8 +180,9 @@ def test_jitter_range_and_identity():
 
 def _apply(cfg, params, x, *, deterministic=True, rngs=None):
   """Jitted MoEFFN(cfg).apply returning (y, mutables); jit keeps the many small ops fast on CPU."""
-  fn = lambda p, x, r: MoEFFN(cfg).apply({"params": p}, x, deterministic=deterministic, rngs=r,
-                                         mutable=["aux_loss", "moe_metrics"])
+  def fn(p, x, r):
+    return MoEFFN(cfg).apply({"params": p}, x, deterministic=deterministic, rngs=r,
+                             mutable=["aux_loss", "moe_metrics"])
   return jax.jit(fn)(params, x, rngs)
 
 

@@ -143,5 +143,5 @@ def test_process_logits_traced_args_and_dtypes():
   kept = _kept(out)
   assert np.all((kept.sum(-1) >= 1) & (kept.sum(-1) <= 4))
   assert float(S.mask_value(jnp.float16)) == float(np.finfo(np.float16).min)
-  with pytest.raises(Exception):
+  with pytest.raises(ValueError):   # jnp.broadcast_to: incompatible shapes
     S.top_p_filter(logits, jnp.ones((3,)))   # per-row p must match the batch

@@ -6,8 +6,7 @@ import pytest
 
 from tformer_jax.data.corpora import DataError
 from tformer_jax.data.pipeline import build_dataset, eval_batches, iterate, train_iterator
-from tformer_jax.data.synthetic import (SyntheticTask, SyntheticVocab, exact_match_accuracy,
-                                        parse_synthetic)
+from tformer_jax.data.synthetic import SyntheticTask, SyntheticVocab, exact_match_accuracy, parse_synthetic
 
 
 def _cfg(task: str, **kw) -> dict:

@@ -1,6 +1,5 @@
 """The training loop end to end on real Shakespeare text: loss falls, overfitting, crash/resume bitwise,
 SIGTERM, checkpoint fallback, the non-finite guard, and bad input."""
-import json
 import os
 import signal
 import subprocess

@@ -17,9 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from tformer_jax.ops import attention as attn_ops
-from tformer_jax.ops import norms as norm_ops
-from tformer_jax.ops import positions as pos_ops
+from tformer_jax.ops import attention as attn_ops, norms as norm_ops, positions as pos_ops
 from tformer_jax.ops.blockwise import blockwise_attention
 from tformer_jax.ops.chunked_attention import chunked_attention
 from tformer_jax.ops.masks import Visibility

@@ -12,8 +12,7 @@ from typing import Any
 
 import jax
 
-from tformer_jax import config as config_lib
-from tformer_jax import host_alloc
+from tformer_jax import config as config_lib, host_alloc
 from tformer_jax.backends.base import Backend
 from tformer_jax.backends.xla_cpu import XlaCpuBackend
 from tformer_jax.ops import cpu_kernel

@@ -26,8 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from tformer_jax.backends.base import AdamWSpec, Backend
-from tformer_jax.ops import cpu_kernel
-from tformer_jax.ops import norms as norm_ops
+from tformer_jax.ops import cpu_kernel, norms as norm_ops
 
 Array = jax.Array
 PyTree = Any

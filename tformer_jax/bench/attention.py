@@ -20,7 +20,6 @@ import jax.numpy as jnp
 from absl import flags
 
 from tformer_jax import cli_common
-
 from tformer_jax.ops import masks
 from tformer_jax.ops.attention import dot_product_attention
 from tformer_jax.ops.blockwise import blockwise_attention

@@ -21,8 +21,7 @@ import jax.numpy as jnp
 from absl import flags
 
 from tformer_jax import cli_common
-from tformer_jax.bench import train as train_bench
-from tformer_jax.bench import emit
+from tformer_jax.bench import emit, train as train_bench
 
 
 def define_flags(fv: flags.FlagValues) -> None:

@@ -18,13 +18,12 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
 from tformer_jax import cli_common, decode, decode_io
-from tformer_jax.config import default_config
 from tformer_jax.bench import emit
+from tformer_jax.config import default_config
 
 
 def define_flags(fv: flags.FlagValues) -> None:

@@ -20,7 +20,6 @@ the machine's matmul rate, as in PaLM (Chowdhery et al. 2022, appendix B).
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax

@@ -3,10 +3,11 @@
   python -m tformer_jax.bench moe --tokens 4096 --d-model 256 --experts 8 --top-k 2 --json OUT.json
 
 Cases: the MoEFFN layer with capacity dispatch (one-hot einsums, or scatter/gather:
-'capacity_scatter'), with dropless (sort + ragged_dot) dispatch, and a dense FFN with the same active parameters per token (hidden = top_k * F). Each case jits
-grad(sum(y) + aux losses) w.r.t. the input and all weights, reads `memory_analysis()` (temporaries)
-and `cost_analysis()` (flops) of the compiled step, then times it (median of --repeats runs after a
-warm-up). Prints one line per case and, last, one JSON line.
+'capacity_scatter'), with dropless (sort + ragged_dot) dispatch, and a dense FFN with the same active
+parameters per token (hidden = top_k * F). Each case jits grad(sum(y) + aux losses) w.r.t. the input
+and all weights, reads `memory_analysis()` (temporaries) and `cost_analysis()` (flops) of the
+compiled step, then times it (median of --repeats runs after a warm-up). Prints one line per case
+and, last, one JSON line.
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ import jax.numpy as jnp
 from absl import flags
 
 from tformer_jax import cli_common
-
 from tformer_jax.config import ModelConfig, MoEConfig
 from tformer_jax.nn.moe import MoEFFN, collect_aux_loss, expert_hidden
 from tformer_jax.ops import moe as moe_ops

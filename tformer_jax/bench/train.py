@@ -27,9 +27,7 @@ Prints human-readable lines, then one JSON line (the returned dict).
 from __future__ import annotations
 
 import os
-import pathlib
 import statistics
-import sys
 import time
 from typing import Any, Sequence
 
@@ -259,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   sizes = [args.steps // chunks + (i < args.steps % chunks) for i in range(chunks)]
   nan = float("nan")
   samples, wall, intervals = [], 0.0, []
-  for i, size in enumerate(sizes + [0]):
+  for size in sizes + [0]:
     if args.peak_n:
       samples.append(matmul_rates(args.peak_n, args.peak_reps, args.peak_dtype, peak_option_sets))
     if size:

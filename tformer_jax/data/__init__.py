@@ -1,10 +1,15 @@
 """Data: corpora (shakespeare, kjv, text:PATH), tokenizers, grain batch pipelines, synthetic tasks."""
 from tformer_jax.data.corpora import DataError, cache_root, load_corpus, split_tokens
-from tformer_jax.data.pipeline import (BatchIterator, Dataset, build_dataset, eval_batches,
-                                       train_iterator)
+from tformer_jax.data.pipeline import BatchIterator, Dataset, build_dataset, eval_batches, train_iterator
 from tformer_jax.data.synthetic import SyntheticTask, SyntheticVocab, exact_match_accuracy
-from tformer_jax.data.tokenizers import (ByteTokenizer, HFTokenizer, SentencePieceTokenizer, Tokenizer,
-                                         encode_corpus, get_tokenizer)
+from tformer_jax.data.tokenizers import (
+    ByteTokenizer,
+    HFTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+    encode_corpus,
+    get_tokenizer,
+)
 
 __all__ = [
     "BatchIterator", "ByteTokenizer", "DataError", "Dataset", "HFTokenizer", "SentencePieceTokenizer",

@@ -50,8 +50,8 @@ class SyntheticVocab:
     special = {"|": self.sep, ".": self.pad}
     try:
       ids = [special[t] if t in special else int(t) for t in text.split()]
-    except ValueError:
-      raise DataError(f"synthetic vocab encodes space-separated numbers, '|' and '.', got {text!r}")
+    except ValueError as e:
+      raise DataError(f"synthetic vocab encodes space-separated numbers, '|' and '.', got {text!r}") from e
     if any(not 0 <= i < self.vocab_size for i in ids):
       raise DataError(f"synthetic symbols must be in [0, {self.num_symbols}), got {text!r}")
     return np.asarray(ids, dtype=np.int32)

@@ -6,10 +6,11 @@
 
 Every run is `tformer_jax.train.loop.train` on a copy of the base config with the overrides applied
 (each value text parsed by its field's type, exactly as `--config.KEY=VALUE` on a command line;
-tformer_jax/cli_common.py), in its own workdir OUT/runs/<name>. Reported per run: the final train loss (mean of the last 10% of
-the logged steps, the per-step loss is noisy), the final validation loss / token accuracy, for
-synthetic tasks the exact-match accuracy of the answer spans (validation batches, greedy argmax with
-teacher forcing), the parameter count, throughput and wall time (compile included).
+tformer_jax/cli_common.py), in its own workdir OUT/runs/<name>. Reported per run: the final train
+loss (mean of the last 10% of the logged steps, the per-step loss is noisy), the final validation
+loss / token accuracy, for synthetic tasks the exact-match accuracy of the answer spans (validation
+batches, greedy argmax with teacher forcing), the parameter count, throughput and wall time
+(compile included).
 """
 from __future__ import annotations
 
@@ -87,6 +88,7 @@ def exact_match(cfg: ml_collections.ConfigDict, workdir: pathlib.Path) -> float 
     return None
   import jax
   import jax.numpy as jnp
+
   from tformer_jax.checkpoint import restore_params
   from tformer_jax.data import pipeline, synthetic
   from tformer_jax.decode_io import model_from_config

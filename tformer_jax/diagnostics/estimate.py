@@ -58,6 +58,7 @@ def _bytes(dtype: str) -> int:
 def param_shapes(m: ModelConfig) -> Any:
   """The parameter tree as ShapeDtypeStructs (jax.eval_shape: nothing is allocated)."""
   import flax.linen as nn
+
   from tformer_jax.nn import Transformer
   tokens = jax.ShapeDtypeStruct((1, min(8, m.max_len)), jnp.int32)
   shapes = jax.eval_shape(lambda t: Transformer(m).init(jax.random.PRNGKey(0), t)["params"], tokens)

@@ -19,8 +19,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from tformer_jax.ops import attention as attn_ops
-from tformer_jax.ops import positions as pos_ops
+from tformer_jax.ops import attention as attn_ops, positions as pos_ops
 from tformer_jax.ops.masks import Visibility
 
 # The attention faults have the signature of `backends.Backend.attention` (the doctor's probes run

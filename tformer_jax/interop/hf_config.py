@@ -258,8 +258,8 @@ def mixtral_to_hf(cfg: ModelConfig) -> dict:
   # a model with dense layers too comes back with moe.every=1 and is refused by the comparison).
   m = cfg.moe
   out = _llama_like_back(cfg, "mixtral", "MixtralForCausalLM", window=True)
-  out.update(intermediate_size=m.d_ff or cfg.ff, num_local_experts=m.num_experts, num_experts_per_tok=m.top_k, router_jitter_noise=m.jitter,
-             router_aux_loss_coef=m.aux_loss_coef, output_router_logits=False)
+  out.update(intermediate_size=m.d_ff or cfg.ff, num_local_experts=m.num_experts, num_experts_per_tok=m.top_k,
+             router_jitter_noise=m.jitter, router_aux_loss_coef=m.aux_loss_coef, output_router_logits=False)
   return out
 
 

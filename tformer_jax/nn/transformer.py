@@ -132,8 +132,9 @@ class Transformer(nn.Module):
 
 
 def sown_per_layer(tree: Any, name: str) -> list[jax.Array]:
-  """Values sown as `name` (e.g. in the 'intermediates' collection), in layer order. Unrolled layers live under 'layers_<i>'; a scanned stack
-  under 'layers' holds arrays with a leading (num_layers,) axis, split here into one per layer."""
+  """Values sown as `name` (e.g. in the 'intermediates' collection), in layer order. Unrolled layers
+  live under 'layers_<i>'; a scanned stack under 'layers' holds arrays with a leading (num_layers,)
+  axis, split here into one per layer."""
   found: list[tuple[int, int, jax.Array]] = []
   for path, value in jax.tree_util.tree_flatten_with_path(tree)[0]:
     keys = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]

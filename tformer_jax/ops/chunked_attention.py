@@ -174,7 +174,7 @@ def chunked_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, *, c
   never repeated. `q_offset` must be a Python int (the chunk ranges are static). No gradient flows to
   ALiBi slopes."""
   b, l, h, d = q_BxLxHxD.shape
-  s, kh = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
+  kh = k_BxSxKxD.shape[2]
   if k_BxSxKxD.shape != v_BxSxKxD.shape or k_BxSxKxD.shape[-1] != d or h % kh:
     raise ValueError(f"bad shapes q {q_BxLxHxD.shape}, k {k_BxSxKxD.shape}, v {v_BxSxKxD.shape}")
   if window < 0 or chunk <= 0:

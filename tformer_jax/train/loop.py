@@ -19,19 +19,15 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from tformer_jax import backends
-from tformer_jax import config as config_lib
+from tformer_jax import backends, config as config_lib
 from tformer_jax.nn import Transformer
-from tformer_jax.parallel import mesh as mesh_lib
-from tformer_jax.parallel import pmap as pmap_lib
-from tformer_jax.parallel import rules as rules_lib
+from tformer_jax.parallel import mesh as mesh_lib, pmap as pmap_lib, rules as rules_lib
 from tformer_jax.train import optim, precision, state as state_lib, step as step_lib
-from tformer_jax.train.stats import make_stats_fn
 from tformer_jax.train.metrics import MetricWriter
+from tformer_jax.train.stats import make_stats_fn
 
 log = logging.getLogger("tformer_jax")
 

@@ -7,9 +7,9 @@
   available()             (True, library path) or (False, why not)
 """
 from tformer_jax.ops.cpu_kernel.adamw import adamw_apply_cpu, adamw_scalars, adamw_update_cpu
-from tformer_jax.ops.cpu_kernel.attention import chunked_attention_cpu, chunk_table
+from tformer_jax.ops.cpu_kernel.attention import chunk_table, chunked_attention_cpu
 from tformer_jax.ops.cpu_kernel.build import KernelUnavailable, available
 from tformer_jax.ops.cpu_kernel.matmul import matmul_cpu
 
-__all__ = ["chunked_attention_cpu", "chunk_table", "matmul_cpu", "adamw_update_cpu", "adamw_apply_cpu", "adamw_scalars", "available",
-           "KernelUnavailable"]
+__all__ = ["chunked_attention_cpu", "chunk_table", "matmul_cpu", "adamw_update_cpu", "adamw_apply_cpu",
+           "adamw_scalars", "available", "KernelUnavailable"]
