@@ -31,6 +31,8 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
+from tformer_jax.config import default_config, load_config_file as _load
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 HELP_FLAGS = ("help", "helpshort", "helpfull")
 
@@ -41,7 +43,6 @@ class UsageError(Exception):
 
 def load_config_file(path: str | pathlib.Path) -> ml_collections.ConfigDict:
   """`get_config()` of a config file, by path relative to the cwd or else the repository root."""
-  from tformer_jax.config import load_config_file as _load
   p = pathlib.Path(path)
   if not p.is_file() and not p.is_absolute() and (REPO / p).is_file():
     p = REPO / p
@@ -53,7 +54,6 @@ def load_config_file(path: str | pathlib.Path) -> ml_collections.ConfigDict:
 def workdir_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
   """A training run's config: `default_config()` updated from RUN/config.json (fields this version of
   the code no longer has are skipped)."""
-  from tformer_jax.config import default_config
   path = pathlib.Path(workdir) / "config.json"
   if not path.is_file():
     raise UsageError(f"{path} not found: is {workdir} a training workdir?")

@@ -24,6 +24,7 @@ from tformer_jax.ops import masks
 from tformer_jax.ops.attention import dot_product_attention
 from tformer_jax.ops.blockwise import blockwise_attention
 from tformer_jax.ops.chunked_attention import chunked_attention
+from tformer_jax.ops.cpu_kernel import chunked_attention_cpu
 
 IMPLS = ("reference", "xla", "blockwise", "chunked", "chunked_cpu")
 GB = 1024 ** 3
@@ -36,7 +37,6 @@ def _attention_fn(impl: str, seq: int, block: int, block_q: int, block_k: int) -
   if impl == "chunked":  # --block-q (else --block) is the query chunk
     return lambda q, k, v: chunked_attention(q, k, v, causal=True, chunk=block_q or block)
   if impl == "chunked_cpu":  # the C++ CPU kernel; same chunking
-    from tformer_jax.ops.cpu_kernel import chunked_attention_cpu
     return lambda q, k, v: chunked_attention_cpu(q, k, v, causal=True, chunk=block_q or block)
   if impl in ("reference", "xla"):
     return lambda q, k, v: dot_product_attention(q, k, v, mask=masks.causal_mask(seq), impl=impl)

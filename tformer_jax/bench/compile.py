@@ -20,8 +20,10 @@ import jax
 import jax.numpy as jnp
 from absl import flags
 
-from tformer_jax import cli_common
+from tformer_jax import backends, cli_common
 from tformer_jax.bench import emit, train as train_bench
+from tformer_jax.nn import Transformer
+from tformer_jax.train import loop, optim, precision, state as state_lib, step as step_lib
 
 
 def define_flags(fv: flags.FlagValues) -> None:
@@ -39,9 +41,6 @@ def parse_args(argv: Sequence[str] | None) -> Any:
 def compile_case(cfg: Any, layers: int, scan: bool) -> dict[str, float]:
   """Trace+lower and compile seconds of the train step for `layers` layers (scanned or not), under the
   backend of cfg.runtime."""
-  from tformer_jax import backends
-  from tformer_jax.nn import Transformer
-  from tformer_jax.train import loop, optim, precision, state as state_lib, step as step_lib
   cfg = cfg.copy_and_resolve_references()
   cfg.model.num_layers, cfg.model.scan_layers = layers, scan
   backend = backends.resolve_runtime(cfg, quiet=True).backend
@@ -73,7 +72,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   modes = [x for x in args.modes.split(",") if x]
   if any(x not in ("scan", "unrolled") for x in modes) or not depths:
     cli_common.fail("--modes takes scan and/or unrolled; --layers at least one depth")
-  from tformer_jax import backends
   info = train_bench.machine_info()
   print(f"machine: {info['nproc']} cpus ({info['cpu']}), load {info['loadavg']}, backend {info['backend']}, "
         f"jax {info['jax']}; model d_model={cfg.model.d_model}, remat={cfg.model.remat}")

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from tformer_jax.config import ModelConfig
+from tformer_jax.nn import Transformer
+from tformer_jax.train.state import unbox_plain
 
 EMBED_TABLES = ("embed", "pos_embed", "type_embed")
 FORMULA = {
@@ -41,8 +43,6 @@ def _path_keys(path: tuple) -> list[str]:
 def param_shapes(m: ModelConfig) -> Any:
   """The parameter tree of `Transformer(m)` as ShapeDtypeStructs (nothing is allocated or run; traced
   under whatever backend is current: backends never change parameters)."""
-  from tformer_jax.nn import Transformer
-  from tformer_jax.train.state import unbox_plain
   tokens = jax.ShapeDtypeStruct((1, min(8, m.max_len)), jnp.int32)
   boxed = jax.eval_shape(lambda r, t: Transformer(m).init(r, t)["params"], jax.random.PRNGKey(0), tokens)
   return unbox_plain(boxed)

@@ -36,9 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from tformer_jax import cli_common
-from tformer_jax.bench import emit
+from tformer_jax import backends, cli_common
+from tformer_jax.bench import emit, flops as flops_lib, op_profile
 from tformer_jax.host_alloc import loaded_allocator
+from tformer_jax.nn import Transformer
+from tformer_jax.train import loop, optim, precision, state as state_lib, step as step_lib
 
 DEFAULT_CONFIG = "configs/bench/gpt2_cpu.py"
 JSON_KEYS = ("tokens_per_s", "step_ms_median", "compile_s", "params", "flops_per_step",
@@ -78,9 +80,6 @@ class TrainBench:
 
   def __init__(self, cfg: Any, seed: int = 0, num_batches: int = 4,
                compiler_options: dict[str, Any] | None = None, donate: bool = True):
-    from tformer_jax import backends
-    from tformer_jax.nn import Transformer
-    from tformer_jax.train import loop, optim, precision, state as state_lib, step as step_lib
     self.cfg = cfg
     self.compiler_options = dict(compiler_options or {})
     self.runtime = backends.resolve_runtime(cfg, quiet=True)
@@ -107,7 +106,6 @@ class TrainBench:
     self.last_metrics: dict[str, Any] = {}
 
   def compile(self) -> float:
-    from tformer_jax import backends
     t0 = time.perf_counter()
     with backends.use(self.runtime.backend):    # traced (lowered) under the run's backend
       lowered = self._jit.lower(self.state, self.batches[0])
@@ -229,7 +227,6 @@ def overrides_list(args: Any) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-  from tformer_jax.bench import flops as flops_lib
   args = parse_args(argv)
   cfg = args.config
   options = parse_xla_options(args.xla_option)
@@ -268,7 +265,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   rates = {"best": peak, "median": statistics.median([r["median"] for r in samples]) if samples else nan}
   op_summary = None
   if args.profile:
-    from tformer_jax.bench import op_profile
     jax.profiler.start_trace(args.profile, create_perfetto_trace=True)
     prof_wall, _ = bench.run(3)
     jax.profiler.stop_trace()

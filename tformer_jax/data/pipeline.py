@@ -21,6 +21,7 @@ from typing import Any, Iterator
 
 import grain
 import numpy as np
+from absl import flags
 
 from tformer_jax.data import synthetic
 from tformer_jax.data.corpora import DataError, load_corpus, split_tokens
@@ -124,7 +125,6 @@ def _local_batch(batch_size: int, process_index: int, process_count: int) -> int
 
 def _ensure_absl_flags() -> None:
   """grain's worker processes read absl flags; mark them parsed when the caller never ran absl.app."""
-  from absl import flags
   if not flags.FLAGS.is_parsed():
     flags.FLAGS.mark_as_parsed()
 

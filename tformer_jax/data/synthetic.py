@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable
 
+import jax.numpy as jnp
 import numpy as np
 
 from tformer_jax.data.corpora import DataError
@@ -160,7 +161,6 @@ def exact_match_accuracy(logits_or_predictions: Any, batch: dict[str, Any]) -> A
   Takes logits (B, L, V) (argmax taken) or predicted ids (B, L); without a loss_mask every position
   counts. Works on numpy and jax arrays (jit-friendly); returns a float32 scalar.
   """
-  import jax.numpy as jnp
   x = jnp.asarray(logits_or_predictions)
   targets = jnp.asarray(batch["targets"])
   pred = jnp.argmax(x, axis=-1) if x.ndim == targets.ndim + 1 else x

@@ -15,6 +15,8 @@ import pathlib
 from typing import Iterable, Iterator, Protocol, runtime_checkable
 
 import numpy as np
+import sentencepiece as spm
+from tokenizers import Tokenizer as HFTok
 
 from tformer_jax.data.corpora import DataError, cache_root, write_atomic
 
@@ -78,7 +80,6 @@ class SentencePieceTokenizer:
   """A sentencepiece model (BPE with byte fallback when trained here); lossless on UTF-8 text."""
 
   def __init__(self, model_path: str | os.PathLike, name: str | None = None):
-    import sentencepiece as spm
     self.path = pathlib.Path(model_path)
     if not self.path.is_file():
       raise DataError(f"sentencepiece model {self.path} does not exist")
@@ -116,7 +117,6 @@ def _lines(text: str, max_chars: int = 4096) -> Iterator[str]:
 
 def _train_bpe(text: str, vocab_size: int) -> bytes:
   """A serialized sentencepiece BPE: identity normalization and no whitespace tricks (lossless)."""
-  import sentencepiece as spm
   out = io.BytesIO()
   try:
     spm.SentencePieceTrainer.train(
@@ -137,7 +137,6 @@ class HFTokenizer:
   """A Hugging Face `tokenizers` tokenizer.json (no special tokens added when encoding)."""
 
   def __init__(self, path: str | os.PathLike):
-    from tokenizers import Tokenizer as HFTok
     p = pathlib.Path(path).expanduser()
     if p.is_dir():
       p = p / "tokenizer.json"

@@ -24,10 +24,18 @@ import shutil
 import time
 from typing import Any, Sequence
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from tformer_jax.checkpoint import restore_params
 from tformer_jax.cli_common import override
+from tformer_jax.data import pipeline, synthetic
+from tformer_jax.decode_io import model_from_config
+from tformer_jax.diagnostics.plots import loss_curves
+from tformer_jax.train.loop import train
+from tformer_jax.train.metrics import read_metrics
 
 
 def parse_sweep(spec: str) -> tuple[str, list[str]]:
@@ -73,7 +81,6 @@ class RunResult:
 
 
 def _curves(workdir: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
-  from tformer_jax.train.metrics import read_metrics
   out: dict[str, list[tuple[int, float]]] = {"loss": [], "val_loss": [], "tokens_per_s": []}
   for m in read_metrics(workdir):
     for k in out:
@@ -86,12 +93,6 @@ def exact_match(cfg: ml_collections.ConfigDict, workdir: pathlib.Path) -> float 
   """Exact-match accuracy of a synthetic task on the validation batches (None for text corpora)."""
   if not str(cfg.data.corpus).startswith("synthetic:"):
     return None
-  import jax
-  import jax.numpy as jnp
-
-  from tformer_jax.checkpoint import restore_params
-  from tformer_jax.data import pipeline, synthetic
-  from tformer_jax.decode_io import model_from_config
   _, params = restore_params(workdir)
   model = model_from_config(cfg)
   ds = pipeline.build_dataset(cfg.data)
@@ -109,7 +110,6 @@ def _field(cfg: ml_collections.ConfigDict, dotted: str) -> Any:
 def run_one(base: ml_collections.ConfigDict, overrides: dict[str, Any], steps: int, workdir: pathlib.Path,
             evals: int = 4) -> RunResult:
   """Train one configuration from scratch in `workdir` (deleted first) and summarise it."""
-  from tformer_jax.train.loop import train
   cfg = override(base, overrides)
   cfg.train.steps = steps
   cfg.train.eval_every = max(1, steps // max(evals, 1))
@@ -171,7 +171,6 @@ def markdown_table(results: Sequence[RunResult]) -> str:
 def write_results(results: Sequence[RunResult], out_dir: str | pathlib.Path, title: str = ""
                   ) -> dict[str, pathlib.Path]:
   """results.json, results.md and loss_curves.png in `out_dir`."""
-  from tformer_jax.diagnostics.plots import loss_curves
   out = pathlib.Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   paths = {"json": out / "results.json", "md": out / "results.md", "png": out / "loss_curves.png"}

@@ -40,10 +40,13 @@ import dataclasses
 import math
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tformer_jax.config import ModelConfig
+from tformer_jax.config import ModelConfig, default_config
+from tformer_jax.nn import Transformer
+from tformer_jax.train import optim, precision, state as state_lib, step as step_lib
 
 ACT_COPIES = {"relu": 1, "gelu_tanh": 2, "silu": 2, "gelu": 3, "swiglu": 4, "geglu": 5}
 NORM_COPIES = {"layernorm": 2, "rmsnorm": 2}  # ops.norms keeps xhat (+ 1/std per row); y feeds a dot
@@ -57,9 +60,6 @@ def _bytes(dtype: str) -> int:
 
 def param_shapes(m: ModelConfig) -> Any:
   """The parameter tree as ShapeDtypeStructs (jax.eval_shape: nothing is allocated)."""
-  import flax.linen as nn
-
-  from tformer_jax.nn import Transformer
   tokens = jax.ShapeDtypeStruct((1, min(8, m.max_len)), jnp.int32)
   shapes = jax.eval_shape(lambda t: Transformer(m).init(jax.random.PRNGKey(0), t)["params"], tokens)
   return nn.unbox(shapes)
@@ -157,9 +157,6 @@ def _non_layer_params(m: ModelConfig) -> int:
 
 def compiled_analysis(m: ModelConfig, batch: int, seq: int, optim_cfg: Any = None) -> dict[str, float]:
   """memory_analysis() and cost_analysis() of the compiled real train step (donated state)."""
-  from tformer_jax.config import default_config
-  from tformer_jax.nn import Transformer
-  from tformer_jax.train import optim, precision, state as state_lib, step as step_lib
   optim_cfg = optim_cfg if optim_cfg is not None else default_config().optim
   model = Transformer(m)
   tx, schedule = optim.make_optimizer(optim_cfg, 1000)

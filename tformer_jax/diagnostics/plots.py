@@ -10,9 +10,9 @@ import numpy as np
 
 
 def _plt():
-  import matplotlib
+  import matplotlib  # noqa: PLC0415 (heavy; only the plotting paths need it)
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  import matplotlib.pyplot as plt  # noqa: PLC0415 (after matplotlib.use("Agg"))
   return plt
 
 

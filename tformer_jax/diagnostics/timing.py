@@ -20,17 +20,17 @@ import jax
 import ml_collections
 from absl import flags
 
-from tformer_jax import cli_common
+from tformer_jax import backends, cli_common
+from tformer_jax.config import validate
+from tformer_jax.diagnostics import ablate
+from tformer_jax.nn import Transformer
+from tformer_jax.train import optim, precision, state as state_lib, step as step_lib
 
 
 def time_train_steps(cfgs: dict[str, ml_collections.ConfigDict], batch: int, seq: int, *, rounds: int = 5,
                      steps: int = 5, seed: int = 0) -> dict[str, dict[str, Any]]:
   """{variant: {'median_ms', 'min_ms', 'samples_ms', 'compile_s'}} for one (batch, seq) shape; each
   variant's step runs with the backend of its cfg.runtime, as in the training loop."""
-  from tformer_jax import backends
-  from tformer_jax.config import validate
-  from tformer_jax.nn import Transformer
-  from tformer_jax.train import optim, precision, state as state_lib, step as step_lib
   runners = {}
   for name, cfg in cfgs.items():
     m = validate(cfg)
@@ -83,7 +83,6 @@ def define_flags(fv: flags.FlagValues) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  from tformer_jax.diagnostics import ablate
   args = cli_common.parse(argv, define_flags, doc=__doc__, prog="python -m tformer_jax.diagnostics.timing",
                           config="required")
   try:

@@ -13,6 +13,11 @@ from typing import Any, Sequence
 
 from absl import flags
 
+from tformer_jax import cli_common
+from tformer_jax.checkpoint import restore_params
+from tformer_jax.config import ConfigError
+from tformer_jax.doctor import checks, faults
+
 
 def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("workdir", None, "use the checkpoint's parameters (and its config.json when "
@@ -28,7 +33,6 @@ def define_flags(fv: flags.FlagValues) -> None:
 
 def _injections(fault: str, ctx: Any) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
   """(config overrides, per-check injected arguments) for a planted fault."""
-  from tformer_jax.doctor import checks, faults
   if fault in faults.CONFIG_FAULTS:
     return faults.CONFIG_FAULTS[fault](ctx.m), {}
   if fault in faults.ATTENTION_FAULTS:
@@ -46,17 +50,12 @@ def _injections(fault: str, ctx: Any) -> tuple[dict[str, Any], dict[str, dict[st
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  from tformer_jax import cli_common
-  from tformer_jax.config import ConfigError
-  from tformer_jax.doctor import checks
-
   args = cli_common.parse(argv, define_flags, doc=__doc__, prog="python -m tformer_jax.doctor",
                           config="required", from_workdir=True)
   try:
     cfg = args.config
     params = None
     if args.workdir:
-      from tformer_jax.checkpoint import restore_params
       _, params = restore_params(args.workdir)
     ctx = checks.make_context(cfg, params, args.seed)
     inject: dict[str, dict[str, Any]] = {}

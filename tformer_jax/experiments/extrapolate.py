@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tformer_jax.config import ModelConfig, RopeScaling, default_config, validate_model
+from tformer_jax.data import pipeline
 from tformer_jax.nn import Transformer
 from tformer_jax.train import optim, precision, state as state_lib, step as step_lib
 
@@ -62,7 +63,6 @@ def windows(tokens: np.ndarray, length: int, count: int) -> np.ndarray:
 def train_model(m: ModelConfig, ds, *, train_len: int, steps: int, batch_size: int, lr: float,
                 seed: int) -> tuple[Any, dict[str, float]]:
   """Train one model with the real train step; returns (params, {final_train_loss, train_s})."""
-  from tformer_jax.data import pipeline
   c = default_config()
   c.optim.peak_lr, c.optim.warmup_steps = lr, max(1, min(100, steps // 10))
   model = Transformer(m)
@@ -100,7 +100,6 @@ def run(*, schemes: Sequence[str] = SCHEMES, train_len: int = 64, steps: int = 3
         eval_mults: Sequence[int] = (1, 2, 4, 8), eval_windows: int = 32, eval_batch: int = 8,
         seed: int = 0, out: str | pathlib.Path | None = None, log=print) -> dict[str, Any]:
   """Train every scheme, evaluate at every length; write extrapolation.{md,json,png} to `out`."""
-  from tformer_jax.data import pipeline
   ds = pipeline.build_dataset(dict(corpus="shakespeare", seq_len=train_len * max(eval_mults)))
   evals = {k: windows(ds.val_tokens, k * train_len, eval_windows) for k in eval_mults}
   trained: dict[str, tuple[Any, dict[str, float]]] = {}
@@ -148,9 +147,9 @@ def markdown_table(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: pathlib.Path) -> None:
-  import matplotlib
+  import matplotlib  # noqa: PLC0415 (heavy; only the plot needs it)
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  import matplotlib.pyplot as plt  # noqa: PLC0415 (after matplotlib.use("Agg"))
   fig, ax = plt.subplots(figsize=(6.4, 4.2))
   lt = result["train_len"]
   for r in result["rows"]:

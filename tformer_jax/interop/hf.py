@@ -96,13 +96,13 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 
 def _torch_to_numpy(t: Any) -> np.ndarray:
-  import torch  # optional (the 'reference' extra): only for in-memory models and .bin checkpoints
+  import torch  # noqa: PLC0415 (optional, the 'reference' extra: only for in-memory models and .bin checkpoints)
   t = t.detach().cpu()
   return (t.to(torch.float32) if t.is_floating_point() else t).numpy()
 
 
 def _read_bin(path: pathlib.Path) -> dict[str, np.ndarray]:
-  import torch  # optional (the 'reference' extra): only .bin checkpoints need it
+  import torch  # noqa: PLC0415 (optional, the 'reference' extra: only .bin checkpoints need it)
   sd = torch.load(path, map_location="cpu", weights_only=True)  # never unpickles code
   return {k: _torch_to_numpy(v) for k, v in sd.items()}
 

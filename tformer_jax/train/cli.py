@@ -8,6 +8,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from tformer_jax.config import ConfigError
+from tformer_jax.host_alloc import maybe_reexec
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment file with get_config(); override fields with --config.x.y=v.",
@@ -25,16 +26,16 @@ def _main(argv):
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   logging.getLogger("absl").setLevel(logging.WARNING)
   if _DIST.value or _COORD.value:
-    from tformer_jax.parallel.distributed import initialize
+    from tformer_jax.parallel.distributed import initialize  # noqa: PLC0415 (jax: only after maybe_reexec)
     initialize(_COORD.value, _NPROC.value, _PID.value)
-  from tformer_jax.train.loop import TrainingError, train
+  from tformer_jax.train.loop import TrainingError, train  # noqa: PLC0415 (jax: only after maybe_reexec)
   try:
     train(_CONFIG.value, _WORKDIR.value)
   except (ConfigError, TrainingError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   except Exception as e:  # data errors etc.: one clear line, not a traceback
-    from tformer_jax.data.corpora import DataError
+    from tformer_jax.data.corpora import DataError  # noqa: PLC0415 (tformer_jax.data: grain + jax, only after maybe_reexec)
     if isinstance(e, DataError):
       print(f"error: {e}", file=sys.stderr)
       sys.exit(2)
@@ -42,7 +43,6 @@ def _main(argv):
 
 
 def main():
-  from tformer_jax.host_alloc import maybe_reexec
   maybe_reexec()  # tcmalloc / hugetlb: see tformer_jax/host_alloc.py
   flags.mark_flags_as_required(["config", "workdir"])
   app.run(_main)

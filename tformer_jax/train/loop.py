@@ -21,8 +21,11 @@ import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
+from tqdm.auto import tqdm
 
-from tformer_jax import backends, config as config_lib
+from tformer_jax import backends, config as config_lib, decode
+from tformer_jax.checkpoint import Checkpointer, CheckpointError, restore_params
+from tformer_jax.data import pipeline
 from tformer_jax.nn import Transformer
 from tformer_jax.parallel import mesh as mesh_lib, pmap as pmap_lib, rules as rules_lib
 from tformer_jax.train import optim, precision, state as state_lib, step as step_lib
@@ -103,8 +106,6 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[st
 
 def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax.sharding.Mesh,
            runtime: backends.Runtime) -> dict[str, float]:
-  from tformer_jax.checkpoint import Checkpointer
-  from tformer_jax.data import pipeline
 
   work = prepare_workdir(workdir)
   enable_compilation_cache(cfg.data.cache_dir)
@@ -263,7 +264,6 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
 
 def load_init_params(source: str, abstract_params: Any) -> Any:
   """Parameters of another run (or a converted HF model) to fine-tune from, checked against ours."""
-  from tformer_jax.checkpoint import CheckpointError, restore_params
   _, params = restore_params(source)
   flat = lambda t: {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(t)[0]}  # noqa: E731
   ours, theirs = flat(abstract_params), flat(params)
@@ -278,7 +278,6 @@ def load_init_params(source: str, abstract_params: Any) -> Any:
 
 
 def sample_text(model, params, tokenizer, cfg, seed: int = 0) -> str:
-  from tformer_jax import decode
   prompt = [int(t) for t in tokenizer.encode(cfg.train.sample_prompt)] or [0]
   max_new = cfg.train.sample_tokens
   if model.cfg.position == "learned":
@@ -291,6 +290,5 @@ def sample_text(model, params, tokenizer, cfg, seed: int = 0) -> str:
 
 
 def _progress(enabled: bool, start: int, total: int):
-  from tqdm.auto import tqdm
   return tqdm(total=total, initial=start, disable=not enabled, dynamic_ncols=True, unit="step",
               mininterval=2.0)

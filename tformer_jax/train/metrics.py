@@ -18,7 +18,7 @@ class MetricWriter:
               if ln.strip() and json.loads(ln).get("step", 0) <= truncate_after]
       self.path.write_text("".join(k + "\n" for k in keep))
     self._file = self.path.open("a")
-    from tensorboardX import SummaryWriter
+    from tensorboardX import SummaryWriter  # noqa: PLC0415 (slow import, ~1 s; only enabled writers need it)
     self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tb"))
 
   def write(self, step: int, metrics: dict) -> None:

@@ -93,7 +93,7 @@ def _build(cxx: str) -> pathlib.Path:
 
 def _sgemm() -> tuple[int, ctypes.CDLL]:
   try:
-    import scipy_openblas32
+    import scipy_openblas32  # noqa: PLC0415 (kernel build only: a missing wheel is KernelUnavailable)
   except ImportError as e:
     raise KernelUnavailable("the CPU kernels call OpenBLAS from the `scipy-openblas32` wheel: "
                             "`pip install scipy-openblas32`") from e
