@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install tformer_jax with test + reference extras into a fresh venv and run the whole test suite.
+# Install tformer_jax with test + reference extras into a fresh venv, lint with ruff, and run the whole test suite.
 # Usage: bash scripts/test.sh [extra pytest args]      (VENV=path to choose the venv; default .venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,4 +14,6 @@ PY=${PYTHON:-python3}
 if ! command -v bible >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && apt-get install -y -qq bible-kjv) >/dev/null 2>&1 || echo "note: bible-kjv not installed"
 fi
+# Lint first (config in pyproject.toml [tool.ruff]; ruff comes with the test extra): a finding fails the script.
+"$VENV/bin/ruff" check .
 exec "$VENV/bin/python" -m pytest -n 2 --dist loadfile "$@"
