@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 from absl import flags
 
-from tformer_jax import cli_common, decode, decode_io
+from tformer_jax import backends, cli_common, config as config_lib, decode, decode_io
 
 
 def define_flags(fv: flags.FlagValues) -> None:
@@ -95,6 +95,13 @@ class RowText:
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   model, params, tok, default_prompt = load(args)
+  cfg = args.config if args.config is not None else config_lib.default_config()
+  runtime = backends.resolve_runtime(cfg, model=model.cfg, quiet=True)
+  with backends.use(runtime.backend):   # traced lazily, inside the stream
+    return generate(args, model, params, tok, default_prompt)
+
+
+def generate(args: Any, model: Any, params: Any, tok: Any, default_prompt: str) -> int:
   prompts = list(args.prompt)
   if args.prompts_file:
     with open(args.prompts_file, encoding="utf-8") as f:

@@ -1,5 +1,6 @@
 """The CLIs' allocator choice (tformer_jax/host_alloc.py): the pure plan, and a real re-exec in a
 subprocess that ends up running under the planned allocator exactly once."""
+import importlib.util
 import os
 import subprocess
 import sys
@@ -51,4 +52,15 @@ def test_reexec_runs_once_under_the_planned_allocator(choice):
       planned and planned[ha.ENV_DONE]]
   assert lines[-1] == f"allocator {want} ['a1', '--b=2']", p.stdout
   assert lines.count("start") == (2 if planned else 1)  # re-executed exactly once, arguments kept
-  assert ("note: re-running under" in p.stderr) == bool(planned)
+  assert "re-running" not in p.stderr   # silent: resolve_runtime reports the allocator
+
+
+def test_only_cpu_runs_reexec():
+  assert ha.cpu_run({"JAX_PLATFORMS": "cpu"}, ["train.py", "--config=x"])
+  assert not ha.cpu_run({"JAX_PLATFORMS": "cuda"}, ["train.py"])
+  assert not ha.cpu_run({"JAX_PLATFORMS": "tpu,cpu"}, ["train.py"])
+  for flag in ("--help", "-h", "--helpfull"):
+    assert not ha.cpu_run({"JAX_PLATFORMS": "cpu"}, ["train.py", flag])
+  # no JAX_PLATFORMS: a CPU run unless a GPU/TPU plugin for JAX is installed (none is here)
+  plugins = any(importlib.util.find_spec(m) for m in ha.ACCELERATOR_MODULES)
+  assert ha.cpu_run({}, ["train.py"]) == (not plugins)

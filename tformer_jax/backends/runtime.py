@@ -38,22 +38,23 @@ class Runtime:
             "platform": self.platform, "allocator": self.allocator}
 
 
-def _compute_dtype(cfg: Any) -> str:
+def _compute_dtype(cfg: Any, m: Any) -> str:
   """The model's compute dtype once train.precision's policy applies (bf16/fp16 compute in half)."""
   precision = cfg.train.get("precision", "float32") if "train" in cfg else "float32"
-  return {"bf16": "bfloat16", "fp16": "float16"}.get(precision, cfg.model.dtype)
+  return {"bf16": "bfloat16", "fp16": "float16"}.get(precision, m.dtype)
 
 
-def resolve_runtime(cfg: Any, *, mesh_devices: int = 1, platform: str | None = None,
-                    quiet: bool = False) -> Runtime:
+def resolve_runtime(cfg: Any, *, model: config_lib.ModelConfig | None = None, mesh_devices: int = 1,
+                    platform: str | None = None, quiet: bool = False) -> Runtime:
   """The run's backend from cfg.runtime (defaults where the section or a field is missing).
 
+  model: the architecture, when it is not cfg.model (an HF model being generated from).
   mesh_devices: devices of the jit mesh the step is partitioned over (the C++ kernels are
   single-device custom calls; pmap runs them per device, so pass 1 there). Raises ConfigError for a
   choice this platform cannot run. Logs `Runtime.summary()` unless quiet."""
   rt = dict(config_lib.default_config().runtime)
   rt.update(dict(cfg.get("runtime", {})))
-  m = cfg.model
+  m = cfg.model if model is None else model
   platform = platform or jax.default_backend()
   reasons: list[str] = []
 
@@ -90,7 +91,7 @@ def resolve_runtime(cfg: Any, *, mesh_devices: int = 1, platform: str | None = N
   else:
     kernels = rt["cpu_kernels"]
     ok, why = cpu_kernel.available()
-    f32 = _compute_dtype(cfg) == "float32" and m.param_dtype == "float32"
+    f32 = _compute_dtype(cfg, m) == "float32" and m.param_dtype == "float32"
     if kernels == "on":
       if not ok:
         raise config_lib.ConfigError(f"runtime.cpu_kernels: 'on' but the C++ kernels are unavailable: {why}")

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from absl import flags
 
-from tformer_jax import cli_common
+from tformer_jax import backends, cli_common
 from tformer_jax.checkpoint import restore_params
 from tformer_jax.config import ConfigError
 from tformer_jax.doctor import checks, faults
@@ -69,8 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   only = [c for c in args.only.split(",") if c] or list(checks.CHECKS)
   skip = {c for c in args.skip.split(",") if c}
   try:
-    results = checks.run_checks(ctx, [c for c in only if c not in skip], inject)
-  except ValueError as e:
+    runtime = backends.resolve_runtime(ctx.cfg, quiet=True)
+    with backends.use(runtime.backend):   # the probes that read attention pick their own backend
+      results = checks.run_checks(ctx, [c for c in only if c not in skip], inject)
+  except (ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   src = f"checkpoint {args.workdir}" if args.workdir else "fresh init"

@@ -81,7 +81,7 @@ def dot_product_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, 
       raise ValueError(f"impl={impl!r} has no attention dropout; use impl='reference'")
     if impl == "cudnn" and jax.default_backend() != "gpu":
       raise ValueError(f"attention impl 'cudnn' needs a GPU; the default backend is "
-                       f"{jax.default_backend()!r}. Use attention_impl 'xla', 'blockwise' or 'reference'.")
+                       f"{jax.default_backend()!r}. Use 'xla', 'blockwise' or 'reference' (runtime.attention).")
     d = q_BxLxHxD.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     return jax.nn.dot_product_attention(
