@@ -19,6 +19,7 @@ import numpy as np
 from absl import flags
 
 from tformer_jax import backends, cli_common, config as config_lib, decode, decode_io
+from tformer_jax.checkpoint import CheckpointError, restore_params
 
 
 def define_flags(fv: flags.FlagValues) -> None:
@@ -58,9 +59,9 @@ def load(args: Any) -> tuple[Any, Any, Any, str]:
     return model, params, tok, cfg.train.sample_prompt if "train" in cfg else "\n"
   if args.hf:
     return (*decode_io.load_hf(args.hf), "Hello")
-  from tformer_jax.checkpoint import restore_params
   _, params = restore_params(args.workdir)
-  return decode_io.model_from_config(cfg), params, decode_io.tokenizer_from_config(cfg), "\n"
+  model = decode_io.model_from_config(cfg)
+  return model, decode_io.check_params(model, params, args.workdir), decode_io.tokenizer_from_config(cfg), "\n"
 
 
 class RowText:
@@ -94,7 +95,10 @@ class RowText:
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
-  model, params, tok, default_prompt = load(args)
+  try:
+    model, params, tok, default_prompt = load(args)
+  except (CheckpointError, config_lib.ConfigError) as e:
+    cli_common.fail(str(e))
   cfg = args.config if args.config is not None else config_lib.default_config()
   runtime = backends.resolve_runtime(cfg, model=model.cfg, quiet=True)
   with backends.use(runtime.backend):   # traced lazily, inside the stream

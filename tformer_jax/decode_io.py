@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tformer_jax.checkpoint import restore_params
+from tformer_jax.checkpoint import CheckpointError, restore_params
 from tformer_jax.config import ModelConfig, load_config_file, validate_model  # noqa: F401 (re-exported)
 from tformer_jax.data.corpora import load_corpus
 from tformer_jax.data.tokenizers import get_tokenizer
@@ -47,10 +47,29 @@ def random_init(cfg: Any, seed: int = 0) -> tuple[Transformer, Any, Any]:
   return model, params, tokenizer_from_config(cfg)
 
 
+def check_params(model: Transformer, params: Any, source: str) -> Any:
+  """params, if their tree and shapes are the model's; else a one-line CheckpointError listing the
+  first differences (e.g. a config.json overridden with another architecture)."""
+  tokens = jax.ShapeDtypeStruct((1, min(8, model.cfg.max_len)), jnp.int32)
+  want = nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)["params"])
+  flat = lambda t: {jax.tree_util.keystr(k): tuple(jnp.shape(v))  # noqa: E731
+                    for k, v in jax.tree_util.tree_flatten_with_path(t)[0]}
+  ours, theirs = flat(want), flat(params)
+  diffs = [f"{k}: config {s} vs checkpoint {theirs.get(k, 'missing')}" for k, s in ours.items()
+           if theirs.get(k) != s]
+  diffs += [f"{k}: not in this config's model" for k in theirs if k not in ours]
+  if diffs:
+    more = f" (+{len(diffs) - 3} more)" if len(diffs) > 3 else ""
+    raise CheckpointError(f"{source}: the parameters do not fit the config's model: "
+                          + "; ".join(diffs[:3]) + more)
+  return params
+
+
 def load_for_inference(workdir: str | os.PathLike) -> tuple[Transformer, Any, Any]:
   """(model, params, tokenizer) from a training workdir (config.json + latest Orbax checkpoint)."""
   cfg, params = restore_params(workdir)
-  return model_from_config(cfg), params, tokenizer_from_config(cfg)
+  model = model_from_config(cfg)
+  return model, check_params(model, params, str(workdir)), tokenizer_from_config(cfg)
 
 
 def load_hf(path: str | os.PathLike) -> tuple[Transformer, Any, Any]:

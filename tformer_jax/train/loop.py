@@ -21,6 +21,7 @@ import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
+from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from tformer_jax import backends, config as config_lib, decode
@@ -28,7 +29,7 @@ from tformer_jax.checkpoint import Checkpointer, CheckpointError, restore_params
 from tformer_jax.data import pipeline
 from tformer_jax.nn import Transformer
 from tformer_jax.parallel import mesh as mesh_lib, pmap as pmap_lib, rules as rules_lib
-from tformer_jax.train import optim, precision, state as state_lib, step as step_lib
+from tformer_jax.train import optim, precision, state as state_lib, step as step_lib, workdir as workdir_lib
 from tformer_jax.train.metrics import MetricWriter
 from tformer_jax.train.stats import make_stats_fn
 
@@ -100,13 +101,34 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[st
   # the C++ kernels are single-device custom calls: only pmap (per device) or a 1-device mesh
   devices = mesh.size if cfg.mesh.parallelism == "jit" else 1
   runtime = backends.resolve_runtime(cfg, mesh_devices=devices, quiet=jax.process_index() != 0)
-  with backends.use(runtime.backend):
-    return _train(cfg, workdir, mesh, runtime)
+  stop = _install_stop_handlers()   # before the first long operation: a signal then ends the run cleanly
+  lock = _lock_workdir(workdir)
+  try:
+    with backends.use(runtime.backend):
+      return _train(cfg, workdir, mesh, runtime, stop)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _lock_workdir(workdir: str | os.PathLike) -> workdir_lib.WorkdirLock | None:
+  """Process 0 takes the workdir's lock; every process learns whether it got it."""
+  lock, error = None, None
+  if jax.process_index() == 0:
+    try:
+      lock = workdir_lib.WorkdirLock(workdir).acquire()
+    except workdir_lib.WorkdirBusy as e:
+      error = e
+  if jax.process_count() > 1 and not int(multihost_utils.broadcast_one_to_all(np.int32(error is None))):
+    error = error or workdir_lib.WorkdirBusy(f"workdir: {workdir} is in use (process 0 could not lock it)")
+  if error is not None:
+    raise error
+  return lock
 
 
 def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax.sharding.Mesh,
-           runtime: backends.Runtime) -> dict[str, float]:
-
+           runtime: backends.Runtime, stop: dict[str, Any]) -> dict[str, float]:
+  workdir_lib.check_architecture(workdir, cfg)   # before anything in the workdir changes
   work = prepare_workdir(workdir)
   enable_compilation_cache(cfg.data.cache_dir)
   is_main = jax.process_index() == 0
@@ -114,9 +136,6 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
   ds = pipeline.build_dataset(cfg.data)
   mcfg = resolve_model_config(cfg, ds.vocab_size)
   rules = rules_lib.get_rules(cfg.mesh.rules, mesh.axis_names)
-  if is_main:
-    (work / "config.json").write_text(cfg.to_json_best_effort(indent=2))
-    (work / "runtime.json").write_text(json.dumps(runtime.as_dict(), indent=2))
 
   model = Transformer(mcfg)
   tx, schedule = optim.make_optimizer(cfg.optim, cfg.train.steps, runtime.backend)
@@ -143,6 +162,9 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
       state = state.replace(params=load_init_params(cfg.train.init_from, abstract.params))
       log.info("initialised parameters from %s", cfg.train.init_from)
   n_params = state_lib.param_count(state.params)
+  if is_main:  # only now: a config that cannot restore this workdir has changed nothing in it
+    (work / "config.json").write_text(cfg.to_json_best_effort(indent=2))
+    (work / "runtime.json").write_text(json.dumps(runtime.as_dict(), indent=2))
 
   train_step = step_lib.make_train_step(model, tx, schedule, cfg.optim)
   batch_sh = mesh_lib.batch_sharding(mesh)
@@ -182,11 +204,11 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
   writer = MetricWriter(work, enabled=is_main, truncate_after=start)
   if is_main:
     log.info("model: %s parameters; mesh %s; rules %s", f"{n_params:,}", dict(mesh.shape), cfg.mesh.rules)
-  stop = _install_stop_handlers()
   tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
   progress = _progress(is_main, start, cfg.train.steps)
   final: dict[str, float] = {}
   pending = None
+  saved = None   # the step of the last save of this run
   t_last, steps_since = time.perf_counter(), 0
 
   def finish_step(step_done: int, metrics) -> None:
@@ -196,9 +218,12 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
     m["bpb"] = m["nll"] / math.log(2) / bpt
     steps_since += 1
     if m["bad_steps"] >= cfg.train.max_nonfinite:
+      last = ckpt.latest_step()
+      kept = ("no checkpoint was saved yet" if last is None
+              else f"the last good checkpoint (step {last}) is untouched")
       raise TrainingError(
           f"{int(m['bad_steps'])} consecutive non-finite steps (ending at step {step_done}); the update was "
-          f"skipped each time and the last good checkpoint (step {ckpt.latest_step()}) is untouched. "
+          f"skipped each time and {kept}. "
           "Check the learning rate/warmup, the data and the precision (fp16 needs loss scaling).")
     if not m["finite"]:
       log.warning("step %d: non-finite loss or gradient; update skipped (%d in a row)", step_done,
@@ -238,11 +263,17 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
           log.warning("step %d: not saving during a run of non-finite steps", done)
         else:
           ckpt.save(done, state, it.get_state(), {"step": done}, force=bool(stop["signal"]))
+          saved = done
       if stop["signal"]:
         if pending is not None:
           finish_step(*pending)
           pending = None
-        log.warning("%s received: saved step %d, exiting", stop["signal"], done)
+        if saved == done:
+          log.warning("%s received: saved step %d, exiting", stop["signal"], done)
+        else:
+          last = ckpt.latest_step()
+          log.warning("%s received at step %d: not saved (non-finite steps); %s, exiting", stop["signal"],
+                      done, "no checkpoint yet" if last is None else f"the last checkpoint is step {last}")
         break
     if pending is not None:
       finish_step(*pending)

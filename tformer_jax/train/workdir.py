@@ -1,0 +1,120 @@
+"""One run per workdir, and nothing in it changed by a command that does not belong there.
+
+`WorkdirLock(path).acquire()` takes `WORKDIR/.lock` before anything else is written: an advisory
+`fcntl.flock` on the file (the kernel drops it when the holder dies, even by kill -9) plus the holder's
+pid, host, start time and command in the file, for the message. A second run stops at once with one
+line naming the holder. A lock file left by a process that is gone is taken over with a warning.
+Multi-process runs: process 0 holds the lock for the run.
+
+`check_architecture(workdir, cfg)` compares the architecture of the config about to run with the one
+already saved in `WORKDIR/config.json` (when the workdir has checkpoints): a difference is a one-line
+ConfigError listing the fields, and the saved config is left untouched.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import fcntl
+import json
+import logging
+import os
+import pathlib
+import socket
+import sys
+from typing import Any
+
+from tformer_jax import config as config_lib
+
+log = logging.getLogger("tformer_jax")
+LOCK_NAME = ".lock"
+
+
+class WorkdirBusy(config_lib.ConfigError):
+  """Another run holds this workdir."""
+
+
+class WorkdirLock:
+  def __init__(self, workdir: str | os.PathLike):
+    self.path = pathlib.Path(workdir) / LOCK_NAME
+    self._fd: int | None = None
+
+  def acquire(self) -> WorkdirLock:
+    try:
+      self.path.parent.mkdir(parents=True, exist_ok=True)
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+      raise config_lib.ConfigError(f"workdir: {self.path.parent} is not writable ({e.strerror or e})") from None
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = _describe(_read(fd))
+      os.close(fd)
+      raise WorkdirBusy(f"workdir: {self.path.parent} is in use by {holder}; wait for it to finish, "
+                        "or use another --workdir") from None
+    old = _read(fd)
+    if old:  # the lock was free, so its last holder is gone
+      log.warning("workdir: taking over the lock left by %s (not running any more)", _describe(old))
+    info = {"pid": os.getpid(), "host": socket.gethostname(),
+            "started": datetime.datetime.now().isoformat(timespec="seconds"), "argv": sys.argv}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(info).encode(), 0)
+    os.fsync(fd)
+    self._fd = fd
+    return self
+
+  def release(self) -> None:
+    if self._fd is None:
+      return
+    try:
+      os.ftruncate(self._fd, 0)   # an empty file: released cleanly
+      fcntl.flock(self._fd, fcntl.LOCK_UN)
+    finally:
+      os.close(self._fd)
+      self._fd = None
+
+  def __enter__(self) -> WorkdirLock:
+    return self.acquire()
+
+  def __exit__(self, *exc: Any) -> None:
+    self.release()
+
+
+def _read(fd: int) -> dict[str, Any]:
+  try:
+    raw = os.pread(fd, 65536, 0)
+    return json.loads(raw) if raw.strip() else {}
+  except (OSError, ValueError):
+    return {"pid": "?"}
+
+
+def _describe(info: dict[str, Any]) -> str:
+  if not info:
+    return "another process"
+  return (f"pid {info.get('pid', '?')} on {info.get('host', '?')} since {info.get('started', '?')} "
+          f"({' '.join(map(str, info.get('argv', [])))[:120]})")
+
+
+def _architecture(model: Any) -> dict[str, Any]:
+  m = config_lib.ModelConfig.from_config(model)
+  return {k: v for k, v in dataclasses.asdict(m).items() if k not in config_lib.NON_ARCHITECTURE_FIELDS}
+
+
+def check_architecture(workdir: str | os.PathLike, cfg: Any) -> None:
+  """ConfigError if `workdir` holds checkpoints of a model whose architecture differs from cfg.model."""
+  work = pathlib.Path(workdir)
+  saved_path = work / "config.json"
+  ckpt = work / "checkpoints"
+  if not saved_path.is_file() or not ckpt.is_dir() or not any(p.name.isdigit() for p in ckpt.iterdir()):
+    return
+  try:
+    saved = json.loads(saved_path.read_text())["model"]
+    old = _architecture(saved)
+  except (ValueError, KeyError, TypeError) as e:
+    raise config_lib.ConfigError(f"workdir: {saved_path} is not a readable config ({e}); move it away "
+                                 "to start over") from None
+  new = _architecture(cfg.model)
+  diff = [f"model.{k}: {old[k]!r} in the workdir, {new[k]!r} now" for k in sorted(old)
+          if k in new and old[k] != new[k]]
+  if diff:
+    raise config_lib.ConfigError(f"workdir: {work} holds checkpoints of another architecture ("
+                                 + "; ".join(diff) + "); use another --workdir, or the saved config")
