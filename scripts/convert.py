@@ -9,8 +9,10 @@
          Without --family, the first family that reproduces the architecture exactly; a model that
          no family holds is refused with the fields that differ.
 
-Nothing is downloaded and no code from the HF directory is executed. Anticipated errors (a bad
-directory, a missing checkpoint, an architecture HF cannot hold) print one line and exit 2.
+Nothing is downloaded and no code from the HF directory is executed (a .bin holding pickled objects
+is refused, not unpickled). Anticipated errors (a bad directory, a malformed or corrupt config.json or
+weights file, a config.json that disagrees with the weights, a missing checkpoint, an architecture HF
+cannot hold) print one line, `error: ...`, and exit 2.
 """
 from __future__ import annotations
 
@@ -27,9 +29,9 @@ from tformer_jax.checkpoint import Checkpointer, CheckpointError, restore_params
 from tformer_jax.config import ConfigError, ModelConfig, default_config
 from tformer_jax.interop.hf import HFConfigError, HFWeightsError, load_hf, save_hf
 
-# What a user can cause (bad paths, checkpoints, configs, architectures): one line, exit status 2.
-USER_ERRORS = (HFConfigError, HFWeightsError, CheckpointError, ConfigError, FileNotFoundError,
-               FileExistsError, NotADirectoryError)
+# What a user can cause (bad paths or permissions, malformed or unsafe HF files, checkpoints, configs,
+# architectures): one line, exit status 2. Anything else is a bug and keeps its traceback.
+USER_ERRORS = (HFConfigError, HFWeightsError, CheckpointError, ConfigError, OSError)
 
 
 def hf_to_workdir(hf_dir: str | pathlib.Path, workdir: str | pathlib.Path, step: int = 0) -> pathlib.Path:

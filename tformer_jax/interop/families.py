@@ -7,8 +7,10 @@ parameter paths ('/'-separated, `{i}` = layer) with an `axes.rearrange` layout o
 
 is torch's Linear (out, in) = (heads * head_dim, d_model) becoming our (d_model, heads, head_dim).
 Several of our paths split a fused tensor along the HF-only literal axis ('(h 3 k) d' -> q, k, v);
-`{e}` stacks one HF tensor per expert into our 'e' axis. Empty layouts = a plain copy. Axis sizes:
-d d_model, h heads, g kv heads, k head_dim, f FFN hidden, v vocab, e experts, x expert hidden.
+`{e}` stacks one HF tensor per expert into our 'e' axis. Every rule has layouts on both sides (a
+plain copy is 'v d' -> 'v d'), so the shape each HF tensor must have follows from config.json alone
+and is checked before any model is built. Axis sizes: d d_model, h heads, g kv heads, k head_dim,
+f FFN hidden, v vocab, e experts, x expert hidden, p max_len, t type_vocab_size.
 
 A rule applies exactly when our model has its parameter(s) (biases, an untied head, MoE layers),
 so the tables need no conditions. `OneOf` lists equivalent layouts of the same weights (Mixtral's
@@ -59,16 +61,17 @@ class Family:
 
 def norm(hf: str, ours: str, bias: bool = True, weight: str = "weight") -> tuple[Rule, ...]:
   """A LayerNorm/RMSNorm: HF `<hf>.weight` (+ `.bias`) -> our `<ours>/scale` (+ `/bias`)."""
-  rules = (Rule(f"{hf}.{weight}", f"{ours}/scale"),)
-  return rules + ((Rule(f"{hf}.bias", f"{ours}/bias"),) if bias else ())
+  rules = (Rule(f"{hf}.{weight}", f"{ours}/scale", "d", "d"),)
+  return rules + ((Rule(f"{hf}.bias", f"{ours}/bias", "d", "d"),) if bias else ())
 
 
 def linear(hf: str, ours: str, hf_axes: str, ours_axes: str, bias: str = "", bias_axes: str = "",
            ours_bias: str = "") -> tuple[Rule, ...]:
-  """torch Linear/Conv1D `<hf>.weight` (+ `<hf>.bias` -> `ours_bias`) with the given layouts."""
+  """torch Linear/Conv1D `<hf>.weight` (+ `<hf>.bias` -> `ours_bias`) with the given layouts (the
+  bias layout `bias` on both sides unless `bias_axes` gives ours)."""
   rules = (Rule(f"{hf}.weight", ours, hf_axes, ours_axes),)
   if ours_bias:
-    rules += (Rule(f"{hf}.bias", ours_bias, bias, bias_axes),)
+    rules += (Rule(f"{hf}.bias", ours_bias, bias, bias_axes or bias),)
   return rules
 
 
@@ -85,14 +88,14 @@ HEAD = Rule("lm_head.weight", "head", "v d", "d v")
 # -- gpt2 -----------------------------------------------------------------------------------
 _G = "transformer.h.{i}"
 GPT2 = (
-    Rule("transformer.wte.weight", "embed"),
-    Rule("transformer.wpe.weight", "pos_embed"),
+    Rule("transformer.wte.weight", "embed", "v d", "v d"),
+    Rule("transformer.wpe.weight", "pos_embed", "p d", "p d"),
     *norm(f"{_G}.ln_1", f"{L}/ln1"),
     *qkv(f"{_G}.attn.c_attn", L, "d (3 h k)", "(3 h k)"),        # Conv1D: stored (in, out)
-    *linear(f"{_G}.attn.c_proj", f"{L}/attn/wo", "(h k) d", "h k d", ours_bias=f"{L}/attn/bo"),
+    *linear(f"{_G}.attn.c_proj", f"{L}/attn/wo", "(h k) d", "h k d", "d", ours_bias=f"{L}/attn/bo"),
     *norm(f"{_G}.ln_2", f"{L}/ln2"),
-    *linear(f"{_G}.mlp.c_fc", f"{L}/mlp/wi", "", "", ours_bias=f"{L}/mlp/bi"),
-    *linear(f"{_G}.mlp.c_proj", f"{L}/mlp/wo", "", "", ours_bias=f"{L}/mlp/bo"),
+    *linear(f"{_G}.mlp.c_fc", f"{L}/mlp/wi", "d f", "d f", "f", ours_bias=f"{L}/mlp/bi"),
+    *linear(f"{_G}.mlp.c_proj", f"{L}/mlp/wo", "f d", "f d", "d", ours_bias=f"{L}/mlp/bo"),
     *norm("transformer.ln_f", "final_norm"),
     HEAD,
 )
@@ -103,19 +106,19 @@ LLAMA_ATTN = (
     *linear(f"{_M}.self_attn.q_proj", f"{L}/attn/wq", "(h k) d", "d h k", "(h k)", "h k", f"{L}/attn/bq"),
     *linear(f"{_M}.self_attn.k_proj", f"{L}/attn/wk", "(g k) d", "d g k", "(g k)", "g k", f"{L}/attn/bk"),
     *linear(f"{_M}.self_attn.v_proj", f"{L}/attn/wv", "(g k) d", "d g k", "(g k)", "g k", f"{L}/attn/bv"),
-    *linear(f"{_M}.self_attn.o_proj", f"{L}/attn/wo", "d (h k)", "h k d", ours_bias=f"{L}/attn/bo"),
+    *linear(f"{_M}.self_attn.o_proj", f"{L}/attn/wo", "d (h k)", "h k d", "d", ours_bias=f"{L}/attn/bo"),
     *norm(f"{_M}.input_layernorm", f"{L}/ln1", bias=False),
     *norm(f"{_M}.post_attention_layernorm", f"{L}/ln2", bias=False),
 )
 LLAMA_OUTER = (
-    Rule("model.embed_tokens.weight", "embed"),
+    Rule("model.embed_tokens.weight", "embed", "v d", "v d"),
     *norm("model.norm", "final_norm", bias=False),
     HEAD,
 )
 LLAMA = LLAMA_OUTER + LLAMA_ATTN + (
-    *linear(f"{_M}.mlp.gate_proj", f"{L}/mlp/wg", "f d", "d f", ours_bias=f"{L}/mlp/bg"),
-    *linear(f"{_M}.mlp.up_proj", f"{L}/mlp/wi", "f d", "d f", ours_bias=f"{L}/mlp/bi"),
-    *linear(f"{_M}.mlp.down_proj", f"{L}/mlp/wo", "d f", "f d", ours_bias=f"{L}/mlp/bo"),
+    *linear(f"{_M}.mlp.gate_proj", f"{L}/mlp/wg", "f d", "d f", "f", ours_bias=f"{L}/mlp/bg"),
+    *linear(f"{_M}.mlp.up_proj", f"{L}/mlp/wi", "f d", "d f", "f", ours_bias=f"{L}/mlp/bi"),
+    *linear(f"{_M}.mlp.down_proj", f"{L}/mlp/wo", "d f", "f d", "d", ours_bias=f"{L}/mlp/bo"),
 )
 _E = f"{L}/moe"
 MIXTRAL = LLAMA_OUTER + LLAMA_ATTN + (OneOf((
@@ -133,14 +136,14 @@ MIXTRAL = LLAMA_OUTER + LLAMA_ATTN + (OneOf((
 # -- bloom ---------------------------------------------------------------------------------------
 _B = "transformer.h.{i}"
 BLOOM = (
-    Rule("transformer.word_embeddings.weight", "embed"),
+    Rule("transformer.word_embeddings.weight", "embed", "v d", "v d"),
     *norm("transformer.word_embeddings_layernorm", "embed_norm"),
     *norm(f"{_B}.input_layernorm", f"{L}/ln1"),
     *qkv(f"{_B}.self_attention.query_key_value", L, "(h 3 k) d", "(h 3 k)"),
-    *linear(f"{_B}.self_attention.dense", f"{L}/attn/wo", "d (h k)", "h k d", ours_bias=f"{L}/attn/bo"),
+    *linear(f"{_B}.self_attention.dense", f"{L}/attn/wo", "d (h k)", "h k d", "d", ours_bias=f"{L}/attn/bo"),
     *norm(f"{_B}.post_attention_layernorm", f"{L}/ln2"),
-    *linear(f"{_B}.mlp.dense_h_to_4h", f"{L}/mlp/wi", "f d", "d f", ours_bias=f"{L}/mlp/bi"),
-    *linear(f"{_B}.mlp.dense_4h_to_h", f"{L}/mlp/wo", "d f", "f d", ours_bias=f"{L}/mlp/bo"),
+    *linear(f"{_B}.mlp.dense_h_to_4h", f"{L}/mlp/wi", "f d", "d f", "f", ours_bias=f"{L}/mlp/bi"),
+    *linear(f"{_B}.mlp.dense_4h_to_h", f"{L}/mlp/wo", "d f", "f d", "d", ours_bias=f"{L}/mlp/bo"),
     *norm("transformer.ln_f", "final_norm"),
     HEAD,
 )
@@ -148,13 +151,13 @@ BLOOM = (
 # -- gpt_neox ------------------------------------------------------------------------------------
 _N = "gpt_neox.layers.{i}"
 GPT_NEOX = (
-    Rule("gpt_neox.embed_in.weight", "embed"),
+    Rule("gpt_neox.embed_in.weight", "embed", "v d", "v d"),
     *norm(f"{_N}.input_layernorm", f"{L}/ln1"),
     *qkv(f"{_N}.attention.query_key_value", L, "(h 3 k) d", "(h 3 k)"),
-    *linear(f"{_N}.attention.dense", f"{L}/attn/wo", "d (h k)", "h k d", ours_bias=f"{L}/attn/bo"),
+    *linear(f"{_N}.attention.dense", f"{L}/attn/wo", "d (h k)", "h k d", "d", ours_bias=f"{L}/attn/bo"),
     *norm(f"{_N}.post_attention_layernorm", f"{L}/ln2"),
-    *linear(f"{_N}.mlp.dense_h_to_4h", f"{L}/mlp/wi", "f d", "d f", ours_bias=f"{L}/mlp/bi"),
-    *linear(f"{_N}.mlp.dense_4h_to_h", f"{L}/mlp/wo", "d f", "f d", ours_bias=f"{L}/mlp/bo"),
+    *linear(f"{_N}.mlp.dense_h_to_4h", f"{L}/mlp/wi", "f d", "d f", "f", ours_bias=f"{L}/mlp/bi"),
+    *linear(f"{_N}.mlp.dense_4h_to_h", f"{L}/mlp/wo", "d f", "f d", "d", ours_bias=f"{L}/mlp/bo"),
     *norm("gpt_neox.final_layer_norm", "final_norm"),
     Rule("embed_out.weight", "head", "v d", "d v"),
 )
@@ -162,17 +165,17 @@ GPT_NEOX = (
 # -- bert (BertModel, no pooler) -------------------------------------------------------------------
 _T = "encoder.layer.{i}"
 BERT = (
-    Rule("embeddings.word_embeddings.weight", "embed"),
-    Rule("embeddings.position_embeddings.weight", "pos_embed"),
-    Rule("embeddings.token_type_embeddings.weight", "type_embed"),
+    Rule("embeddings.word_embeddings.weight", "embed", "v d", "v d"),
+    Rule("embeddings.position_embeddings.weight", "pos_embed", "p d", "p d"),
+    Rule("embeddings.token_type_embeddings.weight", "type_embed", "t d", "t d"),
     *norm("embeddings.LayerNorm", "embed_norm"),
     *linear(f"{_T}.attention.self.query", f"{L}/attn/wq", "(h k) d", "d h k", "(h k)", "h k", f"{L}/attn/bq"),
     *linear(f"{_T}.attention.self.key", f"{L}/attn/wk", "(g k) d", "d g k", "(g k)", "g k", f"{L}/attn/bk"),
     *linear(f"{_T}.attention.self.value", f"{L}/attn/wv", "(g k) d", "d g k", "(g k)", "g k", f"{L}/attn/bv"),
-    *linear(f"{_T}.attention.output.dense", f"{L}/attn/wo", "d (h k)", "h k d", ours_bias=f"{L}/attn/bo"),
+    *linear(f"{_T}.attention.output.dense", f"{L}/attn/wo", "d (h k)", "h k d", "d", ours_bias=f"{L}/attn/bo"),
     *norm(f"{_T}.attention.output.LayerNorm", f"{L}/ln1"),
-    *linear(f"{_T}.intermediate.dense", f"{L}/mlp/wi", "f d", "d f", ours_bias=f"{L}/mlp/bi"),
-    *linear(f"{_T}.output.dense", f"{L}/mlp/wo", "d f", "f d", ours_bias=f"{L}/mlp/bo"),
+    *linear(f"{_T}.intermediate.dense", f"{L}/mlp/wi", "f d", "d f", "f", ours_bias=f"{L}/mlp/bi"),
+    *linear(f"{_T}.output.dense", f"{L}/mlp/wo", "d f", "f d", "d", ours_bias=f"{L}/mlp/bo"),
     *norm(f"{_T}.output.LayerNorm", f"{L}/ln2"),
 )
 
@@ -198,6 +201,6 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
 
 
 def get_family(model_type: str | None) -> Family:
-  if model_type not in FAMILIES:
+  if not isinstance(model_type, str) or model_type not in FAMILIES:
     raise C.HFConfigError(f"unknown model family (model_type) {model_type!r}; supported: {sorted(FAMILIES)}")
   return FAMILIES[model_type]

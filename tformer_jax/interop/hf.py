@@ -6,8 +6,12 @@
 
 Reading never touches the network and never runs code from the directory: config.json is parsed as
 JSON, weights come from *.safetensors (plain or sharded via model.safetensors.index.json) or, only
-if there are none, pytorch_model*.bin through `torch.load(..., weights_only=True)`. The tensor
-mapping of each family is data (`families.py`); the config translation is `hf_config.py`.
+if there are none, pytorch_model*.bin through `torch.load(..., weights_only=True)` (a file holding
+pickled objects is refused, never unpickled). Every size read is bounded before it is used (file and
+header lengths, tensor offsets, then config.json's sizes against the tensors present), so a corrupt or
+hostile directory gives one HFConfigError / HFWeightsError line naming the file, never a huge
+allocation or a long wait. The tensor mapping of each family is data (`families.py`); the config
+translation is `hf_config.py`.
 Encoder checkpoints (bert) come without an LM head: apply() returns the final hidden states, equal
 to transformers' `last_hidden_state` when the padding mask is passed as `attention_mask_BxL`.
 """
@@ -19,6 +23,7 @@ import logging
 import math
 import os
 import pathlib
+import pickle
 import re
 import struct
 from collections.abc import Mapping
@@ -31,7 +36,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from tformer_jax.config import NON_ARCHITECTURE_FIELDS, ModelConfig, MoEConfig, RopeScaling, validate_model
+from tformer_jax.config import NON_ARCHITECTURE_FIELDS, ConfigError, ModelConfig, MoEConfig, RopeScaling, validate_model
 from tformer_jax.data.tokenizers import get_tokenizer
 from tformer_jax.interop import axes
 from tformer_jax.interop.families import FAMILIES, MIXTRAL, Family, OneOf, Rule, get_family
@@ -42,57 +47,139 @@ from tformer_jax.nn.moe import expert_hidden
 log = logging.getLogger(__name__)
 _MAX_LISTED = 20
 __all__ = ["HFConfigError", "HFWeightsError", "load_hf", "save_hf", "load_hf_tokenizer", "read_hf",
-           "read_hf_config", "model_config_from_hf", "hf_config_from_model", "infer_family",
-           "mixtral_to_params"]
+           "read_hf_config", "read_safetensors", "check_weights", "model_config_from_hf", "hf_config_from_model",
+           "infer_family", "mixtral_to_params"]
 
 
 class HFWeightsError(ValueError):
-  """Checkpoint tensors that do not fit the model: missing, unexpected or mis-shaped (all named)."""
+  """Weights that cannot be imported: a malformed or unsafe file, or tensors that are missing, unexpected,
+  mis-shaped or disagree with config.json (one line naming the file and the tensor or field)."""
 
 
 # ----------------------------------------------------------------------------------------------
 # Reading and writing tensors
+#
+# Everything read from the directory is bounded before it is used: a JSON file's size, the
+# safetensors header length (against the file and the format's own cap), every tensor's dtype, shape
+# and data_offsets (inside the data section, exactly the bytes its shape needs, the tensors tiling the
+# section without overlap or stray bytes), and then the sizes config.json implies against the tensors
+# present (`check_weights`), all before a model is built or a weight converted.
 
-_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
-              "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_MAX_HEADER_BYTES = 100_000_000   # the safetensors format's own limit on its JSON header
+_MAX_JSON_BYTES = 64 << 20        # config.json and *.index.json (real ones are kilobytes)
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+              "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64,
+              "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 
 
-def _st_dtype(name: str, path: pathlib.Path) -> np.dtype:
-  if name in _ST_DTYPES:
-    return np.dtype(_ST_DTYPES[name])
-  extra = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
-  if name not in extra:
-    raise HFWeightsError(f"{path}: unsupported safetensors dtype {name!r}")
-  return np.dtype(extra[name])
+def _json_kind(v: Any) -> str:
+  return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+      type(v), "a number")
+
+
+def _read_json(path: pathlib.Path, error: type[ValueError]) -> dict:
+  """The JSON object in `path`; otherwise `error` (one line naming the path)."""
+  size = path.stat().st_size
+  if size > _MAX_JSON_BYTES:
+    raise error(f"{path}: {size} bytes, more than such a file can plausibly hold ({_MAX_JSON_BYTES})")
+  try:
+    obj = json.loads(path.read_bytes().decode("utf-8-sig"))
+  except UnicodeDecodeError as e:
+    raise error(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+  except json.JSONDecodeError as e:
+    raise error(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+  except RecursionError:
+    raise error(f"{path}: JSON nested too deeply") from None
+  if not isinstance(obj, dict):
+    raise error(f"{path}: expected a JSON object, found {_json_kind(obj)}")
+  return obj
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+  out = {}
+  for k, v in pairs:
+    if k in out:
+      raise ValueError(f"{k!r} appears twice")
+    out[k] = v
+  return out
+
+
+def _is_count(v: Any) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _st_entry(path: pathlib.Path, name: str, info: Any, data_size: int) -> tuple[np.dtype, tuple[int, ...], int, int]:
+  """(dtype, shape, begin, end) of one header entry, every field checked against the data section."""
+  what = f"{path}: tensor {name}"
+  if not isinstance(info, dict):
+    raise HFWeightsError(f"{what}: its header entry is {_json_kind(info)}, not an object")
+  dt, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+  if not isinstance(dt, str) or dt not in _ST_DTYPES:
+    raise HFWeightsError(f"{what} has unknown dtype {dt!r} (known: {', '.join(_ST_DTYPES)})")
+  dtype = np.dtype(_ST_DTYPES[dt])
+  if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
+    raise HFWeightsError(f"{what} has shape {shape!r}, not a list of non-negative integers")
+  if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
+    raise HFWeightsError(f"{what} has data_offsets {offsets!r}, not a pair of non-negative integers")
+  begin, end = offsets
+  if end < begin:
+    raise HFWeightsError(f"{what} has data_offsets {offsets}: the end is before the beginning")
+  if end > data_size:
+    raise HFWeightsError(f"{what} has data_offsets {offsets} past the end of the data section ({data_size} "
+                         "bytes; a truncated file?)")
+  need = math.prod(shape) * dtype.itemsize
+  if end - begin != need:
+    raise HFWeightsError(f"{what} has data_offsets {offsets} ({end - begin} bytes), but shape {tuple(shape)} "
+                         f"of {dt} takes {need} bytes")
+  return dtype, tuple(shape), begin, end
+
+
+def _st_header(path: pathlib.Path) -> tuple[dict[str, tuple[np.dtype, tuple[int, ...], int, int]], int, int]:
+  """({tensor: (dtype, shape, begin, end)}, data start, data size) of a .safetensors file, validated as
+  the format requires (safetensors itself refuses the same files)."""
+  if not path.is_file():
+    raise HFWeightsError(f"{path}: not a regular file")
+  size = path.stat().st_size
+  if size < 8:
+    raise HFWeightsError(f"{path}: not a safetensors file ({size} bytes, less than its 8-byte header length)")
+  with open(path, "rb") as f:
+    (n,) = struct.unpack("<Q", f.read(8))
+    if n > size - 8 or n > _MAX_HEADER_BYTES:
+      room = (f"the file has {size - 8} bytes after it" if n > size - 8
+              else f"the format allows at most {_MAX_HEADER_BYTES}")
+      raise HFWeightsError(f"{path}: safetensors header length {n} is impossible ({room}): not a safetensors "
+                           "file, or a corrupt one")
+    raw = f.read(n)
+  try:
+    header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+  except (UnicodeDecodeError, RecursionError, ValueError) as e:
+    raise HFWeightsError(f"{path}: unreadable safetensors header ({' '.join(str(e).split())})") from None
+  if not isinstance(header, dict):
+    raise HFWeightsError(f"{path}: the safetensors header is {_json_kind(header)}, not an object")
+  data_size = size - 8 - n
+  entries = {name: _st_entry(path, name, info, data_size) for name, info in header.items()
+             if name != "__metadata__"}
+  pos, prev = 0, None
+  for name, (_, _, begin, end) in sorted(entries.items(), key=lambda kv: kv[1][2:]):
+    if begin < pos:
+      raise HFWeightsError(f"{path}: tensors {prev} and {name} overlap (data_offsets {list(entries[prev][2:])} "
+                           f"and {[begin, end]})")
+    if begin > pos:
+      raise HFWeightsError(f"{path}: bytes {pos}..{begin} of the data section belong to no tensor (before {name})")
+    pos, prev = end, name
+  if pos != data_size:
+    raise HFWeightsError(f"{path}: {data_size - pos} byte(s) after the last tensor belong to no tensor")
+  return entries, 8 + n, data_size
 
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-  """All tensors of a .safetensors file as (memory-mapped) numpy arrays; bf16 via ml_dtypes."""
+  """All tensors of a .safetensors file as (memory-mapped) numpy arrays; bf16 via ml_dtypes. The header is
+  validated first (HFWeightsError naming the file and the tensor)."""
   path = pathlib.Path(path)
-  with open(path, "rb") as f:
-    head = f.read(8)
-    if len(head) < 8:
-      raise HFWeightsError(f"{path}: not a safetensors file (too short)")
-    (n,) = struct.unpack("<Q", head)
-    try:
-      header = json.loads(f.read(n))
-    except ValueError as e:
-      raise HFWeightsError(f"{path}: unreadable safetensors header: {e}") from None
-  size = path.stat().st_size - 8 - n
-  data = (np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n, shape=(size,)) if size > 0
+  entries, start, size = _st_header(path)
+  data = (np.memmap(path, dtype=np.uint8, mode="r", offset=start, shape=(size,)) if size > 0
           else np.zeros(0, np.uint8))
-  out = {}
-  for name, info in header.items():
-    if name == "__metadata__":
-      continue
-    dtype = _st_dtype(info["dtype"], path)
-    start, end = info["data_offsets"]
-    shape = tuple(info["shape"])
-    if end > size or end - start != math.prod(shape) * dtype.itemsize:
-      raise HFWeightsError(f"{path}: tensor {name} has bad data offsets {info['data_offsets']} "
-                           f"for shape {shape} {info['dtype']} (truncated file?)")
-    out[name] = data[start:end].view(dtype).reshape(shape)
-  return out
+  return {name: data[begin:end].view(dtype).reshape(shape) for name, (dtype, shape, begin, end) in entries.items()}
 
 
 def _torch_to_numpy(t: Any) -> np.ndarray:
@@ -102,16 +189,55 @@ def _torch_to_numpy(t: Any) -> np.ndarray:
 
 
 def _read_bin(path: pathlib.Path) -> dict[str, np.ndarray]:
-  import torch  # noqa: PLC0415 (optional, the 'reference' extra: only .bin checkpoints need it)
-  sd = torch.load(path, map_location="cpu", weights_only=True)  # never unpickles code
+  """A pytorch_model*.bin state dict through torch.load(weights_only=True): tensors only, never code."""
+  try:
+    import torch  # noqa: PLC0415 (optional, the 'reference' extra: only .bin checkpoints need it)
+  except ImportError:
+    raise HFWeightsError(f"{path}: reading a PyTorch .bin checkpoint needs torch (not installed); or convert "
+                         "it to model.safetensors") from None
+  if not path.is_file():
+    raise HFWeightsError(f"{path}: not a regular file")
+  try:
+    sd = torch.load(path, map_location="cpu", weights_only=True)  # never unpickles code
+  except pickle.UnpicklingError as e:
+    # torch's message advises weights_only=False, i.e. running whatever the file holds: never here.
+    reason = "; ".join(ln.strip() for ln in str(e).splitlines() if ln.strip() and not re.search(
+        r"weights_only|Weights only|^Please file an issue|^Check the documentation", ln.strip()))[:200]
+    what = "holds non-tensor Python objects" if "GLOBAL" in reason else "holds pickled data the safe loader refuses"
+    raise HFWeightsError(f"{path}: {what} ({reason or 'unpickling refused'}), which will not be unpickled (that "
+                         "could run code from the file); convert the checkpoint to model.safetensors, where you "
+                         "trust it, and import that") from None
+  except Exception as e:  # on purpose: torch raises EOFError, KeyError, RuntimeError, ... on a corrupt file
+    msg = " ".join(str(e).split())[:200]
+    raise HFWeightsError(f"{path}: not a readable PyTorch checkpoint ({type(e).__name__}{': ' + msg if msg else ''})"
+                         ) from None
+  if not isinstance(sd, Mapping):
+    raise HFWeightsError(f"{path}: holds a {type(sd).__name__}, not a state dict of tensors")
+  bad = [repr(k) for k, v in sd.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+  if bad:
+    raise HFWeightsError(f"{path}: entries {_listed(bad)} are not tensors (a state dict holds only tensors)")
   return {k: _torch_to_numpy(v) for k, v in sd.items()}
+
+
+def _shard_files(d: pathlib.Path, index: pathlib.Path) -> list[pathlib.Path]:
+  obj = _read_json(index, HFWeightsError)
+  weight_map = obj.get("weight_map")
+  if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+    raise HFWeightsError(f"{index}: 'weight_map' is not an object of tensor name -> file name")
+  files = []
+  for name in sorted(set(weight_map.values())):
+    if name in ("", ".", "..") or pathlib.PurePath(name).name != name or "\\" in name:
+      raise HFWeightsError(f"{index}: weight_map names {name!r}, which is not a file name (shards lie in {d})")
+    if not (d / name).is_file():
+      raise HFWeightsError(f"{index}: weight_map names {name}, which is not a file in {d}")
+    files.append(d / name)
+  return files
 
 
 def _weight_files(d: pathlib.Path) -> tuple[list[pathlib.Path], str]:
   for index, kind in (("model.safetensors.index.json", "st"), ("pytorch_model.bin.index.json", "bin")):
     if (d / index).is_file():
-      weight_map = json.loads((d / index).read_text())["weight_map"]
-      return [d / f for f in sorted(set(weight_map.values()))], kind
+      return _shard_files(d, d / index), kind
   if (d / "model.safetensors").is_file():
     return [d / "model.safetensors"], "st"
   st = sorted(d.glob("model*.safetensors"))
@@ -128,7 +254,8 @@ def _is_model(src: Any) -> bool:
 
 
 def read_hf_config(src: str | os.PathLike | Any) -> dict:
-  """The config dict of a local HF directory (config.json, parsed as JSON) or an in-memory model."""
+  """The config dict of a local HF directory (config.json, parsed as JSON: HFConfigError naming the path
+  if it is not a JSON object) or an in-memory model."""
   if _is_model(src):
     return src.config.to_dict()
   d = pathlib.Path(src)
@@ -136,7 +263,23 @@ def read_hf_config(src: str | os.PathLike | Any) -> dict:
     raise FileNotFoundError(f"{d} is not a directory (load_hf reads local Hugging Face model directories)")
   if not (d / "config.json").is_file():
     raise FileNotFoundError(f"{d}: no config.json")
-  return json.loads((d / "config.json").read_text())
+  return _read_json(d / "config.json", HFConfigError)
+
+
+def _read_dir(d: pathlib.Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+  """({tensor name: array}, {tensor name: its file's name}) of a local HF directory's weights."""
+  files, kind = _weight_files(d)
+  tensors: dict[str, np.ndarray] = {}
+  origin: dict[str, str] = {}
+  for f in files:
+    part = read_safetensors(f) if kind == "st" else _read_bin(f)
+    dup = sorted(set(part) & set(tensors))
+    if dup:
+      raise HFWeightsError(f"{d}: tensor(s) {_listed(dup)} appear in more than one shard ({f.name} and "
+                           f"{origin[dup[0]]})")
+    tensors.update(part)
+    origin.update(dict.fromkeys(part, f.name))
+  return tensors, origin
 
 
 def read_hf(src: str | os.PathLike | Any) -> tuple[dict, dict[str, np.ndarray]]:
@@ -144,16 +287,7 @@ def read_hf(src: str | os.PathLike | Any) -> tuple[dict, dict[str, np.ndarray]]:
   hf_cfg = read_hf_config(src)
   if _is_model(src):
     return hf_cfg, {k: _torch_to_numpy(v) for k, v in src.state_dict().items()}
-  d = pathlib.Path(src)
-  files, kind = _weight_files(d)
-  tensors: dict[str, np.ndarray] = {}
-  for f in files:
-    part = read_safetensors(f) if kind == "st" else _read_bin(f)
-    dup = sorted(set(part) & set(tensors))
-    if dup:
-      raise HFWeightsError(f"{d}: tensor(s) {dup[:_MAX_LISTED]} appear in more than one shard")
-    tensors.update(part)
-  return hf_cfg, tensors
+  return hf_cfg, _read_dir(pathlib.Path(src))[0]
 
 
 def _write_safetensors(tensors: Mapping[str, np.ndarray], d: pathlib.Path, max_shard_bytes: int) -> None:
@@ -200,8 +334,16 @@ def model_config(**kwargs: Any) -> ModelConfig:
 
 
 def model_config_from_hf(hf_cfg: Mapping[str, Any], family: Family | None = None) -> ModelConfig:
+  """The validated ModelConfig of a config.json dict; HFConfigError (one line) for anything it cannot be."""
   family = family or get_family(hf_cfg.get("model_type"))
-  return model_config(**family.to_model(dict(hf_cfg)))
+  try:
+    return model_config(**family.to_model(dict(hf_cfg)))
+  except HFConfigError:
+    raise
+  except ConfigError as e:
+    raise HFConfigError(f"{family.model_type}: {e}") from None
+  except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError) as e:  # malformed nested values
+    raise HFConfigError(f"{family.model_type}: malformed config ({type(e).__name__}: {e})") from None
 
 
 def arch_signature(cfg: ModelConfig) -> dict[str, Any]:
@@ -339,7 +481,8 @@ def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
 
 def _sizes(cfg: ModelConfig) -> dict[str, int]:
   return dict(d=cfg.d_model, h=cfg.num_heads, g=cfg.kv_heads, k=cfg.hd, f=cfg.ff, v=cfg.vocab_size,
-              e=cfg.moe.num_experts, x=expert_hidden(cfg) if cfg.moe.num_experts else 0)
+              e=cfg.moe.num_experts, x=expert_hidden(cfg) if cfg.moe.num_experts else 0, p=cfg.max_len,
+              t=cfg.type_vocab_size)
 
 
 def _expand(template: str, layer: int | None) -> str:
@@ -389,14 +532,137 @@ def _listed(names: list[str]) -> str:
   return ", ".join(names[:_MAX_LISTED]) + more
 
 
+# What config.json calls each size (the first key present is named in errors), and the size each layout
+# letter stands for.
+_CONFIG_KEYS = {"num_layers": ("n_layer", "num_hidden_layers"), "d_model": ("n_embd", "hidden_size", "n_embed"),
+                "num_heads": ("n_head", "num_attention_heads"), "num_kv_heads": ("num_key_value_heads",),
+                "head_dim": ("head_dim",), "d_ff": ("n_inner", "intermediate_size"), "vocab_size": ("vocab_size",),
+                "moe.num_experts": ("num_local_experts",), "moe.d_ff": ("intermediate_size",),
+                "max_len": ("n_positions", "max_position_embeddings", "seq_length"),
+                "type_vocab_size": ("type_vocab_size",)}
+_LETTER_FIELDS = {"d": "d_model", "h": "num_heads", "g": "num_kv_heads", "k": "head_dim", "f": "d_ff",
+                  "v": "vocab_size", "e": "moe.num_experts", "x": "moe.d_ff", "p": "max_len", "t": "type_vocab_size"}
+_MAX_INDEX_DIGITS = 9
+
+
+def _config_key(hf_cfg: Mapping[str, Any], field: str, value: int) -> str:
+  key = next((k for k in _CONFIG_KEYS.get(field, ()) if hf_cfg.get(k) is not None), None)
+  return f"{key}={hf_cfg[key]!r}" if key else f"{field}={value} (derived)"
+
+
+def _spans(indices: set[int]) -> str:
+  """{0, 1, 2, 5} -> '0-2, 5' (the first few runs)."""
+  runs: list[list[int]] = []
+  for i in sorted(indices):
+    if runs and i == runs[-1][1] + 1:
+      runs[-1][1] = i
+    else:
+      runs.append([i, i])
+  text = [f"{a}-{b}" if b > a else f"{a}" for a, b in runs[:4]]
+  return ", ".join(text) + (", ..." if len(runs) > 4 else "")
+
+
+def _is_range(indices: set[int], n: int) -> bool:
+  """indices == {0, ..., n-1}, without building that set (n comes from config.json)."""
+  return len(indices) == n and (not indices or (min(indices) == 0 and max(indices) == n - 1))
+
+
+def _all_rules(family: Family) -> list[Rule]:
+  return [r for item in family.rules
+          for opt in (item.options if isinstance(item, OneOf) else ((item,),)) for r in opt]
+
+
+_INDEX_PATTERNS: dict[str, re.Pattern] = {}
+
+
+def _index_pattern(family: Family) -> re.Pattern:
+  """One regex matching every per-layer / per-expert tensor name of the family; its groups i<n> / e<n>
+  capture the layer and expert numbers."""
+  if family.model_type not in _INDEX_PATTERNS:
+    num = f"[0-9]{{1,{_MAX_INDEX_DIGITS}}}"
+    alts = [re.escape(r.hf).replace(r"\{i\}", f"(?P<i{n}>{num})").replace(r"\{e\}", f"(?P<e{n}>{num})")
+            for n, r in enumerate(_all_rules(family)) if "{i}" in r.hf or "{e}" in r.hf]
+    _INDEX_PATTERNS[family.model_type] = re.compile("|".join(alts) or "(?!)")
+  return _INDEX_PATTERNS[family.model_type]
+
+
+def check_weights(family: Family, cfg: ModelConfig, hf_cfg: Mapping[str, Any],
+                  shapes: Mapping[str, tuple[int, ...]], where: str = "config.json",
+                  origin: Mapping[str, str] | None = None) -> None:
+  """The sizes config.json implies against the tensors present, before any model is built: the number
+  of layers and of experts (from the tensor names), then every dimension of every tensor present
+  (from the family's layouts). Costs O(tensors + layers * rules), never more than the files hold;
+  HFWeightsError in one line naming config.json's key (`where`), the tensor and its file."""
+  origin = origin or {}
+  names = _normalise_names(family, shapes)
+  files = _normalise_names(family, {n: origin.get(n, "") for n in shapes})
+  layers: set[int] = set()
+  experts: set[int] = set()
+  pattern = _index_pattern(family)
+  for n in names:
+    m = pattern.fullmatch(n)
+    if m:
+      for g, v in m.groupdict().items():
+        if v is not None:
+          (layers if g[0] == "i" else experts).add(int(v))
+  per_layer = [r.hf for r in _all_rules(family) if "{i}" in r.hf]
+  if per_layer and not _is_range(layers, cfg.num_layers):
+    held = (f"{len(layers)} layer(s) (numbered {_spans(layers)})" if layers
+            else f"no per-layer tensors (such as {_expand(per_layer[0], 0)})")
+    raise HFWeightsError(f"{where}: {_config_key(hf_cfg, 'num_layers', cfg.num_layers)} does not match the "
+                         f"weights, which hold {held}")
+  n_experts = cfg.moe.num_experts
+  per_expert = [r.hf for r in _all_rules(family) if "{e}" in r.hf]
+  if per_expert and experts and not _is_range(experts, n_experts):
+    raise HFWeightsError(f"{where}: {_config_key(hf_cfg, 'moe.num_experts', n_experts)} does not match the "
+                         f"weights, which hold {len(experts)} expert(s) (numbered {_spans(experts)})")
+  sizes = _sizes(cfg)
+  seen: set[str] = set()      # letters some present tensor confirmed
+  wrong: dict[str, list[tuple[str, str]]] = {}   # config keys -> (mismatch, file)
+  for rule in _all_rules(family):
+    if "{e}" in rule.hf and not experts:
+      continue
+    groups = axes.parse(rule.hf_axes)
+    want = axes.shape_of(rule.hf_axes, sizes)
+    for layer in (range(cfg.num_layers) if "{i}" in rule.hf else [None]):
+      for n in _hf_names(rule, layer, cfg):
+        if n not in names:
+          continue
+        got = tuple(names[n])
+        if len(got) != len(want):
+          bad = [a for g in groups for a in g]
+        else:
+          bad = [a for g, w, s in zip(groups, want, got) if w != s for a in g]
+        letters = [a for g in groups for a in g if not a.isdigit()]
+        if not bad:
+          seen.update(letters)
+          continue
+        keys = ", ".join(_config_key(hf_cfg, _LETTER_FIELDS[a], sizes[a])
+                         for a in dict.fromkeys(bad) if not a.isdigit()) or "the family's layout"
+        file = f" (in {files[n]})" if files.get(n) else ""
+        wrong.setdefault(keys, []).append((f"tensor {n} has shape {got}, expected {want}", file))
+  if wrong:
+    parts = [f"{items[0][0]} from {keys}{items[0][1]}" + (f" (and {len(items) - 1} more)" if len(items) > 1 else "")
+             for keys, items in list(wrong.items())[:_MAX_LISTED]]
+    raise HFWeightsError(f"{where} does not match the weights: " + "; ".join(parts))
+  if per_expert and n_experts and not experts and "e" not in seen:
+    example = _expand(per_expert[0], 0).replace("{e}", "0")
+    raise HFWeightsError(f"{where}: {_config_key(hf_cfg, 'moe.num_experts', n_experts)} does not match the "
+                         f"weights, which hold no expert tensors (such as {example})")
+
+
 def import_tensors(family: Family, cfg: ModelConfig, tensors: Mapping[str, np.ndarray],
                    where: str = "checkpoint") -> dict[str, np.ndarray]:
   """HF tensors -> our flat float32 params {'layers_0/attn/wq': array}. Raises HFWeightsError naming
-  every missing, unexpected and mis-shaped tensor."""
+  every missing, unexpected and mis-shaped tensor, before converting any."""
   tensors = _normalise_names(family, tensors)
-  want = expected_shapes(cfg)
+  try:
+    want = expected_shapes(cfg)
+  except (OverflowError, ValueError, TypeError) as e:
+    raise HFConfigError(f"{where}: the config's sizes describe no model that can be built "
+                        f"({' '.join(str(e).split())[:200]})") from None
   sizes = _sizes(cfg)
-  out: dict[str, np.ndarray] = {}
+  plan: list[tuple[Rule, list[str], list[str]]] = []
   used: set[str] = set()
   missing: list[str] = []
   bad_shape: list[str] = []
@@ -412,21 +678,13 @@ def import_tensors(family: Family, cfg: ModelConfig, tensors: Mapping[str, np.nd
           missing += absent
           continue
         used.update(names)
-        targets = [_expand(t, layer) for t in rule.targets]
-        arrays = [tensors[n] for n in names]
-        try:
-          if rule.hf_axes or rule.ours_axes:
-            results = axes.rearrange(arrays, rule.hf_axes, rule.ours_axes, sizes, what=f"tensor {names[0]}")
-          else:
-            if tuple(arrays[0].shape) != want[targets[0]]:
-              raise axes.LayoutError(f"tensor {names[0]} has shape {tuple(arrays[0].shape)}, "
-                                     f"expected {want[targets[0]]}")
-            results = [np.asarray(arrays[0])]
-        except axes.LayoutError as e:
-          bad_shape.append(str(e))
+        shape = axes.shape_of(rule.hf_axes, sizes)
+        bad = [f"tensor {n} has shape {tuple(tensors[n].shape)}, expected {shape}" for n in names
+               if tuple(tensors[n].shape) != shape]
+        if bad:
+          bad_shape += bad
           continue
-        for t, r in zip(targets, results):
-          out[t] = np.asarray(r, dtype=np.float32)
+        plan.append((rule, names, [_expand(t, layer) for t in rule.targets]))
   tied = "head" not in want
   unexpected, dropped = [], []
   for n in sorted(set(tensors) - used):
@@ -434,9 +692,6 @@ def import_tensors(family: Family, cfg: ModelConfig, tensors: Mapping[str, np.nd
     if any(re.search(p, n) for p in skip):
       continue
     (dropped if any(re.search(p, n) for p in family.drop) else unexpected).append(n)
-  if dropped:
-    log.warning("%s: dropping %d tensor(s) our %s model has no place for: %s", where, len(dropped),
-                family.model_type, _listed(dropped))
   problems = []
   if missing:
     problems.append(f"missing tensor(s): {_listed(missing)}")
@@ -446,6 +701,19 @@ def import_tensors(family: Family, cfg: ModelConfig, tensors: Mapping[str, np.nd
     problems.append("shape mismatch: " + "; ".join(bad_shape[:_MAX_LISTED]))
   if problems:
     raise HFWeightsError(f"{family.model_type} {where}: " + " | ".join(problems))
+  if dropped:
+    log.warning("%s: dropping %d tensor(s) our %s model has no place for: %s", where, len(dropped),
+                family.model_type, _listed(dropped))
+  # Every tensor fits: only now read and convert them.
+  out: dict[str, np.ndarray] = {}
+  for rule, names, targets in plan:
+    results = axes.rearrange([tensors[n] for n in names], rule.hf_axes, rule.ours_axes, sizes,
+                             what=f"tensor {names[0]}")
+    for t, r in zip(targets, results):
+      if tuple(r.shape) != want[t]:
+        raise AssertionError(f"family table {family.model_type}: {rule.hf} gives {t} the shape {r.shape}, "
+                             f"the model has {want[t]}")
+      out[t] = np.asarray(r, dtype=np.float32)
   unfilled = sorted(set(want) - set(out))
   if unfilled:
     raise AssertionError(f"family table {family.model_type} has no source for {_listed(unfilled)}")
@@ -521,11 +789,23 @@ def load_hf(src: str | os.PathLike | Any) -> tuple[Transformer, dict[str, Any]]:
 
   params is a nested dict of float32 jnp arrays; `model.apply({'params': params}, tokens)` gives
   transformers' logits (or, for encoders without an LM head, the final hidden states).
+  config.json is translated and checked against the tensor headers before any model is built or weight
+  converted; every anticipated problem is an HFConfigError / HFWeightsError in one line naming the file.
   """
-  family = get_family(read_hf_config(src).get("model_type"))  # before reading any weights
-  hf_cfg, tensors = read_hf(src)
-  cfg = model_config_from_hf(hf_cfg, family)
-  where = str(src) if isinstance(src, (str, os.PathLike)) else type(src).__name__
+  hf_cfg = read_hf_config(src)
+  in_memory = _is_model(src)
+  where = type(src).__name__ if in_memory else str(src)
+  cfg_where = f"{where} config" if in_memory else str(pathlib.Path(src) / "config.json")
+  try:
+    family = get_family(hf_cfg.get("model_type"))
+    cfg = model_config_from_hf(hf_cfg, family)
+  except HFConfigError as e:
+    raise HFConfigError(f"{cfg_where}: {e}") from None
+  if in_memory:
+    tensors, origin = {k: _torch_to_numpy(v) for k, v in src.state_dict().items()}, {}
+  else:
+    tensors, origin = _read_dir(pathlib.Path(src))
+  check_weights(family, cfg, hf_cfg, {k: tuple(v.shape) for k, v in tensors.items()}, cfg_where, origin)
   flat = import_tensors(family, cfg, tensors, where=where)
   params = unflatten({k: jnp.asarray(v) for k, v in flat.items()})
   return Transformer(cfg), params

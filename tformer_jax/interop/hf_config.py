@@ -47,6 +47,36 @@ def get(hf: dict, *names: str, default: Any = _MISSING) -> Any:
   return default
 
 
+def _named(hf: dict, names: tuple[str, ...]) -> str:
+  return next((n for n in names if hf.get(n) is not None), names[0])
+
+
+def get_int(hf: dict, *names: str, default: Any = _MISSING, minimum: int = 0) -> int:
+  """`get` of an integer (an integral JSON number, at least `minimum`); otherwise an error naming it."""
+  v = get(hf, *names, default=default)
+  if isinstance(v, float) and v.is_integer():
+    v = int(v)
+  if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+    raise HFConfigError(f"{hf.get('model_type')}: {_named(hf, names)}={v!r} is not an integer >= {minimum}")
+  return v
+
+
+def get_float(hf: dict, *names: str, default: Any = _MISSING) -> float:
+  """`get` of a finite number; otherwise an error naming it."""
+  v = get(hf, *names, default=default)
+  if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    raise HFConfigError(f"{hf.get('model_type')}: {_named(hf, names)}={v!r} is not a finite number")
+  return float(v)
+
+
+def get_bool(hf: dict, *names: str, default: Any = _MISSING) -> bool:
+  """`get` of a JSON boolean (0 and 1 pass too); otherwise an error naming it."""
+  v = get(hf, *names, default=default)
+  if not isinstance(v, int) or v not in (0, 1):
+    raise HFConfigError(f"{hf.get('model_type')}: {_named(hf, names)}={v!r} is not true or false")
+  return bool(v)
+
+
 def require(hf: dict, name: str, allowed: tuple, default: Any) -> Any:
   """`hf[name]` (or `default`), which must be one of `allowed`; otherwise an error naming it."""
   v = hf.get(name, default)
@@ -79,14 +109,17 @@ def rope_from_hf(hf: dict, *, default_theta: float, default_fraction: float = 1.
                  allow_partial: bool = False) -> dict:
   """rope_theta, rotary_fraction and rope_scaling kwargs from `rope_parameters` (transformers 5) or
   the older top-level `rope_theta` / `rope_scaling` / `rotary_pct` / `rotary_emb_base` keys."""
+  for key in ("rope_scaling", "rope_parameters"):
+    if not isinstance(hf.get(key) or {}, dict):
+      raise HFConfigError(f"{hf.get('model_type')}: {key}={hf[key]!r} is not an object")
   rp = dict(hf.get("rope_scaling") or {})
   rp.update(hf.get("rope_parameters") or {})
   if any(isinstance(v, dict) for v in rp.values()):
     raise HFConfigError(f"{hf.get('model_type')}: per-layer-type rope_parameters are not supported")
   theta = get(hf, "rope_theta", "rotary_emb_base", default=default_theta)
-  theta = float(get(rp, "rope_theta", default=theta))
-  frac = float(get(rp, "partial_rotary_factor",
-                   default=get(hf, "partial_rotary_factor", "rotary_pct", default=default_fraction)))
+  theta = get_float(rp, "rope_theta", default=theta)
+  frac = get_float(rp, "partial_rotary_factor",
+                   default=get_float(hf, "partial_rotary_factor", "rotary_pct", default=default_fraction))
   if frac != 1.0 and not allow_partial:
     raise HFConfigError(f"{hf.get('model_type')}: unsupported partial_rotary_factor={frac}")
   kind = get(rp, "rope_type", "type", default="default")
@@ -96,10 +129,10 @@ def rope_from_hf(hf: dict, *, default_theta: float, default_fraction: float = 1.
   out: dict[str, Any] = {"rope_theta": theta, "rotary_fraction": frac}
   if kind == "default":
     return out
-  max_pos = int(get(hf, "max_position_embeddings", default=2048))
+  max_pos = get_int(hf, "max_position_embeddings", default=2048)
   scaling: dict[str, Any] = {"type": ROPE_TYPES[kind]}
-  orig = int(get(hf, "original_max_position_embeddings",
-                 default=get(rp, "original_max_position_embeddings", default=max_pos)))
+  orig = get_int(hf, "original_max_position_embeddings",
+                 default=get_int(rp, "original_max_position_embeddings", default=max_pos))
   factor = rp.get("factor")
   if kind in ("linear", "dynamic", "llama3") and factor is None:
     raise HFConfigError(f"{hf.get('model_type')}: rope_type {kind!r} needs a 'factor'")
@@ -119,8 +152,8 @@ def rope_from_hf(hf: dict, *, default_theta: float, default_fraction: float = 1.
     scaling.update(beta_fast=float(rp.get("beta_fast") or 32.0), beta_slow=float(rp.get("beta_slow") or 1.0),
                    attention_factor=float(att or 0.0))
   if kind == "llama3":
-    scaling.update(low_freq_factor=float(get(rp, "low_freq_factor")),
-                   high_freq_factor=float(get(rp, "high_freq_factor")))
+    scaling.update(low_freq_factor=get_float(rp, "low_freq_factor"),
+                   high_freq_factor=get_float(rp, "high_freq_factor"))
   scaling.update(factor=float(factor), original_max_len=orig if kind != "linear" else 0)
   out["rope_scaling"] = scaling
   return out
@@ -158,20 +191,20 @@ def rope_to_hf(cfg: ModelConfig, family: str, *, partial: bool = False) -> dict:
 # Families
 
 def _common(hf: dict) -> dict:
-  return {"vocab_size": int(get(hf, "vocab_size"))}
+  return {"vocab_size": get_int(hf, "vocab_size")}
 
 
 def gpt2_to_model(hf: dict) -> dict:
   for opt in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
     require(hf, opt, (False,), False)
-  d = int(get(hf, "n_embd", "hidden_size"))
+  d = get_int(hf, "n_embd", "hidden_size")
   return dict(
-      _common(hf), d_model=d, num_layers=int(get(hf, "n_layer", "num_hidden_layers")),
-      num_heads=int(get(hf, "n_head", "num_attention_heads")), d_ff=int(get(hf, "n_inner", default=4 * d)),
+      _common(hf), d_model=d, num_layers=get_int(hf, "n_layer", "num_hidden_layers"),
+      num_heads=get_int(hf, "n_head", "num_attention_heads"), d_ff=get_int(hf, "n_inner", default=4 * d),
       activation=activation(hf, "activation_function", "gelu_new"), norm="layernorm",
-      norm_eps=float(get(hf, "layer_norm_epsilon", default=1e-5)), position="learned",
-      max_len=int(get(hf, "n_positions", "max_position_embeddings", default=1024)),
-      tie_embeddings=bool(get(hf, "tie_word_embeddings", default=True)), qkv_bias=True, out_bias=True,
+      norm_eps=get_float(hf, "layer_norm_epsilon", default=1e-5), position="learned",
+      max_len=get_int(hf, "n_positions", "max_position_embeddings", default=1024),
+      tie_embeddings=get_bool(hf, "tie_word_embeddings", default=True), qkv_bias=True, out_bias=True,
       mlp_bias=True, attention_scale=0.0 if get(hf, "scale_attn_weights", default=True) else 1.0)
 
 
@@ -191,21 +224,21 @@ def gpt2_to_hf(cfg: ModelConfig) -> dict:
 
 
 def _llama_like(hf: dict, default_theta: float, window: bool) -> dict:
-  d, h = int(get(hf, "hidden_size")), int(get(hf, "num_attention_heads"))
-  bias = bool(get(hf, "attention_bias", default=False))
+  d, h = get_int(hf, "hidden_size"), get_int(hf, "num_attention_heads", minimum=1)
+  bias = get_bool(hf, "attention_bias", default=False)
   out = dict(
-      _common(hf), d_model=d, num_layers=int(get(hf, "num_hidden_layers")), num_heads=h,
-      num_kv_heads=int(get(hf, "num_key_value_heads", default=h)),
-      head_dim=int(get(hf, "head_dim", default=d // h)),
-      d_ff=int(get(hf, "intermediate_size")), activation=activation(hf, "hidden_act", "silu", glu=True),
-      norm="rmsnorm", norm_eps=float(get(hf, "rms_norm_eps", default=1e-6)), norm_bias=False,
-      position="rope", rope_layout="half", max_len=int(get(hf, "max_position_embeddings", default=2048)),
-      tie_embeddings=bool(get(hf, "tie_word_embeddings", default=False)),
+      _common(hf), d_model=d, num_layers=get_int(hf, "num_hidden_layers"), num_heads=h,
+      num_kv_heads=get_int(hf, "num_key_value_heads", default=h),
+      head_dim=get_int(hf, "head_dim", default=d // h),
+      d_ff=get_int(hf, "intermediate_size"), activation=activation(hf, "hidden_act", "silu", glu=True),
+      norm="rmsnorm", norm_eps=get_float(hf, "rms_norm_eps", default=1e-6), norm_bias=False,
+      position="rope", rope_layout="half", max_len=get_int(hf, "max_position_embeddings", default=2048),
+      tie_embeddings=get_bool(hf, "tie_word_embeddings", default=False),
       qkv_bias=bias, out_bias=bias,
-      mlp_bias=bool(get(hf, "mlp_bias", default=False)),
+      mlp_bias=get_bool(hf, "mlp_bias", default=False),
       **rope_from_hf(hf, default_theta=default_theta))
   if window:
-    out["window"] = int(get(hf, "sliding_window", default=0) or 0)
+    out["window"] = get_int(hf, "sliding_window", default=0)
   elif hf.get("sliding_window"):
     raise HFConfigError(f"{hf.get('model_type')}: unsupported sliding_window={hf['sliding_window']}")
   return out
@@ -246,10 +279,10 @@ def mistral_to_hf(cfg: ModelConfig) -> dict:
 
 def mixtral_to_model(hf: dict) -> dict:
   out = _llama_like(hf, 1e6, window=True)
-  out["moe"] = dict(num_experts=int(get(hf, "num_local_experts")), top_k=int(get(hf, "num_experts_per_tok")),
+  out["moe"] = dict(num_experts=get_int(hf, "num_local_experts"), top_k=get_int(hf, "num_experts_per_tok"),
                     every=1, d_ff=out["d_ff"], renormalize=True, dispatch="dropless",
-                    jitter=float(get(hf, "router_jitter_noise", default=0.0)),
-                    aux_loss_coef=float(get(hf, "router_aux_loss_coef", default=0.001)), z_loss_coef=0.0)
+                    jitter=get_float(hf, "router_jitter_noise", default=0.0),
+                    aux_loss_coef=get_float(hf, "router_aux_loss_coef", default=0.001), z_loss_coef=0.0)
   return out
 
 
@@ -265,13 +298,13 @@ def mixtral_to_hf(cfg: ModelConfig) -> dict:
 
 def bloom_to_model(hf: dict) -> dict:
   require(hf, "apply_residual_connection_post_layernorm", (False,), False)
-  d = int(get(hf, "hidden_size", "n_embed"))
+  d = get_int(hf, "hidden_size", "n_embed")
   return dict(
-      _common(hf), d_model=d, num_layers=int(get(hf, "n_layer", "num_hidden_layers")),
-      num_heads=int(get(hf, "n_head", "num_attention_heads")), d_ff=4 * d, activation="gelu_tanh",
-      norm="layernorm", norm_eps=float(get(hf, "layer_norm_epsilon", default=1e-5)), position="alibi",
-      embed_norm=True, max_len=int(get(hf, "seq_length", default=2048)),
-      tie_embeddings=bool(get(hf, "tie_word_embeddings", default=True)), qkv_bias=True, out_bias=True,
+      _common(hf), d_model=d, num_layers=get_int(hf, "n_layer", "num_hidden_layers"),
+      num_heads=get_int(hf, "n_head", "num_attention_heads"), d_ff=4 * d, activation="gelu_tanh",
+      norm="layernorm", norm_eps=get_float(hf, "layer_norm_epsilon", default=1e-5), position="alibi",
+      embed_norm=True, max_len=get_int(hf, "seq_length", default=2048),
+      tie_embeddings=get_bool(hf, "tie_word_embeddings", default=True), qkv_bias=True, out_bias=True,
       mlp_bias=True)
 
 
@@ -285,15 +318,15 @@ def bloom_to_hf(cfg: ModelConfig) -> dict:
 
 
 def gpt_neox_to_model(hf: dict) -> dict:
-  bias = bool(get(hf, "attention_bias", default=True))
+  bias = get_bool(hf, "attention_bias", default=True)
   return dict(
-      _common(hf), d_model=int(get(hf, "hidden_size")), num_layers=int(get(hf, "num_hidden_layers")),
-      num_heads=int(get(hf, "num_attention_heads")), d_ff=int(get(hf, "intermediate_size")),
+      _common(hf), d_model=get_int(hf, "hidden_size"), num_layers=get_int(hf, "num_hidden_layers"),
+      num_heads=get_int(hf, "num_attention_heads"), d_ff=get_int(hf, "intermediate_size"),
       activation=activation(hf, "hidden_act", "gelu"), norm="layernorm",
-      norm_eps=float(get(hf, "layer_norm_eps", default=1e-5)), position="rope", rope_layout="half",
-      max_len=int(get(hf, "max_position_embeddings", default=2048)),
-      parallel_residual=bool(get(hf, "use_parallel_residual", default=True)),
-      tie_embeddings=bool(get(hf, "tie_word_embeddings", default=False)),
+      norm_eps=get_float(hf, "layer_norm_eps", default=1e-5), position="rope", rope_layout="half",
+      max_len=get_int(hf, "max_position_embeddings", default=2048),
+      parallel_residual=get_bool(hf, "use_parallel_residual", default=True),
+      tie_embeddings=get_bool(hf, "tie_word_embeddings", default=False),
       qkv_bias=bias, out_bias=bias,
       mlp_bias=True, **rope_from_hf(hf, default_theta=10000.0, default_fraction=0.25, allow_partial=True))
 
@@ -317,12 +350,12 @@ def bert_to_model(hf: dict) -> dict:
   require(hf, "is_decoder", (False,), False)
   require(hf, "add_cross_attention", (False,), False)
   return dict(
-      _common(hf), d_model=int(get(hf, "hidden_size")), num_layers=int(get(hf, "num_hidden_layers")),
-      num_heads=int(get(hf, "num_attention_heads")), d_ff=int(get(hf, "intermediate_size")),
+      _common(hf), d_model=get_int(hf, "hidden_size"), num_layers=get_int(hf, "num_hidden_layers"),
+      num_heads=get_int(hf, "num_attention_heads"), d_ff=get_int(hf, "intermediate_size"),
       activation=activation(hf, "hidden_act", "gelu"), norm="layernorm",
-      norm_eps=float(get(hf, "layer_norm_eps", default=1e-12)), norm_position="post", final_norm=False,
-      embed_norm=True, position="learned", max_len=int(get(hf, "max_position_embeddings", default=512)),
-      causal=False, type_vocab_size=int(get(hf, "type_vocab_size", default=2)), lm_head=False,
+      norm_eps=get_float(hf, "layer_norm_eps", default=1e-12), norm_position="post", final_norm=False,
+      embed_norm=True, position="learned", max_len=get_int(hf, "max_position_embeddings", default=512),
+      causal=False, type_vocab_size=get_int(hf, "type_vocab_size", default=2), lm_head=False,
       qkv_bias=True, out_bias=True, mlp_bias=True)
 
 
