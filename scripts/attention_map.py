@@ -74,4 +74,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from tformer_jax import cli_common
+  sys.exit(cli_common.run_main(main))

@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           config="required")
   cfg = args.config
   try:
-    m = validate(cfg)
+    m = validate(cfg, check_paths=False)   # the architecture only: a run's files need not exist here
     backend = None if args.no_compile else backends.resolve_runtime(cfg, quiet=True).backend
   except ConfigError as e:
     cli_common.fail(str(e))
@@ -70,4 +70,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from tformer_jax import cli_common
+  sys.exit(cli_common.run_main(main))

@@ -143,4 +143,4 @@ def generate(args: Any, model: Any, params: Any, tok: Any, default_prompt: str) 
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cli_common.run_main(main))

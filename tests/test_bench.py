@@ -62,7 +62,7 @@ def test_config_overrides_anywhere_on_the_line():
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--config.model.num_layer=2"], "unknown config field 'num_layer'"),
+    (["--config.model.num_layer=2"], "model.num_layer: unknown field; did you mean model.num_layers?"),
     (["--config.model.num_layers=two"], "--config.model.num_layers=two"),
     (["--stepz=2"], "stepz"),
     (["--config=configs/nope.py"], "configs/nope.py"),
@@ -80,7 +80,7 @@ def test_unknown_override_exits_2_without_traceback():
                       "--config.model.num_layer=2"], cwd=REPO, capture_output=True, text=True, timeout=120,
                      env=dict(os.environ, JAX_PLATFORMS="cpu", TFORMER_JAX_ALLOCATOR="system"))
   assert p.returncode == 2, p.stderr[-2000:]
-  assert p.stderr.strip().splitlines()[-1].startswith("error: unknown config field 'num_layer'")
+  assert p.stderr.strip().splitlines()[-1] == "error: model.num_layer: unknown field; did you mean model.num_layers?"
   assert "Traceback" not in p.stderr
 
 

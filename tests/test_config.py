@@ -111,7 +111,7 @@ def test_unknown_model_field():
   c = default_config()
   c.model.unlock() if hasattr(c.model, "unlock") else None
   c.model.n_layers = 3
-  with pytest.raises(ConfigError, match="n_layers"):
+  with pytest.raises(ConfigError, match=r"^model\.n_layers: unknown field; did you mean model\.num_layers"):
     validate(c)
 
 

@@ -236,7 +236,7 @@ def test_cli_applies_overrides_and_rejects_unknown_fields(capsys):
   assert args.overrides == {"model.d_model": 64, "model.remat": "full"} and args.config_file == cfg_file
   again = cli_common.parse([f"--config={cfg_file}"], define, config="required")   # a fresh parse each call
   assert again.config.model.d_model != 64 and again.steps == 3
-  for argv, needle in [([f"--config={cfg_file}", "--config.model.num_layer=2"], "unknown config field"),
+  for argv, needle in [([f"--config={cfg_file}", "--config.model.num_layer=2"], "did you mean model.num_layers?"),
                        ([f"--config={cfg_file}", "--config.model.num_layers=x"], "num_layers=x"),
                        ([f"--config={cfg_file}", "stray"], "unexpected arguments: stray"),
                        (["--config.model.num_layers=2"], "pass --config=")]:

@@ -11,6 +11,16 @@ from tformer_jax.config import default_config
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
+SHORT = 5   # runs of at most this many steps: a learning rate schedule that does not depend on train.steps
+
+
+def short_schedule(steps: int) -> tuple[str, int]:
+  """(schedule, warmup_steps) of a short tiny run: constant after 1 warmup step (none for 1 step), so runs
+  of 3 and 4 steps, and a run resumed with more steps, take the same learning rates (validate wants
+  warmup < train.steps, so the 5-step warmup that used to give that cannot be used)."""
+  return "constant", min(1, steps - 1)
+
+
 def tiny_config(steps: int = 20, **overrides):
   c = default_config()
   m = c.model
@@ -18,6 +28,8 @@ def tiny_config(steps: int = 20, **overrides):
   m.position, m.norm = "rope", "rmsnorm"
   c.data.seq_len, c.data.batch_size = 32, 8
   c.optim.peak_lr, c.optim.warmup_steps = 3e-3, 5
+  if steps <= SHORT:
+    c.optim.schedule, c.optim.warmup_steps = short_schedule(steps)
   c.train.steps, c.train.log_every, c.train.eval_every, c.train.ckpt_every = steps, 1, steps, steps
   c.train.eval_batches, c.train.sample_tokens = 2, 0
   for key, value in overrides.items():
@@ -43,8 +55,15 @@ TINY_FLAGS = overrides_to_flags(**{
 
 
 def train_cmd(workdir, *flags: str) -> list[str]:
+  """scripts/train.py on the tiny model; with a short --config.train.steps=N, the schedule of
+  tiny_config(steps=N) (`short_schedule`), unless the flags set the warmup or the schedule."""
+  steps = [int(f.split("=", 1)[1]) for f in flags if f.startswith("--config.train.steps=")]
+  warmup = []
+  if steps and steps[-1] <= SHORT and not any("optim.warmup" in f or "optim.schedule" in f for f in flags):
+    schedule, warm = short_schedule(steps[-1])
+    warmup = [f"--config.optim.schedule={schedule}", f"--config.optim.warmup_steps={warm}"]
   return [sys.executable, str(REPO / "scripts" / "train.py"), f"--config={REPO / 'configs' / 'shakespeare_char.py'}",
-          f"--workdir={workdir}", *TINY_FLAGS, *flags]
+          f"--workdir={workdir}", *TINY_FLAGS, *warmup, *flags]
 
 
 def env() -> dict[str, str]:

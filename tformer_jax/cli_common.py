@@ -16,29 +16,160 @@ the field's type (`--config.model.remat=full`, `--config.optim.peak_lr=1e-3`,
 training run (`--workdir=RUN`, `from_workdir=True`) and no `--config`, the config is the run's
 config.json over `default_config()`. Every parse uses fresh `FlagValues`, so tests can call several
 commands' `main(argv)` in one process. Any usage error, an unknown flag or config field included, is
-one line `error: ...` on stderr and exit status 2.
+one line `error: ...` on stderr and exit status 2; an unknown field names the closest valid ones
+(`error: model.num_layer: unknown field; did you mean model.num_layers?`).
+
+A command's `__main__` runs under `run_main`, the one map from exceptions to exit statuses: the errors
+a user can cause (`ANTICIPATED`: a config rule, data, checkpoints, Orbax/TensorStore storage, HF
+conversion, distributed start-up, a stopped run) are one line `error: ...` and status 2; anything
+else keeps its traceback:
+
+    if __name__ == "__main__":
+      sys.exit(cli_common.run_main(main))      # scripts/train.py: cli_common.exit_process(...)
 """
 from __future__ import annotations
 
 import json
+import logging
+import os
 import pathlib
+import re
 import sys
 import textwrap
+import threading
+import time
 import types
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from tformer_jax.config import default_config, load_config_file as _load
+from tformer_jax.config import ConfigError, check_field_path, default_config, load_config_file as _load
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 HELP_FLAGS = ("help", "helpshort", "helpfull")
+_OVERRIDE = re.compile(r"^--?(?:no)?config\.([^=]+)")      # --config.a.b[=v], --noconfig.a.b (booleans)
+
+# The errors a user can cause, by name: `run_main` prints them as one line and exits 2. Named, not
+# imported, because most live in modules that import jax, which a command may never load (and then
+# cannot raise). Subclasses count (WorkdirBusy is a ConfigError).
+ANTICIPATED = (
+    "tformer_jax.config.ConfigError",                   # a config rule; bad distributed settings
+    "tformer_jax.cli_common.UsageError",                # the command line
+    "tformer_jax.data.corpora.DataError",               # corpora, tokenizers, the pipeline
+    "tformer_jax.checkpoint.CheckpointError",           # missing, unreadable or mismatched checkpoints
+    "tformer_jax.interop.hf_config.HFConfigError",      # an architecture HF cannot hold, or we cannot
+    "tformer_jax.interop.hf.HFWeightsError",
+    "tformer_jax.parallel.distributed.DistributedError",  # a coordinator that cannot be reached
+    "tformer_jax.train.loop.TrainingError",             # a run stopped for the user to look at
+    "builtins.FileNotFoundError", "builtins.FileExistsError", "builtins.NotADirectoryError",
+    "builtins.IsADirectoryError", "builtins.PermissionError",
+)
+# Errors raised inside these packages (their own classes, or ValueError/OSError/... from their code)
+# are checkpoint storage failures met while restoring or saving: anticipated too.
+STORAGE_PACKAGES = ("orbax", "tensorstore")
+_BUG_TYPES = (TypeError, AttributeError, NameError, ImportError, AssertionError, NotImplementedError,
+              RecursionError, SyntaxError)
+_MAX_STORAGE_CHARS = 600
 
 
 class UsageError(Exception):
   """A command line that cannot run: reported as one `error: ...` line, exit status 2."""
+
+
+def one_line(e: BaseException) -> str:
+  """An exception's message on one line (lines joined by '; ', or ' ' after a ':')."""
+  text = ""
+  for line in (s.strip() for s in str(e).splitlines()):
+    if line:
+      text += line if not text else (" " if text.endswith(":") else "; ") + line
+  return text or type(e).__name__
+
+
+def _anticipated_classes() -> tuple[type, ...]:
+  out = []
+  for name in ANTICIPATED:
+    module, _, cls = name.rpartition(".")
+    c = getattr(sys.modules.get(module), cls, None)
+    if isinstance(c, type):
+      out.append(c)
+  return tuple(out)
+
+
+def _storage_package(e: BaseException) -> str | None:
+  """'orbax' / 'tensorstore' when `e` is their error (their class, or raised in their code)."""
+  if isinstance(e, _BUG_TYPES):
+    return None
+  top = type(e).__module__.split(".")[0]
+  if top in STORAGE_PACKAGES:
+    return top
+  tb = e.__traceback__
+  while tb is not None and tb.tb_next is not None:
+    tb = tb.tb_next
+  path = tb.tb_frame.f_code.co_filename.replace("\\", "/") if tb is not None else ""
+  return next((pkg for pkg in STORAGE_PACKAGES if f"/{pkg}/" in path), None)
+
+
+def error_message(e: BaseException) -> str | None:
+  """The one line a command prints for `e`, or None when `e` is unexpected (keep its traceback)."""
+  if isinstance(e, _anticipated_classes()):
+    return one_line(e)
+  pkg = _storage_package(e)
+  if pkg is not None:
+    text = one_line(e)
+    if len(text) > _MAX_STORAGE_CHARS:
+      text = text[:_MAX_STORAGE_CHARS] + " ..."
+    return f"checkpoint storage ({pkg}): {type(e).__name__}: {text}"
+  return None
+
+
+def run_main(main: Callable[..., Any], *args: Any) -> int:
+  """`main(*args)` as a command: an anticipated error (`error_message`) is one line `error: ...` on
+  stderr and exit status 2; any other exception keeps its traceback. Returns main's int status, 0 for
+  anything else it returns: `sys.exit(cli_common.run_main(main))`."""
+  try:
+    result = main(*args)
+  except Exception as e:
+    message = error_message(e)
+    if message is None:
+      raise
+    sys.stdout.flush()
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+  return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+
+def exit_process(status: int, grace_s: float = 10.0) -> NoReturn:
+  """`sys.exit(status)`, except that after a failure (status != 0) threads a failed library call left
+  blocked do not keep the process alive: Orbax's save threads wait forever once an async save has
+  failed (e.g. WORKDIR/checkpoints is a file), and the interpreter waits for them at exit. They get
+  `grace_s` seconds; then the process exits with `status` without them."""
+  if status:
+    deadline = time.monotonic() + grace_s
+    others = [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
+    for t in others:
+      try:
+        t.join(max(0.0, deadline - time.monotonic()))
+      except Exception:  # noqa: BLE001 - Orbax's threads raise TimeoutError from join(timeout)
+        pass
+    if any(t.is_alive() for t in others):
+      logging.shutdown()
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(status)
+  sys.exit(status)
+
+
+def check_overrides(cfg: ml_collections.ConfigDict, argv: Sequence[str]) -> None:
+  """ConfigError for the first `--config.a.b[=v]` in argv whose field `cfg` does not have, naming
+  the closest valid fields (before absl parses them, whose error would name only the last part)."""
+  for arg in argv:
+    if arg == "--":
+      break
+    m = _OVERRIDE.match(arg)
+    if m:
+      check_field_path(cfg, m.group(1))
 
 
 def load_config_file(path: str | pathlib.Path) -> ml_collections.ConfigDict:
@@ -89,12 +220,11 @@ def override(cfg: ml_collections.ConfigDict, overrides: Mapping[str, Any]) -> ml
   out.lock()                                     # an unknown field is an error, not a new field
   text = {k: v for k, v in overrides.items() if isinstance(v, str)}
   values = {k: v for k, v in overrides.items() if not isinstance(v, str)}
-  for key in values:
-    node = out
-    for part in key.split("."):
-      if not isinstance(node, ml_collections.ConfigDict) or part not in node:
-        raise UsageError(f"unknown config field {key!r}")
-      node = node[part]
+  try:
+    for key in overrides:
+      check_field_path(out, key)
+  except ConfigError as e:
+    raise UsageError(str(e)) from None
   try:
     out.update_from_flattened_dict(values)
     if text:
@@ -121,10 +251,10 @@ def load_config(path: str | None = None, overrides: Mapping[str, Any] | None = N
 def _one_line(e: BaseException) -> str:
   while isinstance(e, (AttributeError, KeyError)) and e.args and isinstance(e.args[0], BaseException):
     e = e.args[0]                 # config_flags: AttributeError(KeyError("'x'\nDid you mean ..."))
-  if isinstance(e, KeyError):
+  if isinstance(e, KeyError):     # (check_overrides reports unknown fields first, with their path)
     text = (str(e.args[0]) if e.args else "?").replace("Did you", "did you")
     return "unknown config field " + "; ".join(s.strip() for s in text.splitlines() if s.strip())
-  return "; ".join(s.strip() for s in str(e).splitlines() if s.strip()) or type(e).__name__
+  return one_line(e)
 
 
 def _own_flags(fv: flags.FlagValues) -> list[flags.Flag]:
@@ -201,11 +331,12 @@ def parse(argv: Sequence[str] | None, define: Callable[[flags.FlagValues], None]
         extra = " (--config.a.b=v overrides need --config=FILE)" if rest[1].startswith("--config.") else ""
         raise UsageError(f"unexpected arguments: {' '.join(rest[1:])}{extra}")
       return args
+    check_overrides(cfg, rest[1:])
     args.config, args.overrides, positional = _apply(cfg, [prog] + rest[1:], lock=True)
     if positional:
       raise UsageError(f"unexpected arguments: {' '.join(positional)}")
-  except UsageError as e:
-    fail(str(e))
+  except (UsageError, ConfigError) as e:
+    fail(one_line(e))
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError, OSError) as e:
     fail(_one_line(e))
   return args

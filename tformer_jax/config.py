@@ -1,8 +1,9 @@
 """The config schema: ml_collections ConfigDicts for experiments, frozen dataclasses for the model.
 
 `default_config()` is the full schema with defaults; experiment files in `configs/` start from it and
-override fields. `validate(cfg)` checks every rule before anything compiles and raises `ConfigError`
-naming the field. `ModelConfig.from_config(cfg.model)` is what the linen modules receive.
+override fields. `validate(cfg)` checks every field a user can set (an unknown name gets the closest
+valid ones), before anything compiles or touches a workdir, and raises `ConfigError('<field>: <rule>')`.
+`ModelConfig.from_config(cfg.model)` is what the linen modules receive.
 
 Two kinds of settings: `model` is the architecture (the function the network computes: what
 checkpoints and HF export care about); `runtime` is how this run executes it (backend, attention
@@ -11,11 +12,13 @@ implementation and tiles, C++ CPU kernels), resolved once per run by `backends.r
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
 import math
+import numbers
 import os
 import pathlib
-from typing import Any
+from typing import Any, Iterable, Mapping, Sequence
 
 import ml_collections
 
@@ -33,6 +36,19 @@ RUNTIME_BACKENDS = ("auto", "reference", "xla_cpu")
 RUNTIME_ATTENTION = ("auto", "reference", "chunked", "blockwise", "xla", "cudnn")
 TILED_ATTENTION = ("chunked", "blockwise")   # no dense bias, no global tokens, no dropout
 AUTO_ON_OFF = ("auto", "on", "off")
+# The values of the other sections, as the modules that read them spell them (tests/test_config_errors.py
+# checks that they agree): tformer_jax.data (corpora, tokenizers, pipeline), train.optim, train.precision,
+# parallel.rules.
+CORPORA = ("shakespeare", "kjv")
+CORPUS_PREFIXES = ("text:", "synthetic:")
+TOKENIZERS = ("byte", "bpe")
+TOKENIZER_PREFIXES = ("spm:", "hf:")
+SAMPLINGS = ("random", "packed")
+OPTIMIZERS = ("adamw",)
+SCHEDULES = ("cosine", "rsqrt", "constant")
+PRECISIONS = ("float32", "bf16", "fp16")
+PARALLELISMS = ("jit", "pmap")
+RULE_PRESETS = ("dp", "fsdp", "tp", "fsdp_tp", "fsdp+tp")
 
 # ModelConfig fields that change neither the function the model computes at inference nor what its
 # parameters mean: training-time regularisation and initialisation, dtypes, how layers are traced
@@ -132,10 +148,12 @@ class ModelConfig:
     d = dict(cd.to_dict() if hasattr(cd, "to_dict") else cd)
     for name in LEGACY_RUNTIME_FIELDS:
       d.pop(name, None)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - known)
-    if unknown:
-      raise ConfigError(f"model: unknown field(s) {unknown}")
+    for sub, kind in (("", cls), ("rope_scaling.", RopeScaling), ("moe.", MoEConfig)):
+      fields = d.get(sub[:-1], {}) if sub else d
+      known = [f.name for f in dataclasses.fields(kind)]
+      for name in fields:
+        if name not in known:
+          raise unknown_field_error(f"model.{sub}{name}", known)
     d["rope_scaling"] = RopeScaling(**dict(d.get("rope_scaling", {})))
     d["moe"] = MoEConfig(**dict(d.get("moe", {})))
     return cls(**d)
@@ -254,6 +272,123 @@ def _fail(field: str, rule: str) -> None:
   raise ConfigError(f"{field}: {rule}")
 
 
+def _is_section(x: Any) -> bool:
+  return isinstance(x, (ml_collections.ConfigDict, Mapping))
+
+
+def _either(names: Sequence[str]) -> str:
+  return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def _closest(name: str, known: Sequence[str], n: int = 3) -> list[str]:
+  """The names of `known` closest to `name`: difflib ratio >= 0.6 and within 0.1 of the best; else
+  the names that hold `name` as a word ('lr' -> 'peak_lr')."""
+  def ratio(k: str) -> float:
+    return difflib.SequenceMatcher(None, name.lower(), k.lower()).ratio()
+  scored = sorted(((ratio(k), k) for k in known), key=lambda x: -x[0])
+  best = scored[0][0] if scored else 0.0
+  close = [k for r, k in scored[:n] if r >= 0.6 and r >= best - 0.1]
+  return close or [k for k in known if name.lower() in k.lower().split("_")][:n]
+
+
+def unknown_field_error(path: str, known: Iterable[Any]) -> ConfigError:
+  """`ConfigError('<path>: unknown field; did you mean <closest>?')` for a field that its section
+  (whose fields are `known`) does not have; without a close name, the section's fields."""
+  parent, _, name = path.rpartition(".")
+  known = sorted(str(k) for k in known)
+  close = _closest(name, known)
+  if close:
+    hint = "did you mean " + _either([f"{parent}.{k}" if parent else k for k in close]) + "?"
+  else:
+    hint = f"the fields of {parent or 'the config'} are: {', '.join(known)}"
+  return ConfigError(f"{path}: unknown field; {hint}")
+
+
+def check_field_path(cfg: Any, path: str) -> None:
+  """ConfigError unless the dotted `path` (a command-line override's target, 'model.num_layers')
+  names a field of `cfg`; an unknown name gets the closest valid names."""
+  node, done = cfg, []
+  for part in path.split("."):
+    if not _is_section(node):
+      _fail(".".join(done), f"is a value ({node!r}), not a section; {path} names no field")
+    if part not in node:
+      raise unknown_field_error(".".join(done + [part]), node.keys())
+    node, done = node[part], done + [part]
+
+
+def _type_problem(value: Any, default: Any) -> str | None:
+  """What is wrong with `value` for a field whose default is `default` (None: nothing)."""
+  if isinstance(default, bool):
+    ok, want = isinstance(value, bool), "true or false"
+  elif isinstance(default, int):
+    ok, want = isinstance(value, numbers.Integral) and not isinstance(value, bool), "an integer"
+  elif isinstance(default, float):
+    ok, want = isinstance(value, numbers.Real) and not isinstance(value, bool), "a number"
+    if ok and not math.isfinite(value):
+      return f"must be finite, got {value}"
+  elif isinstance(default, str):
+    ok, want = isinstance(value, str), "a string"
+  elif isinstance(default, tuple):
+    ok, want = isinstance(value, (tuple, list)), "a tuple"
+  else:
+    return None
+  return None if ok else f"expected {want}, got {value!r} ({type(value).__name__})"
+
+
+def check_fields(cfg: Any, schema: Any = None, prefix: str = "") -> None:
+  """Every field of `cfg` is one of `schema` (default: `default_config()`), with a value of the
+  schema's type (an int where a float goes; floats finite). Raises ConfigError naming the field;
+  an unknown field gets the closest valid names."""
+  schema = default_config() if schema is None else schema
+  for key in cfg.keys():
+    path = f"{prefix}.{key}" if prefix else str(key)
+    if key not in schema:
+      if prefix == "model" and key in LEGACY_RUNTIME_FIELDS:
+        continue                                 # dropped by ModelConfig.from_config
+      raise unknown_field_error(path, schema.keys())
+    value, default = cfg[key], schema[key]
+    if _is_section(default):
+      if not _is_section(value):
+        _fail(path, f"must be a section (ConfigDict), got {value!r}")
+      check_fields(value, default, path)
+    elif path != "mesh.rules":                   # a preset name, or explicit (logical, axis) pairs
+      problem = _type_problem(value, default)
+      if problem:
+        _fail(path, problem)
+
+
+def _check_choice(field: str, value: Any, allowed: Sequence[str]) -> None:
+  if value not in allowed:
+    close = _closest(str(value), list(allowed), n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    _fail(field, f"unknown value {value!r}; {hint}expected one of {tuple(allowed)}")
+
+
+def _check_spec(field: str, value: str, names: Sequence[str], prefixes: Mapping[str, str]) -> str:
+  """A corpus/tokenizer spec: one of `names`, or a key of `prefixes` ('text:' -> 'text:PATH', its
+  spelled-out form) with something after it. Returns the text after the prefix ('' for a name)."""
+  if value in names:
+    return ""
+  for prefix, shown in prefixes.items():
+    if value.startswith(prefix):
+      if not value[len(prefix):].strip():
+        _fail(field, f"{value!r} needs something after {prefix!r}: {shown}")
+      return value[len(prefix):]
+  heads = list(names) + [p.rstrip(":") for p in prefixes]
+  close = _closest(value.split(":")[0].strip(), heads, n=1)
+  hint = ""
+  if close:
+    hint = f"did you mean {close[0]!r}? " if close[0] in names else f"did you mean '{close[0]}:...'? "
+  _fail(field, f"unknown value {value!r}; {hint}expected {_either(list(names) + list(prefixes.values()))}")
+  return ""
+
+
+def _check_path(field: str, spec: str, path: str, what: str) -> None:
+  p = pathlib.Path(path).expanduser()
+  if not p.exists():
+    _fail(field, f"{spec}: no such {what} ({p.resolve()})")
+
+
 def validate_model(m: ModelConfig, prefix: str = "model") -> None:
   """Every model rule, on a ModelConfig. Raises ConfigError('<field>: <rule>')."""
   p = prefix + "."
@@ -273,8 +408,7 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
   choices = dict(activation=ACTIVATIONS, norm=NORMS, norm_position=NORM_POSITIONS, position=POSITIONS,
                  rope_layout=ROPE_LAYOUTS, remat=REMAT_POLICIES, dtype=DTYPES, param_dtype=DTYPES)
   for name, allowed in choices.items():
-    if getattr(m, name) not in allowed:
-      _fail(p + name, f"unknown value {getattr(m, name)!r}; expected one of {allowed}")
+    _check_choice(p + name, getattr(m, name), allowed)
   if m.norm_eps <= 0:
     _fail(p + "norm_eps", f"must be > 0, got {m.norm_eps}")
   for name in ("embed_dropout", "attn_dropout", "resid_dropout"):
@@ -296,99 +430,212 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
   if m.position == "sinusoidal" and m.d_model % 2:
     _fail(p + "d_model", f"sinusoidal positions need an even d_model, got {m.d_model}")
   rs = m.rope_scaling
-  if rs.type not in ROPE_SCALINGS:
-    _fail(p + "rope_scaling.type", f"unknown value {rs.type!r}; expected one of {ROPE_SCALINGS}")
+  _check_choice(p + "rope_scaling.type", rs.type, ROPE_SCALINGS)
+  if rs.original_max_len < 0:
+    _fail(p + "rope_scaling.original_max_len", f"must be >= 0 (0 = model.max_len), got {rs.original_max_len}")
   if rs.type != "none":
     if m.position != "rope":
       _fail(p + "rope_scaling.type", f"{rs.type!r} needs position='rope', got {m.position!r}")
     if rs.factor < 1.0:
       _fail(p + "rope_scaling.factor", f"must be >= 1, got {rs.factor}")
-  if m.position == "t5" and (m.t5_num_buckets <= 0 or m.t5_max_distance <= 0):
-    _fail(p + "t5_num_buckets", "t5_num_buckets and t5_max_distance must be positive")
+  if rs.type == "llama3" and not 0 < rs.low_freq_factor < rs.high_freq_factor:
+    _fail(p + "rope_scaling.high_freq_factor", f"llama3 needs 0 < low_freq_factor < high_freq_factor, got "
+          f"low_freq_factor={rs.low_freq_factor}, high_freq_factor={rs.high_freq_factor}")
+  if rs.type == "yarn":
+    if not 0 < rs.beta_slow < rs.beta_fast:
+      _fail(p + "rope_scaling.beta_fast", f"yarn needs 0 < beta_slow < beta_fast, got beta_slow={rs.beta_slow}, "
+            f"beta_fast={rs.beta_fast}")
+    if rs.attention_factor < 0:
+      _fail(p + "rope_scaling.attention_factor", f"must be >= 0 (0 = 0.1 ln(factor) + 1), got "
+            f"{rs.attention_factor}")
+  if m.position == "t5":
+    if m.t5_num_buckets <= 0 or m.t5_max_distance <= 0:
+      _fail(p + "t5_num_buckets", "t5_num_buckets and t5_max_distance must be positive")
+    exact = (m.t5_num_buckets // (1 if m.causal else 2)) // 2    # ops/relative_bias.py: exact buckets
+    if exact < 1:
+      _fail(p + "t5_num_buckets", f"must be >= {2 if m.causal else 4} (causal={m.causal}), got {m.t5_num_buckets}")
+    if m.t5_max_distance <= exact:
+      _fail(p + "t5_max_distance", f"must exceed the {exact} exact buckets (log-spaced buckets reach it), "
+            f"got {m.t5_max_distance}")
+  if m.window > m.max_len:
+    _fail(p + "window", f"window={m.window} > max_len={m.max_len} is the same as no window (every query "
+          f"already sees all its keys); use window=0 for full attention, or a window <= {m.max_len}")
   if m.num_global_tokens and not m.window:
     _fail(p + "num_global_tokens", "global tokens only matter with a window > 0")
+  if m.num_global_tokens >= m.max_len:
+    _fail(p + "num_global_tokens", f"must be < max_len={m.max_len}, got {m.num_global_tokens}")
   if m.norm_position == "post" and m.parallel_residual:
     _fail(p + "parallel_residual", "parallel residual is a Pre-LN layout; set norm_position='pre'")
   moe = m.moe
-  if moe.num_experts < 0:
-    _fail(p + "moe.num_experts", f"must be >= 0, got {moe.num_experts}")
-  if moe.num_experts:
-    if not 1 <= moe.top_k <= moe.num_experts:
-      _fail(p + "moe.top_k", f"must be in [1, num_experts={moe.num_experts}], got {moe.top_k}")
-    if moe.every < 1:
-      _fail(p + "moe.every", f"must be >= 1, got {moe.every}")
-    if moe.dispatch not in MOE_DISPATCH:
-      _fail(p + "moe.dispatch", f"unknown value {moe.dispatch!r}; expected one of {MOE_DISPATCH}")
-    if moe.capacity_factor <= 0:
-      _fail(p + "moe.capacity_factor", f"must be > 0, got {moe.capacity_factor}")
-    if moe.aux_loss_coef < 0 or moe.z_loss_coef < 0:
-      _fail(p + "moe.aux_loss_coef", "loss coefficients must be >= 0")
-    if m.scan_layers and moe.every != 1:
-      _fail(p + "moe.every", "scan_layers needs identical layers: use moe.every=1 or scan_layers=False")
+  for name in ("num_experts", "d_ff"):
+    if getattr(moe, name) < 0:
+      _fail(p + "moe." + name, f"must be >= 0, got {getattr(moe, name)}")
+  if moe.num_experts and not 1 <= moe.top_k <= moe.num_experts:
+    _fail(p + "moe.top_k", f"must be in [1, num_experts={moe.num_experts}], got {moe.top_k}")
+  if moe.every < 1:
+    _fail(p + "moe.every", f"must be >= 1, got {moe.every}")
+  _check_choice(p + "moe.dispatch", moe.dispatch, MOE_DISPATCH)
+  if moe.capacity_factor <= 0:
+    _fail(p + "moe.capacity_factor", f"must be > 0, got {moe.capacity_factor}")
+  if not 0.0 <= moe.jitter < 1.0:
+    _fail(p + "moe.jitter", f"must be in [0, 1) (router inputs times U(1 - jitter, 1 + jitter)), got {moe.jitter}")
+  for name in ("aux_loss_coef", "z_loss_coef"):
+    if getattr(moe, name) < 0:
+      _fail(p + "moe." + name, f"loss coefficients must be >= 0, got {getattr(moe, name)}")
+  if moe.num_experts and m.scan_layers and moe.every != 1:
+    _fail(p + "moe.every", "scan_layers needs identical layers: use moe.every=1 or scan_layers=False")
 
 
-def validate(cfg: ml_collections.ConfigDict) -> ModelConfig:
-  """Check a whole experiment config; returns the ModelConfig. Raises ConfigError naming the field."""
+def validate(cfg: ml_collections.ConfigDict, *, check_paths: bool = True) -> ModelConfig:
+  """Check a whole experiment config; returns the ModelConfig. Raises ConfigError('<field>: <rule>').
+
+  Every section present is checked: unknown fields (with the closest names), types, ranges, choices,
+  and the rules between fields. With `check_paths`, the files a run reads must exist (data.corpus
+  text:PATH, data.tokenizer spm:/hf:PATH, train.init_from). Nothing is compiled or written."""
+  check_fields(cfg)
   try:
     m = ModelConfig.from_config(cfg.model)
   except TypeError as e:
     raise ConfigError(f"model: {e}") from None
   validate_model(m)
+  train = cfg.get("train")
   if "data" in cfg:
-    d = cfg.data
-    for name in ("seq_len", "batch_size"):
-      if d[name] <= 0:
-        _fail("data." + name, f"must be a positive integer, got {d[name]}")
-    if m.position == "learned" and d.seq_len > m.max_len:
-      _fail("data.seq_len", f"seq_len={d.seq_len} exceeds model.max_len={m.max_len} (learned positions)")
-    if not 0.0 < d.val_fraction < 0.5:
-      _fail("data.val_fraction", f"must be in (0, 0.5), got {d.val_fraction}")
-    if d.sampling not in ("random", "packed"):
-      _fail("data.sampling", f"unknown value {d.sampling!r}; expected 'random' or 'packed'")
+    _validate_data(cfg.data, m, check_paths)
   if "optim" in cfg:
-    o = cfg.optim
-    if o.peak_lr <= 0:
-      _fail("optim.peak_lr", f"must be > 0, got {o.peak_lr}")
-    if o.schedule not in ("cosine", "rsqrt", "constant"):
-      _fail("optim.schedule", f"unknown value {o.schedule!r}; expected cosine, rsqrt or constant")
-    if o.warmup_steps < 0 or not 0.0 <= o.warmup_fraction < 1.0:
-      _fail("optim.warmup_steps", "warmup_steps must be >= 0 and warmup_fraction in [0, 1)")
-    if not 0.0 <= o.min_lr_ratio <= 1.0:
-      _fail("optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
-    if not (0.0 <= o.b1 < 1.0 and 0.0 <= o.b2 < 1.0):
-      _fail("optim.b1", f"Adam betas must be in [0, 1), got b1={o.b1}, b2={o.b2}")
-    if o.weight_decay < 0 or o.clip_norm < 0:
-      _fail("optim.weight_decay", "weight_decay and clip_norm must be >= 0")
-    if o.grad_accum < 1:
-      _fail("optim.grad_accum", f"must be >= 1, got {o.grad_accum}")
-    if "data" in cfg and cfg.data.batch_size % o.grad_accum:
-      _fail("optim.grad_accum", f"data.batch_size={cfg.data.batch_size} must be divisible by "
-            f"grad_accum={o.grad_accum}")
-  if "train" in cfg:
-    t = cfg.train
-    if t.steps <= 0:
-      _fail("train.steps", f"must be positive, got {t.steps}")
-    if t.precision not in ("float32", "bf16", "fp16"):
-      _fail("train.precision", f"unknown value {t.precision!r}; expected float32, bf16 or fp16")
-    for name in ("log_every", "eval_every", "ckpt_every", "max_to_keep", "eval_batches", "max_nonfinite"):
-      if t[name] <= 0:
-        _fail("train." + name, f"must be positive, got {t[name]}")
+    _validate_optim(cfg.optim, cfg.get("data"), train)
+  if train is not None:
+    _validate_train(train, check_paths)
   if "mesh" in cfg:
-    mh = cfg.mesh
-    if len(mh.shape) != len(mh.axes):
-      _fail("mesh.shape", f"{tuple(mh.shape)} has {len(mh.shape)} entries for axes {tuple(mh.axes)}")
-    if sum(1 for s in mh.shape if s == -1) > 1:
-      _fail("mesh.shape", f"at most one -1 allowed, got {tuple(mh.shape)}")
-    if any(s == 0 or s < -1 for s in mh.shape):
-      _fail("mesh.shape", f"sizes must be positive or -1, got {tuple(mh.shape)}")
-    if mh.parallelism not in ("jit", "pmap"):
-      _fail("mesh.parallelism", f"unknown value {mh.parallelism!r}; expected 'jit' or 'pmap'")
-    if mh.get("num_devices", 0) < 0:
-      _fail("mesh.num_devices", f"must be >= 0 (0 = all devices), got {mh.num_devices}")
+    _validate_mesh(cfg.mesh)
+  if "decode" in cfg:
+    _validate_decode(cfg.decode)
   if "runtime" in cfg:
-    precision = cfg.train.get("precision", "float32") if "train" in cfg else "float32"
+    precision = train.get("precision", "float32") if train is not None else "float32"
     validate_runtime(cfg.runtime, m, precision)
   return m
+
+
+def _validate_data(d: Any, m: ModelConfig, check_paths: bool) -> None:
+  for name in ("seq_len", "batch_size", "bpe_vocab_size"):
+    if d.get(name, 1) <= 0:
+      _fail("data." + name, f"must be a positive integer, got {d[name]}")
+  if d.seq_len > m.max_len:
+    why = ("it sizes the learned position table" if m.position == "learned" else
+           f"it sizes the KV cache and any rope scaling; {m.position!r} positions may extrapolate beyond "
+           "it when evaluating, not in training")
+    _fail("data.seq_len", f"seq_len={d.seq_len} exceeds model.max_len={m.max_len}: training windows must fit "
+          f"max_len ({why}); set --config.model.max_len={d.seq_len} or --config.data.seq_len={m.max_len}")
+  if not 0.0 < d.val_fraction < 0.5:
+    _fail("data.val_fraction", f"must be in (0, 0.5), got {d.val_fraction}")
+  _check_choice("data.sampling", d.sampling, SAMPLINGS)
+  for name in ("worker_count", "seed"):
+    if d.get(name, 0) < 0:
+      _fail("data." + name, f"must be >= 0, got {d[name]}")
+  corpus = str(d.get("corpus", "shakespeare"))
+  path = _check_spec("data.corpus", corpus, CORPORA, dict(zip(CORPUS_PREFIXES, ("text:PATH", "synthetic:TASK"))))
+  if check_paths and corpus.startswith("text:"):
+    _check_path("data.corpus", corpus, path, "file or directory")
+  tok = str(d.get("tokenizer", "byte")).strip()
+  path = _check_spec("data.tokenizer", tok, TOKENIZERS,
+                     dict(zip(TOKENIZER_PREFIXES, ("spm:PATH/model.model", "hf:PATH/tokenizer.json"))))
+  if check_paths and path and not corpus.startswith("synthetic:"):  # synthetic tasks bring their vocabulary
+    _check_path("data.tokenizer", tok, path, "file" if tok.startswith("spm:") else "file or directory")
+
+
+def _warmup(o: Any, steps: int) -> tuple[str, int]:
+  """(the field that sets it, the warmup length): as `train.optim.warmup_steps` computes it."""
+  frac = float(o.get("warmup_fraction", 0.0))
+  if frac > 0:
+    return "optim.warmup_fraction", int(round(frac * steps))
+  return "optim.warmup_steps", int(o.warmup_steps)
+
+
+def _validate_optim(o: Any, d: Any, t: Any) -> None:
+  if o.get("name", "adamw") not in OPTIMIZERS:
+    _fail("optim.name", f"unknown value {o.name!r}; only {_either([repr(n) for n in OPTIMIZERS])} is "
+          "implemented (tformer_jax/train/optim.py)")
+  if o.peak_lr <= 0:
+    _fail("optim.peak_lr", f"must be > 0, got {o.peak_lr}")
+  if o.get("eps", 1e-8) <= 0:
+    _fail("optim.eps", f"must be > 0 (Adam divides by sqrt(v) + eps), got {o.eps}")
+  _check_choice("optim.schedule", o.schedule, SCHEDULES)
+  if o.warmup_steps < 0:
+    _fail("optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
+  if not 0.0 <= o.warmup_fraction < 1.0:
+    _fail("optim.warmup_fraction", f"must be in [0, 1) (0 = use warmup_steps), got {o.warmup_fraction}")
+  if t is not None and t.steps > 0:
+    field, warm = _warmup(o, t.steps)
+    if warm >= t.steps and warm > 0:
+      _fail(field, f"a warmup of {warm} steps is not shorter than train.steps={t.steps}: the learning rate "
+            f"would never reach peak_lr; use a warmup < {t.steps} (or optim.warmup_steps=0)")
+  if not 0.0 <= o.min_lr_ratio <= 1.0:
+    _fail("optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
+  for name in ("b1", "b2"):
+    if not 0.0 <= o[name] < 1.0:
+      _fail("optim." + name, f"Adam betas must be in [0, 1), got {o[name]}")
+  for name in ("weight_decay", "clip_norm"):
+    if o[name] < 0:
+      _fail("optim." + name, f"must be >= 0 (0 = off), got {o[name]}")
+  if o.grad_accum < 1:
+    _fail("optim.grad_accum", f"must be >= 1, got {o.grad_accum}")
+  if d is not None and d.batch_size % o.grad_accum:
+    _fail("optim.grad_accum", f"data.batch_size={d.batch_size} must be divisible by grad_accum={o.grad_accum}")
+
+
+def _validate_train(t: Any, check_paths: bool) -> None:
+  if t.steps <= 0:
+    _fail("train.steps", f"must be positive, got {t.steps}")
+  _check_choice("train.precision", t.precision, PRECISIONS)
+  for name in ("log_every", "eval_every", "ckpt_every", "max_to_keep", "eval_batches", "max_nonfinite"):
+    if t[name] <= 0:
+      _fail("train." + name, f"must be positive, got {t[name]}")
+  for name in ("sample_tokens", "stats_every"):
+    if t.get(name, 0) < 0:
+      _fail("train." + name, f"must be >= 0 (0 = off), got {t[name]}")
+  init_from = str(t.get("init_from", "") or "")
+  if check_paths and init_from and "://" not in init_from:      # gs://... is checked by Orbax
+    src = pathlib.Path(init_from).expanduser()
+    if not src.exists():
+      _fail("train.init_from", f"{init_from}: no such directory or file ({src.resolve()}); it must name a "
+            "training workdir (config.json + checkpoints/), e.g. one written by scripts/convert.py --from-hf")
+    if src.is_dir() and not (src / "config.json").is_file():
+      _fail("train.init_from", f"{init_from}: not a training workdir (no config.json in {src.resolve()})")
+
+
+def _validate_mesh(mh: Any) -> None:
+  shape, axes = tuple(mh.shape), tuple(mh.axes)
+  if len(shape) != len(axes):
+    _fail("mesh.shape", f"{shape} has {len(shape)} entries for axes {axes}")
+  if not all(isinstance(s, numbers.Integral) for s in shape):
+    _fail("mesh.shape", f"sizes must be integers, got {shape}")
+  if sum(1 for s in shape if s == -1) > 1:
+    _fail("mesh.shape", f"at most one -1 allowed, got {shape}")
+  if any(s == 0 or s < -1 for s in shape):
+    _fail("mesh.shape", f"sizes must be positive or -1, got {shape}")
+  if not all(isinstance(a, str) and a for a in axes):
+    _fail("mesh.axes", f"axis names must be non-empty strings, got {axes}")
+  dups = sorted({a for a in axes if axes.count(a) > 1})
+  if dups:
+    _fail("mesh.axes", f"axis names must be unique, got {axes} ({', '.join(map(repr, dups))} repeated)")
+  rules = mh.get("rules", "dp")
+  if isinstance(rules, str):
+    _check_choice("mesh.rules", rules, RULE_PRESETS)
+  elif not all(isinstance(r, (tuple, list)) and len(r) == 2 and isinstance(r[0], str) for r in rules):
+    _fail("mesh.rules", f"a preset name {RULE_PRESETS} or (logical_axis, mesh_axis) pairs, got {rules!r}")
+  _check_choice("mesh.parallelism", mh.parallelism, PARALLELISMS)
+  if mh.get("num_devices", 0) < 0:
+    _fail("mesh.num_devices", f"must be >= 0 (0 = all devices), got {mh.num_devices}")
+
+
+def _validate_decode(dc: Any) -> None:
+  if dc.temperature < 0:
+    _fail("decode.temperature", f"must be >= 0 (0 = greedy), got {dc.temperature}")
+  if dc.top_k < 0:
+    _fail("decode.top_k", f"must be >= 0 (0 = off), got {dc.top_k}")
+  if not 0.0 < dc.top_p <= 1.0:
+    _fail("decode.top_p", f"must be in (0, 1] (1 = off), got {dc.top_p}")
+  if dc.repetition_penalty <= 0:
+    _fail("decode.repetition_penalty", f"must be > 0 (1 = off), got {dc.repetition_penalty}")
 
 
 def validate_runtime(r: Any, m: ModelConfig, precision: str = "float32") -> None:
@@ -396,8 +643,7 @@ def validate_runtime(r: Any, m: ModelConfig, precision: str = "float32") -> None
   are `backends.resolve_runtime`'s."""
   for name, allowed in dict(backend=RUNTIME_BACKENDS, attention=RUNTIME_ATTENTION,
                             cpu_kernels=AUTO_ON_OFF).items():
-    if r[name] not in allowed:
-      _fail("runtime." + name, f"unknown value {r[name]!r}; expected one of {allowed}")
+    _check_choice("runtime." + name, r[name], allowed)
   for name in ("attention_block_q", "attention_block_k"):
     if r[name] <= 0:
       _fail("runtime." + name, f"must be a positive integer, got {r[name]}")

@@ -17,6 +17,8 @@ import pathlib
 import sys
 from typing import Any, Callable, Sequence
 
+from tformer_jax import cli_common
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MODULES = {
     "train": "tformer_jax.bench.train",
@@ -72,4 +74,4 @@ def main(argv: Sequence[str] | None = None) -> Any:
 if __name__ == "__main__":
   from tformer_jax.host_alloc import maybe_reexec
   maybe_reexec()  # tcmalloc / hugetlb: see tformer_jax/host_alloc.py
-  main()
+  sys.exit(cli_common.run_main(main))

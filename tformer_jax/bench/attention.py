@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -175,4 +176,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(cli_common.run_main(main))

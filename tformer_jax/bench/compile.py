@@ -13,6 +13,7 @@ Prints a table, then one JSON line.
 """
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any, Sequence
 
@@ -103,4 +104,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(cli_common.run_main(main))

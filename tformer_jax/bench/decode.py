@@ -14,6 +14,7 @@ Prints human-readable lines, then one JSON line.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -121,4 +122,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(cli_common.run_main(main))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 from typing import Any, Sequence
 
@@ -310,4 +311,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 if __name__ == "__main__":
   from tformer_jax.host_alloc import maybe_reexec
   maybe_reexec()
-  main()
+  sys.exit(cli_common.run_main(main))

@@ -33,7 +33,7 @@ def time_train_steps(cfgs: dict[str, ml_collections.ConfigDict], batch: int, seq
   variant's step runs with the backend of its cfg.runtime, as in the training loop."""
   runners = {}
   for name, cfg in cfgs.items():
-    m = validate(cfg)
+    m = validate(cfg, check_paths=False)   # the architecture only: a run's files need not exist here
     backend = backends.resolve_runtime(cfg, quiet=True).backend
     model = Transformer(m)
     tx, schedule = optim.make_optimizer(cfg.optim, 1000, backend)
@@ -99,4 +99,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cli_common.run_main(main))

@@ -17,6 +17,8 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import socket
+import time
 
 import jax
 
@@ -69,6 +71,26 @@ def settings(coordinator_address: str | None = None, num_processes: int | None =
   return kw
 
 
+def wait_for_coordinator(address: str, timeout_s: float, poll_s: float = 0.25) -> None:
+  """Wait until the coordinator's port accepts connections, up to `timeout_s`; else DistributedError.
+
+  Processes other than 0 call this first: when jax's client cannot register with the coordinator in
+  time, it aborts the whole process from C++ (`LOG(FATAL)`, exit status 134), which no Python handler
+  sees. Process 0 is the coordinator and may start later, so this polls."""
+  host, _, port = address.rpartition(":")
+  deadline = time.monotonic() + timeout_s
+  while True:
+    try:
+      with socket.create_connection((host.strip("[]"), int(port)), timeout=max(0.1, min(5.0, timeout_s))):
+        return
+    except (OSError, ValueError) as e:
+      if time.monotonic() + poll_s >= deadline:
+        raise DistributedError(
+            f"distributed: cannot reach the coordinator {address} within {timeout_s:g} s (is process 0 "
+            f"running, and the address right and reachable from here?): {e}") from None
+    time.sleep(poll_s)
+
+
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None) -> None:
   """Join the multi-host run (idempotent). With nothing given anywhere, jax auto-detects the cluster."""
@@ -76,6 +98,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     return
   kw = settings(coordinator_address, num_processes, process_id)
   explicit = {k: kw[k] for k in ("coordinator_address", "num_processes", "process_id")}
+  if kw["coordinator_address"] and kw["process_id"]:           # not process 0, which hosts the service
+    wait_for_coordinator(kw["coordinator_address"], float(_env_int(ENV_INIT, DEFAULT_TIMEOUTS[ENV_INIT])))
   try:
     jax.distributed.initialize(**kw)
   except ValueError as e:  # jax found neither settings nor a known cluster environment

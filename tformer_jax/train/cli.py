@@ -1,51 +1,53 @@
-"""`python scripts/train.py --config=configs/X.py --workdir=runs/x [--config.a.b=v ...]`."""
+"""`python scripts/train.py --config=configs/X.py --workdir=runs/x [--config.a.b=v ...]` (or `tformer-train`).
+
+The command line is every tool's (tformer_jax/cli_common.py). The whole config is validated here,
+before jax is imported: a bad value is one line `error: <field>: <rule>` and exit status 2 within a
+second, with nothing compiled and the workdir untouched. Later errors a user can cause (data,
+checkpoints, distributed start-up, a run stopped by non-finite steps) are one line and status 2 too
+(`cli_common.run_main`); anything else keeps its traceback.
+"""
 from __future__ import annotations
 
 import logging
-import sys
+from typing import Sequence
 
-from absl import app, flags
-from ml_collections import config_flags
+from absl import flags
 
-from tformer_jax.config import ConfigError
+from tformer_jax import cli_common
+from tformer_jax.config import validate
 from tformer_jax.host_alloc import maybe_reexec
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Experiment file with get_config(); override fields with --config.x.y=v.",
-    lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, config.json.")
-_DIST = flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize (multi-host).")
-_COORD = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-host).")
-_NPROC = flags.DEFINE_integer("num_processes", None, "Total processes (multi-host).")
-_PID = flags.DEFINE_integer("process_id", None, "This process's id (multi-host).")
+PROG = "scripts/train.py"
 
 
-def _main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+def define_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics, config.json (required)",
+                      flag_values=fv)
+  flags.DEFINE_bool("distributed", False, "call jax.distributed.initialize (multi-host)", flag_values=fv)
+  flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-host)", flag_values=fv)
+  flags.DEFINE_integer("num_processes", None, "total processes (multi-host)", flag_values=fv)
+  flags.DEFINE_integer("process_id", None, "this process's id (multi-host)", flag_values=fv)
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+  """Parse, validate, then (only then) import jax and train. Errors propagate to `run_main`."""
+  args = cli_common.parse(argv, define_flags, doc=__doc__, prog=PROG, config="required")
+  if not args.workdir:
+    cli_common.fail("pass --workdir=RUN (the run directory)")
+  validate(args.config)  # every rule, before jax is imported, anything compiles or the workdir changes
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   logging.getLogger("absl").setLevel(logging.WARNING)
-  if _DIST.value or _COORD.value:
+  if args.distributed or args.coordinator_address:
     from tformer_jax.parallel.distributed import initialize  # noqa: PLC0415 (jax: only after maybe_reexec)
-    initialize(_COORD.value, _NPROC.value, _PID.value)
-  from tformer_jax.train.loop import TrainingError, train  # noqa: PLC0415 (jax: only after maybe_reexec)
-  try:
-    train(_CONFIG.value, _WORKDIR.value)
-  except (ConfigError, TrainingError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-  except Exception as e:  # data errors etc.: one clear line, not a traceback
-    from tformer_jax.data.corpora import DataError  # noqa: PLC0415 (tformer_jax.data: grain + jax, only after maybe_reexec)
-    if isinstance(e, DataError):
-      print(f"error: {e}", file=sys.stderr)
-      sys.exit(2)
-    raise
+    initialize(args.coordinator_address, args.num_processes, args.process_id)
+  from tformer_jax.train.loop import train  # noqa: PLC0415 (jax: only after maybe_reexec)
+  train(args.config, args.workdir)
+  return 0
 
 
-def main():
+def main(argv: Sequence[str] | None = None) -> None:
   maybe_reexec()  # tcmalloc / hugetlb: see tformer_jax/host_alloc.py
-  flags.mark_flags_as_required(["config", "workdir"])
-  app.run(_main)
+  cli_common.exit_process(cli_common.run_main(run, argv))   # no hang on threads a failed save left
 
 
 if __name__ == "__main__":
