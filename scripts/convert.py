@@ -25,6 +25,7 @@ from typing import Sequence
 
 import ml_collections
 
+from tformer_jax import cli_common
 from tformer_jax.checkpoint import Checkpointer, CheckpointError, restore_params
 from tformer_jax.config import ConfigError, ModelConfig, default_config
 from tformer_jax.interop.hf import HFConfigError, HFWeightsError, load_hf, save_hf
@@ -100,4 +101,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  cli_common.exit_process(cli_common.run_main(main))

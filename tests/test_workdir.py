@@ -133,3 +133,11 @@ def test_sigterm_during_a_nonfinite_streak_does_not_claim_a_save(tmp_path):
   assert p.returncode == 0, text[-3000:]
   assert "SIGTERM received at step" in text and "not saved (non-finite steps); no checkpoint yet" in text
   assert "saved step" not in text
+
+
+def test_a_run_that_fails_before_saving_leaves_no_new_workdir(tmp_path):
+  train(tiny_config(steps=2), tmp_path / "a")
+  other = tiny_config(steps=2, **{"model.d_model": 32, "model.num_heads": 2, "train.init_from": str(tmp_path / "a")})
+  with pytest.raises(CheckpointError, match="do not match this config"):
+    train(other, tmp_path / "b")   # fails after the lock and the checkpoint directory were made
+  assert not (tmp_path / "b").exists()

@@ -238,7 +238,8 @@ def _llama_like(hf: dict, default_theta: float, window: bool) -> dict:
       mlp_bias=get_bool(hf, "mlp_bias", default=False),
       **rope_from_hf(hf, default_theta=default_theta))
   if window:
-    out["window"] = get_int(hf, "sliding_window", default=0)
+    w = get_int(hf, "sliding_window", default=0)
+    out["window"] = 0 if w >= out["max_len"] else w   # a window as long as the context is none
   elif hf.get("sliding_window"):
     raise HFConfigError(f"{hf.get('model_type')}: unsupported sliding_window={hf['sliding_window']}")
   return out

@@ -102,10 +102,15 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[st
   devices = mesh.size if cfg.mesh.parallelism == "jit" else 1
   runtime = backends.resolve_runtime(cfg, mesh_devices=devices, quiet=jax.process_index() != 0)
   stop = _install_stop_handlers()   # before the first long operation: a signal then ends the run cleanly
+  new_workdir = not pathlib.Path(workdir).expanduser().exists()
   lock = _lock_workdir(workdir)
   try:
     with backends.use(runtime.backend):
       return _train(cfg, workdir, mesh, runtime, stop)
+  except BaseException:
+    if lock is not None and new_workdir:  # a run that failed before saving anything leaves no workdir
+      workdir_lib.remove_if_unused(workdir)
+    raise
   finally:
     if lock is not None:
       lock.release()
@@ -279,9 +284,13 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
       finish_step(*pending)
   finally:
     progress.close()
-    ckpt.wait()
-    ckpt.close()
-    writer.close()
+    try:
+      ckpt.wait()
+    finally:
+      try:
+        ckpt.close()
+      finally:
+        writer.close()
 
   if not stop["signal"] and cfg.train.sample_tokens > 0:
     host_params = mesh_lib.to_host(state.params)  # every process: a gather when params span hosts

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import pathlib
+import shutil
 import socket
 import sys
 from typing import Any
@@ -118,3 +119,15 @@ def check_architecture(workdir: str | os.PathLike, cfg: Any) -> None:
   if diff:
     raise config_lib.ConfigError(f"workdir: {work} holds checkpoints of another architecture ("
                                  + "; ".join(diff) + "); use another --workdir, or the saved config")
+
+
+def remove_if_unused(workdir: str | os.PathLike) -> None:
+  """Delete a workdir this run created, if nothing of value landed in it (no checkpoint step, no
+  metrics): a command that failed early leaves the filesystem as it found it."""
+  work = pathlib.Path(workdir).expanduser()
+  ckpt = work / "checkpoints"
+  if ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir()):
+    return
+  if (work / "metrics.jsonl").is_file() and (work / "metrics.jsonl").stat().st_size:
+    return
+  shutil.rmtree(work, ignore_errors=True)
