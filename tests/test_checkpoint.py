@@ -235,8 +235,9 @@ def test_all_steps_corrupt_raises(tmp_path):
   ckpt = _save_steps(tmp_path, steps=(1,))
   ckpt.close()
   (tmp_path / "1" / "meta" / "metadata").write_text("{not json")
-  with Checkpointer(tmp_path) as ckpt, pytest.raises(CheckpointError, match="no restorable checkpoint"):
+  with Checkpointer(tmp_path) as ckpt, pytest.raises(CheckpointError, match="no restorable checkpoint") as err:
     ckpt.restore(abstract(make_state()))
+  assert "\n" not in str(err.value) and "step 1: JSONDecodeError" in str(err.value)   # one line
 
 
 def test_incompatible_shapes_raise(tmp_path, caplog):

@@ -1,22 +1,61 @@
-"""Metrics to JSONL (one object per line) and TensorBoard event files (tensorboardX)."""
+"""Metrics to JSONL (one object per line) and TensorBoard event files (tensorboardX).
+
+A run killed while appending leaves a torn last line in `metrics.jsonl`: readers drop it with a
+warning (`read_metrics`), and a resuming writer (`truncate_after=step`) rewrites the file without it
+(atomically: a new file renamed over the old one), so the next row starts on a line of its own.
+"""
 from __future__ import annotations
 
 import json
+import logging
+import os
 import pathlib
+
+log = logging.getLogger(__name__)
+METRICS_FILE = "metrics.jsonl"
+
+
+def _parse(path: pathlib.Path) -> list[tuple[str, dict]]:
+  """(line, row) of every row of a metrics file; undecodable lines (a torn last line) are dropped
+  with a warning."""
+  text = path.read_text(errors="replace")
+  lines = text.splitlines()
+  rows, bad = [], []
+  for n, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      row = json.loads(line)
+    except ValueError:
+      row = None
+    if isinstance(row, dict):
+      rows.append((line, row))
+    else:
+      bad.append(n)
+  if bad:
+    torn = bad == [len(lines)]
+    what = (f"its last line ({len(lines)}) is incomplete (a run killed while writing it?)" if torn
+            else f"{len(bad)} line(s) are not JSON objects (lines {', '.join(map(str, bad[:5]))}"
+                 f"{' ...' if len(bad) > 5 else ''})")
+    log.warning("%s: %s; dropped", path, what)
+  return rows
 
 
 class MetricWriter:
   def __init__(self, workdir: pathlib.Path, *, enabled: bool = True, truncate_after: int | None = None):
     self.enabled = enabled
-    self.path = pathlib.Path(workdir) / "metrics.jsonl"
+    self.path = pathlib.Path(workdir) / METRICS_FILE
     self._tb = None
     if not enabled:
       return
-    if truncate_after is not None and self.path.exists():
-      # A crashed run may have logged steps past its last checkpoint: drop them, they will be redone.
-      keep = [ln for ln in self.path.read_text().splitlines()
-              if ln.strip() and json.loads(ln).get("step", 0) <= truncate_after]
-      self.path.write_text("".join(k + "\n" for k in keep))
+    if self.path.exists():
+      raw = self.path.read_bytes()
+      if truncate_after is not None:
+        # A crashed run may have logged steps past its last checkpoint: drop them, they will be redone.
+        keep = [line for line, row in _parse(self.path) if _step(row) <= truncate_after]
+        _replace(self.path, "".join(line + "\n" for line in keep))
+      elif raw and not raw.endswith(b"\n"):   # a torn last line: drop it rather than append to it
+        _replace(self.path, "".join(line + "\n" for line, _ in _parse(self.path)))
     self._file = self.path.open("a")
     from tensorboardX import SummaryWriter  # noqa: PLC0415 (slow import, ~1 s; only enabled writers need it)
     self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tb"))
@@ -36,6 +75,24 @@ class MetricWriter:
       self._tb.close()
 
 
+def _step(row: dict) -> float:
+  try:
+    return float(row.get("step", 0))
+  except (TypeError, ValueError):
+    return float("inf")    # a row without a usable step cannot be placed: dropped on resume
+
+
+def _replace(path: pathlib.Path, text: str) -> None:
+  """Write `text` to `path` atomically (a crash leaves the old file or the new one, never half)."""
+  tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+  with tmp.open("w") as f:
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
 def read_metrics(workdir) -> list[dict]:
-  path = pathlib.Path(workdir) / "metrics.jsonl"
-  return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+  """The rows of `workdir/metrics.jsonl` ([] if absent); a torn last line is dropped with a warning."""
+  path = pathlib.Path(workdir) / METRICS_FILE
+  return [row for _, row in _parse(path)] if path.exists() else []
