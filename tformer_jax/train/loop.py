@@ -151,7 +151,7 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
     abstract, shardings = state_lib.state_shardings(init, rng, mesh, rules)
   mesh_lib.check_shardings(abstract, mesh)
   ckpt = Checkpointer(work / "checkpoints", max_to_keep=cfg.train.max_to_keep)
-  restored = ckpt.restore(abstract)
+  restored = ckpt.restore(abstract, require_data_state=True)   # a step without its iterator is damage
   it = pipeline.train_iterator(ds, cfg.data, process_index=jax.process_index(),
                                process_count=jax.process_count())
   if restored is not None:
@@ -243,6 +243,7 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
 
   try:
     for step in range(start, cfg.train.steps):
+      ckpt.check()   # a failed asynchronous save stops the run here, not minutes later
       batch = to_global(next(it))
       if jstats is not None and (step + 1) % stats_every == 0:  # before the step, which donates `state`
         writer.write(step + 1, {f"stats/{k}": float(v) for k, v in jax.device_get(jstats(state, batch)).items()})
@@ -282,15 +283,13 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
         break
     if pending is not None:
       finish_step(*pending)
+    ckpt.wait()   # raises if the last save failed
   finally:
     progress.close()
     try:
-      ckpt.wait()
+      writer.close()
     finally:
-      try:
-        ckpt.close()
-      finally:
-        writer.close()
+      ckpt.close(quiet=True)   # an exception already on its way out wins over a late save failure
 
   if not stop["signal"] and cfg.train.sample_tokens > 0:
     host_params = mesh_lib.to_host(state.params)  # every process: a gather when params span hosts
