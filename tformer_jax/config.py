@@ -57,6 +57,11 @@ RULE_PRESETS = ("dp", "fsdp", "tp", "fsdp_tp", "fsdp+tp")
 NON_ARCHITECTURE_FIELDS = ("embed_dropout", "attn_dropout", "resid_dropout", "init_std",
                            "scale_residual_init", "dtype", "param_dtype", "scan_layers", "remat",
                            "mlp_ratio")
+# The RopeScaling fields each scaling type reads (the others do not change the model).
+ROPE_SCALING_FIELDS = {"none": (), "linear": ("factor",), "ntk": ("factor",),
+                       "dynamic": ("factor", "original_max_len"),
+                       "yarn": ("factor", "original_max_len", "beta_fast", "beta_slow", "attention_factor"),
+                       "llama3": ("factor", "original_max_len", "low_freq_factor", "high_freq_factor")}
 # Execution fields that older versions kept in `model` (still found in saved config.json files);
 # now in the runtime section, and dropped when such a file is read.
 LEGACY_RUNTIME_FIELDS = ("attention_impl", "attention_block_q", "attention_block_k",
@@ -178,6 +183,37 @@ class ModelConfig:
 
   def is_moe_layer(self, i: int) -> bool:
     return self.moe.num_experts > 0 and (i + 1) % self.moe.every == 0
+
+  def architecture(self) -> dict[str, Any]:
+    """The fields that decide what the model computes, in a canonical form (derived sizes resolved,
+    fields the architecture does not use dropped): two configs with equal architectures compute the
+    same function with the same parameters (HF export, a workdir's checkpoints)."""
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+         if f.name not in NON_ARCHITECTURE_FIELDS}
+    d.update(num_kv_heads=self.kv_heads, head_dim=self.hd, d_ff=self.ff)
+    if self.position == "rope":
+      rs = self.rope_scaling
+      d["rope_scaling"] = {"type": rs.type, **{k: getattr(rs, k) for k in ROPE_SCALING_FIELDS[rs.type]}}
+      if "original_max_len" in d["rope_scaling"]:
+        d["rope_scaling"]["original_max_len"] = rs.original_max_len or self.max_len
+    else:
+      for k in ("rope_theta", "rotary_fraction", "rope_layout", "rope_scaling"):
+        d.pop(k)
+    if self.position != "t5":
+      d.pop("t5_num_buckets"), d.pop("t5_max_distance")
+    if not self.lm_head:
+      d.pop("tie_embeddings")
+    if self.norm == "rmsnorm":
+      d.pop("norm_bias")
+    if not self.window:
+      d.pop("num_global_tokens")
+    m = self.moe
+    d["moe"] = None if not m.num_experts else dict(
+        num_experts=m.num_experts, top_k=m.top_k, every=m.every, d_ff=m.d_ff or self.ff,
+        renormalize=m.renormalize, shared_expert=m.shared_expert)
+    if m.num_experts and all(self.is_moe_layer(i) for i in range(self.num_layers)):
+      d.pop("d_ff")  # no dense FFN anywhere: its size is unused
+    return d
 
 
 def _to_configdict(dc: Any) -> ml_collections.ConfigDict:

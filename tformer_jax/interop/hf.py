@@ -36,7 +36,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from tformer_jax.config import NON_ARCHITECTURE_FIELDS, ConfigError, ModelConfig, MoEConfig, RopeScaling, validate_model
+from tformer_jax.config import ConfigError, ModelConfig, MoEConfig, RopeScaling, validate_model
 from tformer_jax.data.tokenizers import get_tokenizer
 from tformer_jax.interop import axes
 from tformer_jax.interop.families import FAMILIES, MIXTRAL, Family, OneOf, Rule, get_family
@@ -316,12 +316,6 @@ def _write_safetensors(tensors: Mapping[str, np.ndarray], d: pathlib.Path, max_s
 # ----------------------------------------------------------------------------------------------
 # Configs
 
-_SCALING_FIELDS = {"none": (), "linear": ("factor",), "ntk": ("factor",),
-                   "dynamic": ("factor", "original_max_len"),
-                   "yarn": ("factor", "original_max_len", "beta_fast", "beta_slow", "attention_factor"),
-                   "llama3": ("factor", "original_max_len", "low_freq_factor", "high_freq_factor")}
-
-
 def model_config(**kwargs: Any) -> ModelConfig:
   """A validated ModelConfig from kwargs whose rope_scaling / moe may be dicts."""
   if isinstance(kwargs.get("rope_scaling"), Mapping):
@@ -347,33 +341,8 @@ def model_config_from_hf(hf_cfg: Mapping[str, Any], family: Family | None = None
 
 
 def arch_signature(cfg: ModelConfig) -> dict[str, Any]:
-  """The fields that decide what the model computes, in a canonical form (derived sizes resolved)."""
-  d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-       if f.name not in NON_ARCHITECTURE_FIELDS}
-  d.update(num_kv_heads=cfg.kv_heads, head_dim=cfg.hd, d_ff=cfg.ff)
-  if cfg.position == "rope":
-    rs = cfg.rope_scaling
-    d["rope_scaling"] = {"type": rs.type, **{k: getattr(rs, k) for k in _SCALING_FIELDS[rs.type]}}
-    if "original_max_len" in d["rope_scaling"]:
-      d["rope_scaling"]["original_max_len"] = rs.original_max_len or cfg.max_len
-  else:
-    for k in ("rope_theta", "rotary_fraction", "rope_layout", "rope_scaling"):
-      d.pop(k)
-  if cfg.position != "t5":
-    d.pop("t5_num_buckets"), d.pop("t5_max_distance")
-  if not cfg.lm_head:
-    d.pop("tie_embeddings")
-  if cfg.norm == "rmsnorm":
-    d.pop("norm_bias")
-  if not cfg.window:
-    d.pop("num_global_tokens")
-  m = cfg.moe
-  d["moe"] = None if not m.num_experts else dict(
-      num_experts=m.num_experts, top_k=m.top_k, every=m.every, d_ff=expert_hidden(cfg),
-      renormalize=m.renormalize, shared_expert=m.shared_expert)
-  if m.num_experts and all(cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
-    d.pop("d_ff")  # no dense FFN anywhere: its size is unused
-  return d
+  """The fields that decide what the model computes (`ModelConfig.architecture`)."""
+  return cfg.architecture()
 
 
 _MAX_FIXES = 8

@@ -12,7 +12,6 @@ ConfigError listing the fields, and the saved config is left untouched.
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import fcntl
 import json
@@ -95,11 +94,6 @@ def _describe(info: dict[str, Any]) -> str:
           f"({' '.join(map(str, info.get('argv', [])))[:120]})")
 
 
-def _architecture(model: Any) -> dict[str, Any]:
-  m = config_lib.ModelConfig.from_config(model)
-  return {k: v for k, v in dataclasses.asdict(m).items() if k not in config_lib.NON_ARCHITECTURE_FIELDS}
-
-
 def check_architecture(workdir: str | os.PathLike, cfg: Any) -> None:
   """ConfigError if `workdir` holds checkpoints of a model whose architecture differs from cfg.model."""
   work = pathlib.Path(workdir)
@@ -108,12 +102,11 @@ def check_architecture(workdir: str | os.PathLike, cfg: Any) -> None:
   if not saved_path.is_file() or not ckpt.is_dir() or not any(p.name.isdigit() for p in ckpt.iterdir()):
     return
   try:
-    saved = json.loads(saved_path.read_text())["model"]
-    old = _architecture(saved)
+    old = config_lib.ModelConfig.from_config(json.loads(saved_path.read_text())["model"]).architecture()
   except (ValueError, KeyError, TypeError) as e:
     raise config_lib.ConfigError(f"workdir: {saved_path} is not a readable config ({e}); move it away "
                                  "to start over") from None
-  new = _architecture(cfg.model)
+  new = config_lib.ModelConfig.from_config(cfg.model).architecture()
   diff = [f"model.{k}: {old[k]!r} in the workdir, {new[k]!r} now" for k in sorted(old)
           if k in new and old[k] != new[k]]
   if diff:
