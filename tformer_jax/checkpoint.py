@@ -578,7 +578,7 @@ class Checkpointer:
     logged = _append_debug(self.debug_log, f"saving checkpoint step {step} in {self.directory} failed:\n"
                                            f"{_format_exc(e)}")
     try:
-      last = max((s for s in self._manager.all_steps() if s != step and s not in self._bad), default=None)
+      last = self._last_complete(step)
     except Exception:  # noqa: BLE001 - listing may fail for the same reason (a vanished directory)
       last = None
     kept = "no earlier checkpoint" if last is None else f"the last complete checkpoint is step {last}"
@@ -594,9 +594,10 @@ class Checkpointer:
     self._pending = None
     try:
       if not _wait(self._manager.wait_until_finished, timeout_s):
+        last = self._last_complete(step)
         self._failure = CheckpointError(
             f"checkpoint step {step} in {self.directory} is still being written after {timeout_s:g} s; gave up "
-            f"waiting (the step is incomplete; the last complete one is {self._last_complete(step)})")
+            f"waiting (the step is incomplete; the last complete one is {'none' if last is None else f'step {last}'})")
         return False
       if not (self.directory / str(step)).exists():   # Orbax logs some commit failures and returns
         raise FileNotFoundError(f"step {step} was not finalised: {self.directory / str(step)} is missing")
@@ -605,9 +606,9 @@ class Checkpointer:
       self._broken = True
     return True
 
-  def _last_complete(self, step: int) -> str:
-    steps = [s for s in self._manager.all_steps() if s != step and s not in self._bad]
-    return f"step {max(steps)}" if steps else "none"
+  def _last_complete(self, step: int) -> int | None:
+    """The newest complete step other than `step` (the one being written), or None."""
+    return max((s for s in self._manager.all_steps() if s != step and s not in self._bad), default=None)
 
   def _raise_failure(self) -> None:
     if self._failure is not None:

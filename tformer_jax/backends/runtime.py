@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 import jax
+import ml_collections
 
 from tformer_jax import config as config_lib, host_alloc
 from tformer_jax.backends.base import Backend
@@ -38,12 +39,6 @@ class Runtime:
             "platform": self.platform, "allocator": self.allocator}
 
 
-def _compute_dtype(cfg: Any, m: Any) -> str:
-  """The model's compute dtype once train.precision's policy applies (bf16/fp16 compute in half)."""
-  precision = cfg.train.get("precision", "float32") if "train" in cfg else "float32"
-  return {"bf16": "bfloat16", "fp16": "float16"}.get(precision, m.dtype)
-
-
 def resolve_runtime(cfg: Any, *, model: config_lib.ModelConfig | None = None, mesh_devices: int = 1,
                     platform: str | None = None, quiet: bool = False) -> Runtime:
   """The run's backend from cfg.runtime (defaults where the section or a field is missing).
@@ -54,7 +49,9 @@ def resolve_runtime(cfg: Any, *, model: config_lib.ModelConfig | None = None, me
   choice this platform cannot run. Logs `Runtime.summary()` unless quiet."""
   rt = dict(config_lib.default_config().runtime)
   rt.update(dict(cfg.get("runtime", {})))
-  m = cfg.model if model is None else model
+  m = config_lib.ModelConfig.from_config(cfg.model) if model is None else model
+  precision = cfg.train.get("precision", "float32") if "train" in cfg else "float32"
+  config_lib.validate_runtime(ml_collections.ConfigDict(rt), m, precision)   # the platform-free rules
   platform = platform or jax.default_backend()
   reasons: list[str] = []
 
@@ -84,14 +81,12 @@ def resolve_runtime(cfg: Any, *, model: config_lib.ModelConfig | None = None, me
                 block_k=int(rt["attention_block_k"]))
 
   if backend == "reference":
-    if rt["cpu_kernels"] == "on":
-      raise config_lib.ConfigError("runtime.cpu_kernels: 'on' needs runtime.backend 'xla_cpu' (or "
-                                   "'auto' on CPU)")
     chosen: Backend = Backend(**blocks)
   else:
     kernels = rt["cpu_kernels"]
     ok, why = cpu_kernel.available()
-    f32 = _compute_dtype(cfg, m) == "float32" and m.param_dtype == "float32"
+    # float32 compute once train.precision's policy applies (bf16/fp16 compute in half), float32 params
+    f32 = precision == "float32" and m.dtype == "float32" and m.param_dtype == "float32"
     if kernels == "on":
       if not ok:
         raise config_lib.ConfigError(f"runtime.cpu_kernels: 'on' but the C++ kernels are unavailable: {why}")

@@ -282,12 +282,16 @@ def _read_dir(d: pathlib.Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
   return tensors, origin
 
 
+def _read_tensors(src: str | os.PathLike | Any) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+  """({tensor name: numpy array}, {tensor name: file}) of a local HF directory or an in-memory model."""
+  if _is_model(src):
+    return {k: _torch_to_numpy(v) for k, v in src.state_dict().items()}, {}
+  return _read_dir(pathlib.Path(src))
+
+
 def read_hf(src: str | os.PathLike | Any) -> tuple[dict, dict[str, np.ndarray]]:
   """(config dict, {tensor name: numpy array}) of a local HF directory or an in-memory model."""
-  hf_cfg = read_hf_config(src)
-  if _is_model(src):
-    return hf_cfg, {k: _torch_to_numpy(v) for k, v in src.state_dict().items()}
-  return hf_cfg, _read_dir(pathlib.Path(src))[0]
+  return read_hf_config(src), _read_tensors(src)[0]
 
 
 def _write_safetensors(tensors: Mapping[str, np.ndarray], d: pathlib.Path, max_shard_bytes: int) -> None:
@@ -770,10 +774,7 @@ def load_hf(src: str | os.PathLike | Any) -> tuple[Transformer, dict[str, Any]]:
     cfg = model_config_from_hf(hf_cfg, family)
   except HFConfigError as e:
     raise HFConfigError(f"{cfg_where}: {e}") from None
-  if in_memory:
-    tensors, origin = {k: _torch_to_numpy(v) for k, v in src.state_dict().items()}, {}
-  else:
-    tensors, origin = _read_dir(pathlib.Path(src))
+  tensors, origin = _read_tensors(src)
   check_weights(family, cfg, hf_cfg, {k: tuple(v.shape) for k, v in tensors.items()}, cfg_where, origin)
   flat = import_tensors(family, cfg, tensors, where=where)
   params = unflatten({k: jnp.asarray(v) for k, v in flat.items()})
