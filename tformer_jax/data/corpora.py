@@ -59,6 +59,8 @@ def write_atomic(path: pathlib.Path, data: bytes) -> None:
   try:
     with os.fdopen(fd, "wb") as f:
       f.write(data)
+      f.flush()
+      os.fsync(f.fileno())   # a crash leaves the old file or the new one, never a half
     os.replace(tmp, path)
   except BaseException:
     pathlib.Path(tmp).unlink(missing_ok=True)

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import pathlib
+
+from tformer_jax.data.corpora import write_atomic
 
 log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 
 
-def _parse(path: pathlib.Path) -> list[tuple[str, dict]]:
-  """(line, row) of every row of a metrics file; undecodable lines (a torn last line) are dropped
-  with a warning."""
-  text = path.read_text(errors="replace")
+def _parse(path: pathlib.Path, text: str) -> list[tuple[str, dict]]:
+  """(line, row) of every row of a metrics file's `text`; undecodable lines (a torn last line) are
+  dropped with a warning."""
   lines = text.splitlines()
   rows, bad = [], []
   for n, line in enumerate(lines, 1):
@@ -49,13 +49,13 @@ class MetricWriter:
     if not enabled:
       return
     if self.path.exists():
-      raw = self.path.read_bytes()
-      if truncate_after is not None:
-        # A crashed run may have logged steps past its last checkpoint: drop them, they will be redone.
-        keep = [line for line, row in _parse(self.path) if _step(row) <= truncate_after]
-        _replace(self.path, "".join(line + "\n" for line in keep))
-      elif raw and not raw.endswith(b"\n"):   # a torn last line: drop it rather than append to it
-        _replace(self.path, "".join(line + "\n" for line, _ in _parse(self.path)))
+      text = self.path.read_text(errors="replace")
+      # A crashed run may have logged steps past its last checkpoint (dropped: they will be redone),
+      # or a torn last line (dropped rather than appended to).
+      if truncate_after is not None or (text and not text.endswith("\n")):
+        keep = [line for line, row in _parse(self.path, text)
+                if truncate_after is None or _step(row) <= truncate_after]
+        write_atomic(self.path, "".join(line + "\n" for line in keep).encode())
     self._file = self.path.open("a")
     from tensorboardX import SummaryWriter  # noqa: PLC0415 (slow import, ~1 s; only enabled writers need it)
     self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tb"))
@@ -82,17 +82,7 @@ def _step(row: dict) -> float:
     return float("inf")    # a row without a usable step cannot be placed: dropped on resume
 
 
-def _replace(path: pathlib.Path, text: str) -> None:
-  """Write `text` to `path` atomically (a crash leaves the old file or the new one, never half)."""
-  tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-  with tmp.open("w") as f:
-    f.write(text)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
-
-
 def read_metrics(workdir) -> list[dict]:
   """The rows of `workdir/metrics.jsonl` ([] if absent); a torn last line is dropped with a warning."""
   path = pathlib.Path(workdir) / METRICS_FILE
-  return [row for _, row in _parse(path)] if path.exists() else []
+  return [row for _, row in _parse(path, path.read_text(errors="replace"))] if path.exists() else []
