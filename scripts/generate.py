@@ -101,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cli_common.fail(str(e))
   cfg = args.config if args.config is not None else config_lib.default_config()
   runtime = backends.resolve_runtime(cfg, model=model.cfg, quiet=True)
+  backends.enable_compilation_cache(cfg.data.get("cache_dir", "") if "data" in cfg else "")
   with backends.use(runtime.backend):   # traced lazily, inside the stream
     return generate(args, model, params, tok, default_prompt)
 

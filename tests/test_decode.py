@@ -268,3 +268,41 @@ def test_greedy_matches_transformers_generate(tmp_path):
     ref = hf.generate(torch.tensor([p]), max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False,
                       pad_token_id=63, eos_token_id=None)
     np.testing.assert_array_equal(ref[0, len(p):].numpy(), row)
+
+
+def test_decode_layout_scans_unrolled_params_and_matches_the_unrolled_model():
+  model, params = build(CASES["rope-gqa"])                 # trained unrolled: layers_0, layers_1
+  dmodel, dparams = decode.decode_layout(model, params)
+  assert dmodel.cfg.scan_layers and not model.cfg.scan_layers
+  assert "layers" in dparams and "layers_0" not in dparams
+  want = jax.eval_shape(dmodel.init, jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
+  assert jax.tree.map(jnp.shape, nn.unbox(want)) == jax.tree.map(jnp.shape, dparams)
+  assert decode.decode_layout(model, params)[1] is dparams          # the conversion is reused
+  tokens = jnp.array([[3, 1, 4, 1, 5, 9]])
+  np.testing.assert_allclose(dmodel.apply({"params": dparams}, tokens), model.apply({"params": params}, tokens),
+                             atol=ATOL)
+  # the unrolled model's own cached decode (the Request API takes the model as given) gives the same tokens
+  req = decode.make_request(model, PROMPTS, max_new_tokens=N_NEW, temperature=0.0)
+  _, unrolled = req.steps(params, req.prefill(params), N_NEW, N_NEW, False)
+  np.testing.assert_array_equal(decode.generate(model, params, PROMPTS, max_new_tokens=N_NEW, temperature=0.0),
+                                np.asarray(unrolled))
+  # MoE every other layer: the blocks differ, so the stack stays unrolled
+  moe = dataclasses.replace(tiny(), moe=dataclasses.replace(tiny().moe, num_experts=2, top_k=1, every=2))
+  assert not decode.decode_layout(Transformer(moe), {})[0].cfg.scan_layers
+  with pytest.raises(ValueError, match="layers_1"):
+    decode.stack_layers({"layers_0": {}}, 2)
+
+
+def test_prompt_buckets_share_executables_and_keep_the_tokens():
+  assert [decode.prompt_bucket(p) for p in (1, 16, 17, 100, 128, 129)] == [16, 16, 32, 128, 128, 256]
+  model, params = build(CASES["rope-gqa"])
+  kw = dict(max_new_tokens=4, temperature=0.0)
+  first = decode.generate(model, params, [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]], **kw)
+  compiled = len(decode.COMPILE_LOG)
+  prompt = [[7, 3, 9, 1, 2, 5, 8, 6, 4, 2, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21]]       # 21 tokens: bucket 32
+  got = decode.generate(model, params, prompt, **kw)
+  assert len(decode.COMPILE_LOG) == compiled            # another length in the same bucket compiles nothing
+  assert first.shape == got.shape == (1, 4)
+  np.testing.assert_array_equal(got, decode.generate(model, params, prompt, bucket_prompts=False, **kw))
+  req = decode.make_request(model, prompt, max_new_tokens=4, max_len=28)   # the cache leaves room for 24
+  assert req.tokens_BxP.shape == (1, 24) and req.slots == 28

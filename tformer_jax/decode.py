@@ -7,9 +7,16 @@ jit-compiled `lax.while_loop` that samples a token, writes it to the cache and c
 logits, exiting early once every row has produced a stop token. Every request starts from a fresh
 zero cache, so consecutive requests never see each other's keys ("conversations bleeding together").
 
-Compiled executables are cached per (model, batch, prompt_len, max_len, static sampling choices),
-see `COMPILE_LOG`. `generate_recompute` is the no-cache baseline (a full forward over the whole
-fixed-size buffer every step) with the same sampling and rng stream, so both give the same tokens.
+What keeps compilation short:
+- the layers are scanned for decoding whatever the training layout (`decode_layout`: one compiled
+  layer body; unscanned params are stacked once and the result reused), and never remat'd;
+- P is rounded up to a prompt bucket (a power of two, at least 16: `prompt_bucket`), so a prompt of
+  another length in the same bucket reuses the executables (the extra left padding is masked);
+- the CLIs enable JAX's persistent compilation cache (`backends.enable_compilation_cache`).
+Compiled executables are cached per (model, batch, bucketed prompt length, slots, static sampling
+choices); every compile is logged in `COMPILE_LOG`. `generate_recompute` is the no-cache baseline
+(a full forward over the whole fixed-size buffer every step, exact prompt length) with the same
+sampling and rng stream, so both give the same tokens.
 Output: (B, max_new_tokens) int32 numpy; after a row's stop token (which is kept) come `pad_id`s.
 `return_lengths=True` also returns the number of generated tokens per row (stop token included).
 """
@@ -32,6 +39,7 @@ COMPILE_LOG: list[tuple[str, float]] = []
 _COMPILED: dict[Any, Any] = {}
 _MAX_COMPILED = 64  # executables kept (oldest dropped first)
 _STOP_BUCKET = 4  # stop-token arrays are padded (with -1) to a multiple of this: fewer recompiles
+MIN_PROMPT_BUCKET = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +221,56 @@ def _emit(spec: SamplingSpec, st: DecodeState, stop_S: Array, knobs: tuple[Array
   return tok_B, st._replace(seen_BxV=seen, done_B=done, lengths_B=lengths, step=st.step + 1, rng=rng)
 
 
+# ------------------------------------------------------------------------------- decode layout
+
+
+def prompt_bucket(p: int) -> int:
+  """The padded prompt length compiled for a prompt of p tokens: the next power of two (>= 16)."""
+  return max(MIN_PROMPT_BUCKET, 1 << (int(p) - 1).bit_length())
+
+
+def _uniform_layers(cfg: Any) -> bool:
+  """All blocks alike (a scan needs one body): not the case for MoE every k-th layer."""
+  return len({cfg.is_moe_layer(i) for i in range(cfg.num_layers)}) <= 1
+
+
+def stack_layers(params: Any, num_layers: int) -> Any:
+  """Unscanned params ('layers_0' .. 'layers_{n-1}') -> the scanned layout ('layers', leading axis)."""
+  names = [f"layers_{i}" for i in range(num_layers)]
+  missing = [n for n in names if n not in params]
+  if missing:
+    raise ValueError(f"params have no {missing[0]!r}: not the unscanned layout of a {num_layers}-layer model")
+  out = {k: v for k, v in params.items() if k not in names}
+  out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *(params[n] for n in names))
+  return out
+
+
+_LAYOUT: list[tuple[Any, list[Any], Any]] = []   # (key, the source leaves kept alive, result): one entry
+
+
+def decode_layout(model: nn.Module, params: Any) -> tuple[nn.Module, Any]:
+  """(model, params) as decoding compiles them: scanned layers and no remat.
+
+  Scanning compiles one layer body instead of num_layers copies (the decode loop's compile time falls
+  by the layer count's share). Unscanned params are stacked into the scanned layout (a copy of the
+  layer weights); the last conversion is kept, so repeated calls with the same params reuse it. A
+  stack whose layers differ (MoE every k-th layer) stays unrolled.
+  """
+  cfg = _cfg(model)
+  scan = cfg.scan_layers or _uniform_layers(cfg)
+  new_cfg = dataclasses.replace(cfg, scan_layers=scan, remat="none")
+  out_model = model if new_cfg == cfg else model.clone(cfg=new_cfg)
+  if cfg.scan_layers or not scan:
+    return out_model, params
+  leaves = jax.tree.leaves(params)
+  key = (_model_key(model), tuple(id(x) for x in leaves))
+  if _LAYOUT and _LAYOUT[0][0] == key:
+    return out_model, _LAYOUT[0][2]
+  stacked = stack_layers(params, cfg.num_layers)
+  _LAYOUT[:] = [(key, leaves, stacked)]
+  return out_model, stacked
+
+
 # --------------------------------------------------------------------------------- cached path
 
 
@@ -306,12 +364,27 @@ class Request:
 def make_request(model: nn.Module, prompt_tokens: Any, *, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
                  stop_tokens: Sequence[int] = (), rng: Any = None, max_len: int | None = None,
-                 pad_id: int = 0) -> Request:
-  """Validate and pad a request (ValueError before anything compiles)."""
+                 pad_id: int = 0, bucket_prompts: bool = True) -> Request:
+  """Validate and pad a request (ValueError before anything compiles).
+
+  The prompts are left-padded to `prompt_bucket(P)` (or less when max_len leaves less room) unless
+  bucket_prompts=False; slots default to that padded length + max_new_tokens.
+  """
   cfg = _cfg(model)
   tokens, mask, lengths = pad_prompts(prompt_tokens, cfg.vocab_size)
-  slots = _check(cfg, tokens.shape[1], max_new_tokens, max_len, temperature, top_k, top_p,
+  p = tokens.shape[1]
+  slots = _check(cfg, p, max_new_tokens, max_len, temperature, top_k, top_p,
                  repetition_penalty, stop_tokens)
+  if bucket_prompts:
+    padded = prompt_bucket(p)
+    if max_len is not None:   # the cache has max_len slots: pad no further than they allow
+      padded = max(p, min(padded, int(max_len) - int(max_new_tokens)))
+    if padded > p:
+      extra = padded - p
+      tokens = np.pad(tokens, ((0, 0), (extra, 0)))
+      mask = np.pad(mask, ((0, 0), (extra, 0)))
+    if max_len is None:
+      slots = padded + int(max_new_tokens)
   knobs = (np.float32(temperature), np.float32(top_p), np.float32(repetition_penalty))
   return Request(model, tokens, mask, lengths, slots, int(max_new_tokens),
                  _spec(temperature, top_k, top_p, repetition_penalty), _stop_array(stop_tokens), knobs,
@@ -321,16 +394,19 @@ def make_request(model: nn.Module, prompt_tokens: Any, *, max_new_tokens: int, t
 def generate(model: nn.Module, params: Any, prompt_tokens: Any, *, max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
              stop_tokens: Sequence[int] = (), rng: Any = None, max_len: int | None = None, pad_id: int = 0,
-             return_lengths: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+             bucket_prompts: bool = True, return_lengths: bool = False
+             ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
   """(B, max_new_tokens) int32 new tokens with the KV cache (and (B,) lengths if return_lengths).
 
   temperature <= 1e-5 is greedy; top_k=0 / top_p=1 / repetition_penalty=1 are off. rng: a key, an
-  int seed or None (seed 0). max_len: cache slots (default prompt length + max_new_tokens).
+  int seed or None (seed 0). max_len: cache slots (default: the bucketed prompt length +
+  max_new_tokens). bucket_prompts=False compiles for the exact prompt length.
   """
+  model, params = decode_layout(model, nn.unbox(params))
   req = make_request(model, prompt_tokens, max_new_tokens=max_new_tokens, temperature=temperature,
                      top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
-                     stop_tokens=stop_tokens, rng=rng, max_len=max_len, pad_id=pad_id)
-  params = nn.unbox(params)
+                     stop_tokens=stop_tokens, rng=rng, max_len=max_len, pad_id=pad_id,
+                     bucket_prompts=bucket_prompts)
   st = req.prefill(params)
   st, out = req.steps(params, st, req.max_new_tokens, req.max_new_tokens, False)
   out = np.asarray(out)
@@ -346,8 +422,8 @@ def generate_stream(model: nn.Module, params: Any, prompt_tokens: Any, *, max_ne
   """
   if chunk_size < 1:
     raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+  model, params = decode_layout(model, nn.unbox(params))
   req = make_request(model, prompt_tokens, max_new_tokens=max_new_tokens, **kwargs)
-  params = nn.unbox(params)
   st = req.prefill(params)
   left = req.max_new_tokens
   while left > 0:
@@ -409,7 +485,7 @@ def generate_recompute(model: nn.Module, params: Any, prompt_tokens: Any, *, max
   """
   req = make_request(model, prompt_tokens, max_new_tokens=max_new_tokens, temperature=temperature,
                      top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
-                     stop_tokens=stop_tokens, rng=rng, max_len=max_len, pad_id=pad_id)
+                     stop_tokens=stop_tokens, rng=rng, max_len=max_len, pad_id=pad_id, bucket_prompts=False)
   params = nn.unbox(params)
   p = req.tokens_BxP.shape[1]
   key = (_model_key(model), req.spec, p, req.max_new_tokens)

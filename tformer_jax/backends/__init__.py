@@ -15,7 +15,7 @@ import contextvars
 from typing import Iterator
 
 from tformer_jax.backends.base import ATTENTION_IMPLS, AdamWSpec, Backend
-from tformer_jax.backends.runtime import Runtime, resolve_runtime
+from tformer_jax.backends.runtime import Runtime, enable_compilation_cache, resolve_runtime
 from tformer_jax.backends.xla_cpu import XlaCpuBackend
 
 _DEFAULT = Backend()
@@ -39,4 +39,4 @@ def use(backend: Backend) -> Iterator[Backend]:
 
 
 __all__ = ["ATTENTION_IMPLS", "AdamWSpec", "Backend", "XlaCpuBackend", "Runtime", "resolve_runtime",
-           "current", "use"]
+           "enable_compilation_cache", "current", "use"]

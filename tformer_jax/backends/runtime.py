@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import pathlib
 from typing import Any
 
 import jax
@@ -104,3 +106,13 @@ def resolve_runtime(cfg: Any, *, model: config_lib.ModelConfig | None = None, me
   if not quiet:
     log.info(out.summary())
   return out
+
+
+def enable_compilation_cache(cache_dir: str = "") -> pathlib.Path:
+  """Turn on JAX's persistent compilation cache under cache_dir (default $TFORMER_CACHE or
+  ~/.cache/tformer_jax) + '/jax_compile': a rerun (training, or generation with the same model and
+  prompt bucket) loads its executables instead of compiling them. Compiles under 1 s are not stored."""
+  root = pathlib.Path(cache_dir or os.environ.get("TFORMER_CACHE", "~/.cache/tformer_jax")).expanduser()
+  jax.config.update("jax_compilation_cache_dir", str(root / "jax_compile"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  return root / "jax_compile"

@@ -5,10 +5,18 @@
 
 Default model (no --config): RoPE, d_model 256, 4 layers, 4 heads, vocab 256, max_len 1024, random
 weights. Greedy decoding, no stop tokens, so every run makes exactly --new-tokens tokens per row.
-Cached: prefill latency, then per-token latency and tokens/s of the compiled step loop.
+  python -m tformer_jax.bench decode --config=configs/bench/llama_1b_gpu.py --dtype=bfloat16 \
+      --config.runtime.attention=xla --batch 1 --prompt-len 128 --new-tokens 256 --no-recompute
+
+The model decodes in `decode.decode_layout` (layers scanned whatever the config's layout).
+Cached: the first call (compiles included: compile_s = prefill_compile_s + decode_compile_s, and
+first_call_s the whole wait), then warm figures: ttft_ms (prefill + first token), prefill_ms,
+per_token_ms and decode_tok_s of the compiled step loop, tok_s end to end; same_bucket_new_compiles
+counts compiles for a prompt one token shorter in the same prompt bucket (0 expected).
 Recompute: one full forward over the whole (prompt + new) buffer per token, no cache.
-Times are medians over --runs after a warm-up call; compile time is reported separately. The slow
-recompute path has no warm-up: its first call counts, minus its logged compile time.
+Warm times are medians over --runs after the first call. The slow recompute path has no warm-up: its
+first call counts, minus its logged compile time. The persistent compilation cache is not enabled
+here, so compile times are cold.
 Prints human-readable lines, then one JSON line.
 """
 from __future__ import annotations
@@ -22,7 +30,7 @@ import jax
 import numpy as np
 from absl import flags
 
-from tformer_jax import cli_common, decode, decode_io
+from tformer_jax import backends, cli_common, decode, decode_io
 from tformer_jax.bench import emit
 from tformer_jax.config import default_config
 
@@ -42,6 +50,8 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer("recompute-runs", 2, "timed runs of the recompute path", flag_values=fv)
   flags.DEFINE_bool("no-recompute", False, "skip the (slow) recompute baseline", flag_values=fv)
   flags.DEFINE_integer("seed", 0, "weights and prompts seed", flag_values=fv)
+  flags.DEFINE_string("dtype", None, "compute and weight dtype for inference (e.g. bfloat16; default: the "
+                      "config's)", flag_values=fv)
   flags.DEFINE_string("json", None, "also write the result dict to this file", flag_values=fv)
 
 
@@ -82,29 +92,81 @@ def _timed(fn: Callable[[], Any], runs: int, warmup: bool) -> tuple[list[float],
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = parse_args(argv)
   cfg = build_config(args)
+  if args.dtype:   # inference: compute and store the weights in this dtype
+    cfg.model.dtype = cfg.model.param_dtype = args.dtype
+  runtime = backends.resolve_runtime(cfg, quiet=True)
+  with backends.use(runtime.backend):
+    return _run(args, cfg, runtime)
+
+
+def _run(args: Any, cfg: Any, runtime: backends.Runtime) -> dict[str, Any]:
+  t0 = time.perf_counter()
   model, params, _ = decode_io.random_init(cfg, args.seed)
+  jax.block_until_ready(params)
+  init_s = time.perf_counter() - t0
+  train_layout = "scanned" if model.cfg.scan_layers else "unrolled"
+  t0 = time.perf_counter()
+  model, params = decode.decode_layout(model, params)
+  jax.block_until_ready(params)
+  layout_s = time.perf_counter() - t0
   m = model.cfg
   b, p, n = args.batch, args.prompt_len, args.new_tokens
   prompts = np.asarray(jax.random.randint(jax.random.PRNGKey(args.seed + 1), (b, p), 0, m.vocab_size))
   req = decode.make_request(model, prompts, max_new_tokens=n, temperature=0.0)
   n_params = sum(int(x.size) for x in jax.tree.leaves(params))
-  print(f"model: d_model={m.d_model} layers={m.num_layers} heads={m.num_heads}/{m.kv_heads} "
-        f"vocab={m.vocab_size} position={m.position} params={n_params / 1e6:.2f}M; "
-        f"batch={b} prompt={p} new={n} cache_slots={req.slots} backend={jax.default_backend()}")
+  print(f"model: d_model={m.d_model} layers={m.num_layers} ({train_layout} in the config, scanned for decoding: "
+        f"{m.scan_layers}) heads={m.num_heads}/{m.kv_heads} vocab={m.vocab_size} position={m.position} "
+        f"dtype={m.dtype} params={n_params / 1e6:.2f}M (init {init_s:.1f}s, layout {layout_s:.2f}s); "
+        f"batch={b} prompt={p} (bucket {req.tokens_BxP.shape[1]}) new={n} cache_slots={req.slots} "
+        f"{runtime.backend.describe()} on {jax.default_backend()}", flush=True)
 
-  pre_times, pre_compile, st = _timed(lambda: req.prefill(params), args.runs, True)
-  dec_times, dec_compile, (_, out) = _timed(lambda: req.steps(params, st, n, n, False), args.runs, True)
+  # first call: what a user waits for (compiles included), split into compile and run
+  logged = len(decode.COMPILE_LOG)
+  t0 = time.perf_counter()
+  st = req.prefill(params)
+  jax.block_until_ready(st)
+  first_prefill_s = time.perf_counter() - t0
+  st1, _ = req.steps(params, st, 1, n, False)   # the same executable as n steps (n_steps is traced)
+  jax.block_until_ready(st1)
+  _, out = req.steps(params, st, n, n, False)
+  jax.block_until_ready(out)
+  first_call_s = time.perf_counter() - t0
+  compiles = decode.COMPILE_LOG[logged:]
+  prefill_compile = sum(s for name, s in compiles if name == "prefill")
+  decode_compile = sum(s for name, s in compiles if name == "decode_loop")
+  print(f"first call: {first_call_s:.2f}s, of which compile prefill {prefill_compile:.2f}s + decode loop "
+        f"{decode_compile:.2f}s (prefill call {first_prefill_s:.2f}s)", flush=True)
+
+  # another prompt length in the same bucket: must compile nothing
+  p2 = max(1, p - 1) if decode.prompt_bucket(max(1, p - 1)) == decode.prompt_bucket(p) else p
+  req2 = decode.make_request(model, prompts[:, :p2], max_new_tokens=n, temperature=0.0)
+  logged = len(decode.COMPILE_LOG)
+  jax.block_until_ready(req2.steps(params, req2.prefill(params), n, n, False))
+  second_compiles = len(decode.COMPILE_LOG) - logged
+
+  pre_times, _, st = _timed(lambda: req.prefill(params), args.runs, False)
+  ttft_times, _, _ = _timed(lambda: req.steps(params, req.prefill(params), 1, n, False), args.runs, False)
+  dec_times, _, (_, out) = _timed(lambda: req.steps(params, st, n, n, False), args.runs, False)
   prefill_s, decode_s = statistics.median(pre_times), statistics.median(dec_times)
   cached_total = prefill_s + decode_s
   res: dict[str, Any] = dict(
-      batch=b, prompt_len=p, new_tokens=n, d_model=m.d_model, layers=m.num_layers, position=m.position,
-      params_m=round(n_params / 1e6, 3), backend=jax.default_backend(),
-      cached_compile_s=round(pre_compile + dec_compile, 3), prefill_ms=round(1e3 * prefill_s, 3),
-      cached_per_token_ms=round(1e3 * decode_s / n, 4), cached_decode_tok_s=round(b * n / decode_s, 1),
-      cached_total_s=round(cached_total, 4), cached_tok_s=round(b * n / cached_total, 1))
-  print(f"cached:    compile {res['cached_compile_s']:.2f}s | prefill {res['prefill_ms']:.2f} ms | "
-        f"{res['cached_per_token_ms']:.3f} ms/token ({res['cached_decode_tok_s']:.0f} tok/s decode) | "
-        f"total {cached_total:.3f}s = {res['cached_tok_s']:.0f} tok/s")
+      batch=b, prompt_len=p, prompt_bucket=int(req.tokens_BxP.shape[1]), new_tokens=n, d_model=m.d_model,
+      layers=m.num_layers, position=m.position, dtype=m.dtype, params_m=round(n_params / 1e6, 3),
+      backend=jax.default_backend(), runtime=runtime.backend.describe(), config_layout=train_layout,
+      layout_s=round(layout_s, 3),
+      compile_s=round(prefill_compile + decode_compile, 3), prefill_compile_s=round(prefill_compile, 3),
+      decode_compile_s=round(decode_compile, 3), first_call_s=round(first_call_s, 3),
+      same_bucket_new_compiles=second_compiles,
+      prefill_ms=round(1e3 * prefill_s, 3), ttft_ms=round(1e3 * statistics.median(ttft_times), 3),
+      per_token_ms=round(1e3 * decode_s / n, 4), decode_tok_s=round(b * n / decode_s, 1),
+      total_s=round(cached_total, 4), tok_s=round(b * n / cached_total, 1))
+  # the names earlier JSON files used
+  res.update(cached_compile_s=res["compile_s"], cached_per_token_ms=res["per_token_ms"],
+             cached_decode_tok_s=res["decode_tok_s"], cached_total_s=res["total_s"], cached_tok_s=res["tok_s"])
+  print(f"cached:    compile {res['compile_s']:.2f}s | first call {first_call_s:.2f}s | ttft {res['ttft_ms']:.2f} ms | "
+        f"prefill {res['prefill_ms']:.2f} ms | {res['per_token_ms']:.3f} ms/token ({res['decode_tok_s']:.0f} tok/s "
+        f"decode) | total {cached_total:.3f}s = {res['tok_s']:.0f} tok/s | prompt length {p2} in the same bucket: "
+        f"{second_compiles} new compiles", flush=True)
 
   if not args.no_recompute:
     rec = lambda: decode.generate_recompute(model, params, prompts, max_new_tokens=n, temperature=0.0)  # noqa

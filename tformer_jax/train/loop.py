@@ -52,12 +52,6 @@ def prepare_workdir(workdir: str | os.PathLike) -> pathlib.Path:
   return path
 
 
-def enable_compilation_cache(cache_dir: str = "") -> None:
-  root = pathlib.Path(cache_dir or os.environ.get("TFORMER_CACHE", "~/.cache/tformer_jax")).expanduser()
-  jax.config.update("jax_compilation_cache_dir", str(root / "jax_compile"))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-
-
 def resolve_model_config(cfg: ml_collections.ConfigDict, vocab_size: int | None = None) -> config_lib.ModelConfig:
   """Validated ModelConfig, with the precision policy's compute dtype applied."""
   m = config_lib.validate(cfg)
@@ -135,7 +129,7 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
            runtime: backends.Runtime, stop: dict[str, Any]) -> dict[str, float]:
   workdir_lib.check_architecture(workdir, cfg)   # before anything in the workdir changes
   work = prepare_workdir(workdir)
-  enable_compilation_cache(cfg.data.cache_dir)
+  backends.enable_compilation_cache(cfg.data.cache_dir)
   is_main = jax.process_index() == 0
 
   ds = pipeline.build_dataset(cfg.data)
