@@ -40,11 +40,13 @@ AUTO_ON_OFF = ("auto", "on", "off")
 # checks that they agree): tformer_jax.data (corpora, tokenizers, pipeline), train.optim, train.precision,
 # parallel.rules.
 CORPORA = ("shakespeare", "kjv")
-CORPUS_PREFIXES = ("text:", "synthetic:")
+CORPUS_PREFIXES = ("text:", "prepared:", "synthetic:")
+CORPUS_SHOWN = ("text:PATH", "prepared:DIR", "synthetic:TASK")
 TOKENIZERS = ("byte", "bpe")
 TOKENIZER_PREFIXES = ("spm:", "hf:")
 SAMPLINGS = ("random", "packed")
-OPTIMIZERS = ("adamw",)
+PACKINGS = ("packed", "document")
+OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
 SCHEDULES = ("cosine", "rsqrt", "constant")
 PRECISIONS = ("float32", "bf16", "fp16")
 PARALLELISMS = ("jit", "pmap")
@@ -230,24 +232,31 @@ def default_config() -> ml_collections.ConfigDict:
   c.model = _to_configdict(ModelConfig())
 
   c.data = ml_collections.ConfigDict(dict(
-      corpus="shakespeare",          # shakespeare | kjv | text:PATH | synthetic:TASK
+      corpus="shakespeare",          # shakespeare | kjv | text:PATH | prepared:DIR (tformer-prepare) | synthetic:TASK
       tokenizer="byte",              # byte | bpe (sentencepiece, trained and cached) | hf:PATH/tokenizer.json
       bpe_vocab_size=2048,
       seq_len=256,
       batch_size=32,                 # global batch (sequences per optimizer step, across all devices)
       val_fraction=0.05,
       sampling="random",             # random windows | packed (consecutive, epoch-shuffled)
+      packing="packed",              # packed (documents concatenated) | document (segment ids: attention and
+                                     # loss stay inside each document)
+      mixture="",                    # '' | 'SPEC=W,SPEC=W' (e.g. 'prepared:/d/a=0.7,prepared:/d/b=0.3'): train
+                                     # rows drawn from these corpora by weight (data.corpus is then unused)
+      val_corpus="",                 # '' = the tail documents (val_fraction) | a corpus spec held out whole
       cache_dir="",                  # '' = $TFORMER_CACHE or ~/.cache/tformer_jax
       worker_count=0,
       seed=0,
   ))
   c.optim = ml_collections.ConfigDict(dict(
-      name="adamw",
+      name="adamw",                  # adamw | adafactor | lion | sgd (optax; see train/optim.py)
       peak_lr=1e-3,
       b1=0.9,
       b2=0.95,
       eps=1e-8,
-      weight_decay=0.1,
+      weight_decay=0.1,              # on kernels (and embeddings, below); never on biases or norms
+      decay_embeddings=True,         # token/position/type/relative-bias tables decay too (GPT-2 style)
+      momentum=0.9,                  # sgd only (0 = plain SGD)
       schedule="cosine",             # cosine | rsqrt | constant (all after linear warmup)
       warmup_steps=100,
       warmup_fraction=0.0,           # > 0 overrides warmup_steps with this fraction of train.steps
@@ -564,18 +573,53 @@ def _validate_data(d: Any, m: ModelConfig, check_paths: bool) -> None:
   if not 0.0 < d.val_fraction < 0.5:
     _fail("data.val_fraction", f"must be in (0, 0.5), got {d.val_fraction}")
   _check_choice("data.sampling", d.sampling, SAMPLINGS)
+  _check_choice("data.packing", d.get("packing", "packed"), PACKINGS)
   for name in ("worker_count", "seed"):
     if d.get(name, 0) < 0:
       _fail("data." + name, f"must be >= 0, got {d[name]}")
   corpus = str(d.get("corpus", "shakespeare"))
-  path = _check_spec("data.corpus", corpus, CORPORA, dict(zip(CORPUS_PREFIXES, ("text:PATH", "synthetic:TASK"))))
-  if check_paths and corpus.startswith("text:"):
-    _check_path("data.corpus", corpus, path, "file or directory")
+  mixture = str(d.get("mixture", "") or "").strip()
+  if not mixture:
+    _check_corpus("data.corpus", corpus, check_paths)
+  else:
+    if corpus.startswith("synthetic:"):
+      _fail("data.mixture", f"mixes text corpora; data.corpus={corpus!r} is a synthetic task (set one or the other)")
+    for item in mixture.split(","):
+      spec, sep, weight = item.strip().rpartition("=")
+      if not sep or not spec.strip():
+        _fail("data.mixture", f"{item.strip()!r} is not SPEC=WEIGHT (e.g. 'prepared:/data/a=0.7,prepared:/data/b=0.3')")
+      try:
+        ok = math.isfinite(float(weight)) and float(weight) > 0
+      except ValueError:
+        ok = False
+      if not ok:
+        _fail("data.mixture", f"weight {weight!r} of {spec.strip()!r} must be a positive number")
+      if spec.strip().startswith("synthetic:"):
+        _fail("data.mixture", f"{spec.strip()!r}: synthetic tasks cannot be mixed with text")
+      _check_corpus("data.mixture", spec.strip(), check_paths)
+  val_corpus = str(d.get("val_corpus", "") or "").strip()
+  if val_corpus:
+    if val_corpus.startswith("synthetic:") or (corpus.startswith("synthetic:") and not mixture):
+      _fail("data.val_corpus", "synthetic tasks have their own evaluation stream; val_corpus is for text corpora")
+    _check_corpus("data.val_corpus", val_corpus, check_paths)
   tok = str(d.get("tokenizer", "byte")).strip()
   path = _check_spec("data.tokenizer", tok, TOKENIZERS,
                      dict(zip(TOKENIZER_PREFIXES, ("spm:PATH/model.model", "hf:PATH/tokenizer.json"))))
   if check_paths and path and not corpus.startswith("synthetic:"):  # synthetic tasks bring their vocabulary
     _check_path("data.tokenizer", tok, path, "file" if tok.startswith("spm:") else "file or directory")
+
+
+def _check_corpus(field: str, corpus: str, check_paths: bool) -> None:
+  path = _check_spec(field, corpus, CORPORA, dict(zip(CORPUS_PREFIXES, CORPUS_SHOWN)))
+  if check_paths and corpus.startswith("text:"):
+    _check_path(field, corpus, path, "file or directory")
+  if check_paths and corpus.startswith("prepared:"):
+    p = pathlib.Path(path.strip()).expanduser()
+    if not p.is_dir():
+      _fail(field, f"{corpus}: no such directory ({p.resolve()}); make one with tformer-prepare")
+    if not (p / "manifest.json").is_file():
+      _fail(field, f"{corpus}: {p / 'manifest.json'} is missing: not a complete prepared dataset (an interrupted "
+            "tformer-prepare resumes when rerun)")
 
 
 def _warmup(o: Any, steps: int) -> tuple[str, int]:
@@ -588,8 +632,8 @@ def _warmup(o: Any, steps: int) -> tuple[str, int]:
 
 def _validate_optim(o: Any, d: Any, t: Any) -> None:
   if o.get("name", "adamw") not in OPTIMIZERS:
-    _fail("optim.name", f"unknown value {o.name!r}; only {_either([repr(n) for n in OPTIMIZERS])} is "
-          "implemented (tformer_jax/train/optim.py)")
+    _fail("optim.name", f"unknown value {o.name!r}; expected {_either([repr(n) for n in OPTIMIZERS])} "
+          "(tformer_jax/train/optim.py)")
   if o.peak_lr <= 0:
     _fail("optim.peak_lr", f"must be > 0, got {o.peak_lr}")
   if o.get("eps", 1e-8) <= 0:
@@ -609,6 +653,8 @@ def _validate_optim(o: Any, d: Any, t: Any) -> None:
   for name in ("b1", "b2"):
     if not 0.0 <= o[name] < 1.0:
       _fail("optim." + name, f"Adam betas must be in [0, 1), got {o[name]}")
+  if not 0.0 <= o.get("momentum", 0.9) < 1.0:
+    _fail("optim.momentum", f"must be in [0, 1) (sgd only; 0 = plain SGD), got {o.momentum}")
   for name in ("weight_decay", "clip_norm"):
     if o[name] < 0:
       _fail("optim." + name, f"must be >= 0 (0 = off), got {o[name]}")

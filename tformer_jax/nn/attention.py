@@ -28,10 +28,12 @@ def rope_tables(cfg: ModelConfig, seq_len: int) -> tuple[jax.Array, float]:
 
 
 def visibility(cfg: ModelConfig, q_offset: int | jax.Array = 0,
-               kv_valid_BxS: jax.Array | None = None) -> Visibility:
-  """Which keys each query sees in this model (causality, window, global tokens, padding)."""
+               kv_valid_BxS: jax.Array | None = None, segment_ids_BxL: jax.Array | None = None) -> Visibility:
+  """Which keys each query sees in this model (causality, window, global tokens, padding, and with
+  segment ids only the keys of the query's own segment: packed documents never see each other)."""
   return Visibility(causal=cfg.causal, window=cfg.window, num_global=cfg.num_global_tokens,
-                    q_offset=q_offset, kv_valid_BxS=kv_valid_BxS)
+                    q_offset=q_offset, kv_valid_BxS=kv_valid_BxS, q_segment_ids_BxL=segment_ids_BxL,
+                    kv_segment_ids_BxS=segment_ids_BxL)
 
 
 class Attention(nn.Module):
@@ -41,11 +43,17 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, kv_valid_BxS: jax.Array | None,
-               q_offset: jax.Array | int = 0, bias_BxHxLxS: jax.Array | None = None) -> jax.Array:
+               q_offset: jax.Array | int = 0, bias_BxHxLxS: jax.Array | None = None,
+               segment_ids_BxL: jax.Array | None = None) -> jax.Array:
     """kv_valid_BxS: validity of every key this call attends to: (B, L) without a cache, the whole
     cache's (B, S) when decoding; None = every key is valid (no padding: lets fused kernels use
-    their causal mode). q_offset: cache slot of this call's first token (decode only)."""
+    their causal mode). q_offset: cache slot of this call's first token (decode only).
+    segment_ids_BxL: documents packed into one row (1, 2, ...; 0 = padding): a query sees only keys
+    of its own segment. Training and scoring only (not with a KV cache)."""
     cfg = self.cfg
+    if segment_ids_BxL is not None and self.decode:
+      raise ValueError("segment_ids_BxL (packed documents) is for training and scoring; decoding into a "
+                       "KV cache takes one document per row")
     backend = backends.current()
     dt, pdt = dtypes(cfg)
     b, l, d = x_BxLxD.shape
@@ -85,7 +93,7 @@ class Attention(nn.Module):
     else:
       q_offset = 0
 
-    vis = visibility(cfg, q_offset, kv_valid_BxS)
+    vis = visibility(cfg, q_offset, kv_valid_BxS, segment_ids_BxL)
     dropout_rate = 0.0 if self.deterministic else cfg.attn_dropout
     out_BxLxHxD, weights_BxHxLxS = backend.attention(
         q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, vis, bias_BxHxLxS=bias_BxHxLxS,
