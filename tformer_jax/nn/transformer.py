@@ -36,8 +36,13 @@ class Transformer(nn.Module):
   def __call__(self, tokens_BxL: jax.Array, *, positions_BxL: jax.Array | None = None,
                attention_mask_BxL: jax.Array | None = None, token_types_BxL: jax.Array | None = None,
                inputs_embeds_BxLxD: jax.Array | None = None, deterministic: bool = True,
-               decode: bool = False) -> jax.Array:
+               decode: bool = False, return_hidden: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Logits (B, L, vocab) in float32, or final hidden states (B, L, d_model) if not cfg.lm_head.
+
+    return_hidden=True (needs cfg.lm_head): `(h_BxLxD, unembed_DxV)` instead of the logits: the
+    final-normed hidden states and the unembedding matrix (the head, or embed.T when tied), both in
+    the compute dtype, so logits = (h_BxLxD @ unembed_DxV).astype(float32). For a caller that needs
+    only some positions' logits, or the loss without the full logits (ops.losses).
 
     attention_mask_BxL: 1 = real token, 0 = padding (never attended to). positions_BxL default to
     0..L-1 counting real tokens only (so left padding is handled). decode=True reads and appends to
@@ -122,13 +127,17 @@ class Transformer(nn.Module):
     if cfg.final_norm:
       x_BxLxD = Norm(cfg, name="final_norm")(x_BxLxD)
     if not cfg.lm_head:
+      if return_hidden:
+        raise ValueError("return_hidden=True needs model.lm_head (there is no unembedding matrix)")
       return x_BxLxD.astype(jnp.float32)
     if cfg.tie_embeddings:
-      logits_BxLxV = jnp.einsum("bld,vd->blv", x_BxLxD, embed.astype(dt))
+      unembed_DxV = embed.astype(dt).T
     else:
       head = param(self, "head", normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt)
-      logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, head.astype(dt))
-    return logits_BxLxV.astype(jnp.float32)
+      unembed_DxV = head.astype(dt)
+    if return_hidden:
+      return x_BxLxD, unembed_DxV
+    return jnp.einsum("bld,dv->blv", x_BxLxD, unembed_DxV).astype(jnp.float32)
 
 
 def sown_per_layer(tree: Any, name: str) -> list[jax.Array]:
