@@ -30,7 +30,7 @@ BAD = [
     ({"decode.temperature": -1.0}, "decode.temperature"),
     ({"decode.top_k": -1}, "decode.top_k"),
     ({"decode.repetition_penalty": 0.0}, "decode.repetition_penalty"),
-    ({"optim.name": "sgd"}, "optim.name"),
+    ({"optim.name": "rmsprop"}, "optim.name"),
     ({"optim.eps": -1.0}, "optim.eps"),
     ({"optim.eps": 0.0}, "optim.eps"),
     ({"optim.warmup_steps": 20}, "optim.warmup_steps"),          # not shorter than train.steps=20
@@ -267,7 +267,7 @@ CLI_BAD = [  # (flags, the error line, exactly or its start)
     (["--config.model.num_layer=3"], "error: model.num_layer: unknown field; did you mean model.num_layers?"),
     (["--config.model.foo=1"], "error: model.foo: unknown field; the fields of model are: "),
     (["--config.train.init_from=/nonexistent/run"], "error: train.init_from: /nonexistent/run: no such "),
-    (["--config.optim.name=sgd"], "error: optim.name: unknown value 'sgd'; only 'adamw' is implemented"),
+    (["--config.optim.name=rmsprop"], "error: optim.name: unknown value 'rmsprop'; expected 'adamw', "),
     (["--config.decode.top_p=2.0"], "error: decode.top_p: must be in (0, 1]"),
     (["--config.decode.temperature=-1"], "error: decode.temperature: must be >= 0"),
     (["--config.model.window=100"], "error: model.window: window=100 > max_len=64 is the same as no window"),

@@ -128,7 +128,7 @@ def test_optimizer_uses_schedule_at_update_count():
     # Adam with a constant gradient: the normalised step is 1, so the update is -lr(s).
     np.testing.assert_allclose(updates["w"], -float(schedule(s)), rtol=1e-5, atol=1e-7)
   with pytest.raises(ValueError, match="optim.name"):
-    optim.make_optimizer(_cfg(name="sgd"), 10)
+    optim.make_optimizer(_cfg(name="rmsprop"), 10)
 
 
 def test_grad_norms_match_optax_clipping():
@@ -214,3 +214,133 @@ def test_accumulation_micro_batches_and_rngs():
   (_, aux), _ = optim.accumulate_gradients(fn, jnp.float32(1.0), batch, rng, 4)
   want = np.mean([float(jax.random.uniform(jax.random.fold_in(rng, i))) for i in range(4)])
   np.testing.assert_allclose(aux["u"], want, rtol=1e-6)
+
+
+# -- optax schedules keep the hand-written curves; decay by role; the optimizers; MultiSteps -------------
+
+
+def _reference_schedule(peak, kind, min_ratio, warm, total):
+  """The schedule as tformer_jax computed it by hand before it used optax (numpy, float64)."""
+  def lr(step):
+    if warm and step < warm:
+      return peak * step / warm
+    if kind == "cosine":
+      progress = min(max((step - warm) / max(total - warm, 1), 0.0), 1.0)
+      return min_ratio * peak + (peak - min_ratio * peak) * 0.5 * (1.0 + np.cos(np.pi * progress))
+    if kind == "rsqrt":
+      w = max(warm, 1)
+      return peak * np.sqrt(w / max(step, w))
+    return peak
+  return lr
+
+
+@pytest.mark.parametrize("kind", ["cosine", "rsqrt", "constant"])
+@pytest.mark.parametrize("warm", [0, 1, 37])
+def test_optax_schedules_match_the_hand_written_curves(kind, warm):
+  total = 300
+  s = optim.make_schedule(_cfg(peak_lr=3e-4, warmup_steps=warm, schedule=kind, min_lr_ratio=0.1), total)
+  ref = _reference_schedule(3e-4, kind, 0.1, warm, total)
+  steps = np.arange(0, 2 * total)
+  got = np.asarray(jax.jit(jax.vmap(s))(jnp.asarray(steps)))
+  np.testing.assert_allclose(got, [ref(int(t)) for t in steps], rtol=2e-5, atol=1e-11)
+
+
+def _preset_params(path):
+  import importlib.util
+
+  from tformer_jax.config import ModelConfig
+  from tformer_jax.nn import Transformer
+  spec = importlib.util.spec_from_file_location("preset", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  m = ModelConfig.from_config(mod.get_config().model)
+  shapes = jax.eval_shape(Transformer(m).init, jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
+  return nn.unbox(shapes)
+
+
+PRESETS = sorted(str(p) for p in __import__("pathlib").Path(__file__).resolve().parents[1].glob("configs/**/*.py"))
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.split("configs/")[1])
+def test_decay_mask_by_role_on_every_preset(preset):
+  params = _preset_params(preset)
+  roles_seen = set()
+  for decay_embeddings in (True, False):
+    mask = optim.decay_mask(params, decay_embeddings=decay_embeddings)
+    for (path, x), (_, decayed) in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                       jax.tree_util.tree_flatten_with_path(mask)[0]):
+      name = str(path[-1].key)
+      role = optim.param_role(path, strict=True)
+      roles_seen.add(role)
+      if name in ("scale", "bias") or (len(name) == 2 and name[0] == "b"):   # norms and every bias
+        assert role in ("norm", "bias") and not decayed, (preset, path)
+      elif name.endswith("embed") or name == "rel_bias":
+        assert role == "embedding" and decayed == decay_embeddings, (preset, path)
+      else:
+        assert role == "kernel" and decayed and x.ndim >= 2, (preset, path)
+  assert {"kernel", "embedding", "norm"} <= roles_seen
+
+
+def test_qkv_biases_are_not_decayed_and_unknown_names_are_refused():
+  from tformer_jax.config import ModelConfig
+  from tformer_jax.nn import Transformer
+  cfg = ModelConfig(vocab_size=32, d_model=16, num_layers=1, num_heads=2, max_len=8, qkv_bias=True)
+  params = nn.unbox(Transformer(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"])
+  attn = params["layers_0"]["attn"]
+  assert attn["bq"].ndim == 2                          # (heads, head_dim): the rank rule decayed it
+  mask = optim.decay_mask(params)["layers_0"]["attn"]
+  assert not (mask["bq"] or mask["bk"] or mask["bv"]) and mask["wq"]
+  with pytest.raises(ValueError, match="no weight-decay role for the name 'mystery'"):
+    optim.param_role((jax.tree_util.DictKey("mystery"),), strict=True)
+  # a user's own names fall back to the rank
+  assert jax.tree.map(bool, optim.decay_mask({"mystery": jnp.zeros((2, 2)), "b": jnp.zeros(2)})) == {
+      "mystery": True, "b": False}
+
+
+@pytest.mark.parametrize("name", optim.OPTIMIZERS)
+def test_every_optimizer_trains_and_respects_the_decay_mask(name):
+  params = _init(False)
+  x = jax.random.randint(jax.random.PRNGKey(1), (4, 3), 0, 11)
+  target = jax.random.normal(jax.random.PRNGKey(2), (4, 3, 5))
+
+  def loss(p):
+    return jnp.mean((_Tiny().apply({"params": p}, x) - target) ** 2)
+
+  lr = {"adamw": 1e-2, "adafactor": 0.3, "lion": 1e-3, "sgd": 0.1}[name]   # adafactor scales by the params RMS
+  tx, _ = optim.make_optimizer(_cfg(name=name, peak_lr=lr, warmup_steps=0, schedule="constant",
+                                    weight_decay=0.1), total_steps=50)
+  state, p, first = tx.init(params), params, float(loss(params))
+  step = jax.jit(lambda p, s: (lambda g: tx.update(g, s, p))(jax.grad(loss)(p)))
+  for _ in range(30):
+    updates, state = step(p, state)
+    p = optax.apply_updates(p, updates)
+  assert float(loss(p)) < 0.9 * first
+  # decay alone (zero gradients) moves decayed leaves only
+  updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+  assert not np.any(np.asarray(updates["ln"]["bias"])) and not np.any(np.asarray(updates["dense"]["bias"]))
+  assert np.any(np.asarray(updates["dense"]["kernel"]))
+
+
+def test_accumulation_equals_optax_multisteps_with_equal_token_counts():
+  params = _init(False)
+  xs = jax.random.randint(jax.random.PRNGKey(3), (4, 3), 0, 11)
+  ys = jax.random.normal(jax.random.PRNGKey(4), (4, 3, 5))
+
+  def loss_sum(p, mb, rng):
+    del rng
+    err = (_Tiny().apply({"params": p}, mb["x"]) - mb["y"]) ** 2
+    return jnp.sum(err), (jnp.asarray(err.size, jnp.float32), {})
+
+  tx, _ = optim.make_optimizer(_cfg(peak_lr=1e-2, warmup_steps=0, schedule="constant"), total_steps=10)
+  (_, _), grads = optim.accumulate_gradients(jax.value_and_grad(loss_sum, has_aux=True), params,
+                                             {"x": xs, "y": ys}, None, 2)
+  ours = optax.apply_updates(params, tx.update(grads, tx.init(params), params)[0])
+  multi = optax.MultiSteps(optim.make_optimizer(_cfg(peak_lr=1e-2, warmup_steps=0, schedule="constant"),
+                                                total_steps=10)[0], every_k_schedule=2)
+  state, p = multi.init(params), params
+  for i in range(2):                                   # the same strided micro-batches, one per call
+    mb = {"x": xs[i::2], "y": ys[i::2]}
+    g = jax.grad(lambda q, mb=mb: loss_sum(q, mb, None)[0] / mb["y"].size)(params)
+    upd, state = multi.update(g, state, p)
+    p = optax.apply_updates(p, upd)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), ours, p)

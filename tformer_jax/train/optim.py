@@ -1,4 +1,4 @@
-"""Optimizer pieces: learning-rate schedules, the weight-decay mask, AdamW, gradient accumulation.
+"""Optimizer pieces: learning-rate schedules, the weight-decay mask, the optimizers, gradient accumulation.
 
 Everything reads the `optim` section of `default_config()`:
 
@@ -14,10 +14,18 @@ Everything reads the `optim` section of `default_config()`:
 Step convention: optax evaluates the schedule at its internal update count, i.e. the update with
 0-based index `s` (the number of updates already applied) uses `schedule(s)`. With warmup the very
 first update therefore has lr 0, and `schedule(warmup)` is the first update at `peak_lr`.
+
+Built from optax: the schedules (`optax.warmup_cosine_decay_schedule`, `join_schedules`), the
+optimizers (optim.name: adamw | adafactor | lion | sgd) and clipping. Gradient accumulation is not
+`optax.MultiSteps`: MultiSteps averages one micro-batch per *call* across train steps, each
+micro-batch mean weighted equally; `accumulate_gradients` runs all micro-batches inside one step and
+weights them by their real (unmasked) tokens, so a step's gradient is exactly the whole batch's
+token mean even with padding, and a train step is an optimizer step. With equal token counts the
+two agree (tests/test_optim.py checks it).
 """
 from __future__ import annotations
 
-import math
+import functools
 from typing import Any, Callable
 
 import jax
@@ -29,9 +37,18 @@ from tformer_jax.train import precision
 
 PyTree = Any
 
-# Parameter names that never get weight decay, whatever their rank (a norm scale stacked by
-# scan_layers is (num_layers, d) and must still be excluded).
-NO_DECAY_NAMES = frozenset({"scale", "bias"})
+# Every parameter name in tformer_jax.nn, by role. Weight decay follows the role, not the rank: a
+# stacked (num_layers, d) norm scale or a (heads, head_dim) q/k/v bias is never decayed (the rank
+# rule used before decayed those biases).
+PARAM_ROLES = {
+    "kernel": frozenset({"wq", "wk", "wv", "wo", "wi", "wg", "head", "router", "w_up", "w_gate", "w_down",
+                         "kernel"}),                  # (flax's own nn.Dense / DenseGeneral name)
+    "embedding": frozenset({"embed", "pos_embed", "type_embed", "rel_bias",
+                            "embedding"}),            # (flax's nn.Embed)
+    "bias": frozenset({"bq", "bk", "bv", "bo", "bi", "bg"}),
+    "norm": frozenset({"scale", "bias"}),
+}
+OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
 
 
 def _get(cfg: Any, name: str) -> Any:
@@ -48,10 +65,10 @@ def warmup_steps(optim_cfg: Any, total_steps: int) -> int:
 
 
 def make_schedule(optim_cfg: Any, total_steps: int) -> optax.Schedule:
-  """Linear warmup 0 -> peak_lr over the warmup steps, then cosine | rsqrt | constant.
+  """Linear warmup 0 -> peak_lr over the warmup steps, then cosine | rsqrt | constant (optax).
 
   cosine: half-cosine from peak_lr at the end of warmup down to min_lr_ratio * peak_lr at
-    `total_steps`, constant at that floor afterwards.
+    `total_steps`, constant at that floor afterwards (`optax.warmup_cosine_decay_schedule`).
   rsqrt: peak_lr * sqrt(w / step) after warmup, with w = max(warmup, 1) (so no warmup means
     peak_lr at steps 0 and 1, then 1/sqrt decay).
   constant: peak_lr after warmup.
@@ -61,25 +78,18 @@ def make_schedule(optim_cfg: Any, total_steps: int) -> optax.Schedule:
   kind = str(_get(optim_cfg, "schedule"))
   min_lr = float(_get(optim_cfg, "min_lr_ratio")) * peak
   warm = warmup_steps(optim_cfg, total_steps)
-  decay_len = max(total_steps - warm, 1)
-  if kind not in ("cosine", "rsqrt", "constant"):
+  if kind == "cosine":
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warm, max(total_steps, warm + 1), min_lr)
+  if kind == "rsqrt":
+    w = float(max(warm, 1))
+    after = lambda s: peak * jnp.sqrt(w / jnp.maximum(jnp.asarray(s, jnp.float32) + warm, w))  # noqa: E731
+  elif kind == "constant":
+    after = optax.constant_schedule(peak)
+  else:
     raise ValueError(f"optim.schedule: unknown value {kind!r}; expected cosine, rsqrt or constant")
-
-  def schedule(step: Any) -> jax.Array:
-    step_f = jnp.asarray(step, jnp.float32)
-    if kind == "cosine":
-      progress = jnp.clip((step_f - warm) / decay_len, 0.0, 1.0)
-      after = min_lr + (peak - min_lr) * 0.5 * (1.0 + jnp.cos(math.pi * progress))
-    elif kind == "rsqrt":
-      w = float(max(warm, 1))
-      after = peak * jnp.sqrt(w / jnp.maximum(step_f, w))
-    else:
-      after = jnp.full_like(step_f, peak)
-    if warm == 0:
-      return after
-    return jnp.where(step_f < warm, peak * step_f / warm, after)
-
-  return schedule
+  if warm == 0:
+    return after
+  return optax.join_schedules([optax.linear_schedule(0.0, peak, warm), after], [warm])
 
 
 def _param_name(path: tuple) -> str:
@@ -90,50 +100,82 @@ def _param_name(path: tuple) -> str:
   return ""
 
 
-def decay_mask(params: PyTree) -> PyTree:
-  """True where weight decay applies: every leaf with ndim >= 2 unless its name is scale/bias.
+def param_role(path: tuple, x: Any = None, *, strict: bool = False) -> str:
+  """'kernel' | 'embedding' | 'bias' | 'norm' for a parameter path, by its name (PARAM_ROLES: every
+  name tformer_jax.nn uses, and flax's own). A name outside the tables (a user's own module) falls
+  back to its rank, ndim >= 2 -> 'kernel' else 'bias'; strict=True raises ValueError instead (the
+  tests check that every parameter of every shipped preset has a named role)."""
+  name = _param_name(path)
+  for role, names in PARAM_ROLES.items():
+    if name in names:
+      return role
+  if strict or x is None:
+    raise ValueError(f"parameter {jax.tree_util.keystr(path)}: no weight-decay role for the name {name!r}; "
+                     "add it to tformer_jax.train.optim.PARAM_ROLES")
+  return "kernel" if jnp.ndim(x) >= 2 else "bias"
 
-  Decayed: Dense kernels, attention projections, MoE expert weights and embeddings (token,
-  learned-position and relative-bias tables are decayed by default, as in GPT-2/nanoGPT-style
-  AdamW setups). Never decayed: norm scales and biases, by rank (ndim <= 1) and by name, so that
-  scan_layers-stacked (num_layers, d) scales/biases stay excluded. Works on plain param dicts and
-  on trees holding flax boxed params (nn.Partitioned / nn.LogicallyPartitioned): the result has
-  the same structure, boxes included, so it can be handed to optax as is.
+
+def decay_mask(params: PyTree, decay_embeddings: bool = True) -> PyTree:
+  """True where weight decay applies, by parameter role (`param_role`): kernels always, embeddings
+  (token, position, type and relative-bias tables) when decay_embeddings (GPT-2/nanoGPT-style
+  AdamW decays them), biases and norm scales/biases never, whatever their rank.
+
+  Works on plain param dicts and on trees holding flax boxed params (nn.Partitioned /
+  nn.LogicallyPartitioned): the result has the same structure, boxes included, so it can be handed
+  to optax as is.
   """
-  def leaf_mask(path: tuple, x: Any) -> bool:
-    if _param_name(path) in NO_DECAY_NAMES:
-      return False
-    return jnp.ndim(x) >= 2
-
-  return jax.tree_util.tree_map_with_path(leaf_mask, params)
+  decayed = {"kernel"} | ({"embedding"} if decay_embeddings else set())
+  return jax.tree_util.tree_map_with_path(lambda path, x: param_role(path, x) in decayed, params)
 
 
 def make_optimizer(optim_cfg: Any, total_steps: int, backend: backends.Backend | None = None
                    ) -> tuple[optax.GradientTransformationExtraArgs, optax.Schedule]:
-  """(tx, schedule): clip_by_global_norm (if clip_norm > 0) then AdamW with `decay_mask`, skipping
-  non-finite steps (`skip_nonfinite`), as the backend runs it (default: the current one; the
-  xla_cpu backend runs the same chain as one C++ pass per array, with the same state tree).
+  """(tx, schedule): clip_by_global_norm (if clip_norm > 0), then the optimizer of optim.name with
+  weight decay on `decay_mask`, skipping non-finite steps (`skip_nonfinite`).
+
+    adamw      optax.adamw(b1, b2, eps, weight_decay); the backend may run it its own way (the
+               xla_cpu backend: one C++ pass per array, same state tree)
+    adafactor  optax.adafactor (factored second moments, no first moment), decay weight_decay
+    lion       optax.lion(b1, b2, weight_decay) (use a ~3-10x smaller peak_lr than AdamW)
+    sgd        optax.sgd(momentum) (0 = plain SGD), with weight_decay * param added to the gradient
+               before it (optax.add_decayed_weights: classic SGD weight decay)
 
   Gradient accumulation is not inside `tx`: use `accumulate_gradients` in the train step.
   `schedule(step)` gives the learning rate for logging (see the module docstring for the step
   convention).
   """
   name = str(_get(optim_cfg, "name"))
-  if name != "adamw":
-    raise ValueError(f"optim.name: unknown value {name!r}; expected 'adamw'")
+  if name not in OPTIMIZERS:
+    raise ValueError(f"optim.name: unknown value {name!r}; expected one of {', '.join(OPTIMIZERS)}")
   schedule = make_schedule(optim_cfg, total_steps)
-  parts = []
   clip = float(_get(optim_cfg, "clip_norm"))
-  if clip > 0:
-    parts.append(optax.clip_by_global_norm(clip))
-  spec = backends.AdamWSpec(schedule=schedule, b1=float(_get(optim_cfg, "b1")),
-                            b2=float(_get(optim_cfg, "b2")), eps=float(_get(optim_cfg, "eps")),
-                            weight_decay=float(_get(optim_cfg, "weight_decay")), clip_norm=clip,
-                            decay_mask=decay_mask)
-  parts.append(optax.adamw(learning_rate=schedule, b1=spec.b1, b2=spec.b2, eps=spec.eps,
-                           weight_decay=spec.weight_decay, mask=decay_mask))
-  tx = skip_nonfinite(optax.chain(*parts))
-  return (backend or backends.current()).wrap_optimizer(tx, spec), schedule
+  wd = float(_get(optim_cfg, "weight_decay"))
+  b1, b2 = float(_get(optim_cfg, "b1")), float(_get(optim_cfg, "b2"))
+  mask = functools.partial(decay_mask, decay_embeddings=bool(_opt(optim_cfg, "decay_embeddings", True)))
+  parts = [optax.clip_by_global_norm(clip)] if clip > 0 else []
+  if name == "adamw":
+    spec = backends.AdamWSpec(schedule=schedule, b1=b1, b2=b2, eps=float(_get(optim_cfg, "eps")),
+                              weight_decay=wd, clip_norm=clip, decay_mask=mask)
+    parts.append(optax.adamw(learning_rate=schedule, b1=b1, b2=b2, eps=spec.eps, weight_decay=wd, mask=mask))
+    tx = skip_nonfinite(optax.chain(*parts))
+    return (backend or backends.current()).wrap_optimizer(tx, spec), schedule
+  if name == "adafactor":
+    parts.append(optax.adafactor(learning_rate=schedule, weight_decay_rate=wd or None, weight_decay_mask=mask))
+  elif name == "lion":
+    parts.append(optax.lion(learning_rate=schedule, b1=b1, b2=b2, weight_decay=wd, mask=mask))
+  else:
+    if wd:
+      parts.append(optax.add_decayed_weights(wd, mask))
+    parts.append(optax.sgd(learning_rate=schedule, momentum=float(_opt(optim_cfg, "momentum", 0.9)) or None))
+  return skip_nonfinite(optax.chain(*parts)), schedule
+
+
+def _opt(cfg: Any, name: str, default: Any) -> Any:
+  """An optional field (configs written before it existed)."""
+  try:
+    return cfg[name]
+  except (KeyError, AttributeError):
+    return default
 
 
 def skip_nonfinite(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
