@@ -4,15 +4,21 @@
 builds one; `encode_corpus` tokenizes a whole corpus and caches the token array under the cache dir
 (keyed by the corpus hash and the tokenizer's `name`, which identifies it exactly), so a second start
 is instant. Every tokenizer returns int32 numpy ids.
+
+Each tokenizer also states its end/start-of-document ids (`eos_id`, `bos_id`: None when it has none; the
+byte tokenizer has none) and encodes a list of texts at once (`encode_batch(texts, num_threads=1)`, the
+library's own batch call), which `tformer_jax.data.prepared` uses to tokenize corpora in worker processes.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
+import json
 import logging
 import os
 import pathlib
-from typing import Iterable, Iterator, Protocol, runtime_checkable
+from typing import Iterable, Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import sentencepiece as spm
@@ -61,13 +67,18 @@ def _ids(ids: Iterable[int]) -> list[int]:
 
 
 class ByteTokenizer:
-  """One token per byte (vocab 256): lossless for any input, UTF-8 or not."""
+  """One token per byte (vocab 256): lossless for any input, UTF-8 or not. No EOS/BOS id."""
   name = "byte"
   vocab_size = 256
+  eos_id: int | None = None
+  bos_id: int | None = None
 
   def encode(self, text: str | bytes) -> np.ndarray:
     data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
     return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
+
+  def encode_batch(self, texts: Sequence[str | bytes], num_threads: int = 1) -> list[np.ndarray]:
+    return [self.encode(t) for t in texts]
 
   def decode_bytes(self, ids: Iterable[int]) -> bytes:
     return np.asarray(ids, dtype=np.int64).reshape(-1).astype(np.uint8).tobytes()
@@ -87,6 +98,8 @@ class SentencePieceTokenizer:
     self._sp = spm.SentencePieceProcessor(model_proto=proto)
     self.vocab_size = int(self._sp.get_piece_size())
     self.name = name or f"spm-{corpus_hash(proto)}"
+    self.eos_id = _id_or_none(self._sp.eos_id())   # our trained BPEs: unk 0, bos 1, eos 2
+    self.bos_id = _id_or_none(self._sp.bos_id())
 
   @classmethod
   def train(cls, corpus: bytes, vocab_size: int, cache_dir: str | os.PathLike | None = None
@@ -103,8 +116,20 @@ class SentencePieceTokenizer:
   def encode(self, text: str | bytes) -> np.ndarray:
     return np.asarray(self._sp.encode(as_utf8(text)), dtype=np.int32)
 
+  def encode_batch(self, texts: Sequence[str | bytes], num_threads: int = 1) -> list[np.ndarray]:
+    """sentencepiece's batch encode on `num_threads` threads."""
+    texts = [as_utf8(t) for t in texts]
+    try:
+      return self._sp.encode(texts, num_threads=num_threads, return_type="numpy")
+    except ValueError:     # sentencepiece < 0.2.1 has no numpy return type
+      return [np.asarray(ids, dtype=np.int32) for ids in self._sp.encode(texts, num_threads=num_threads)]
+
   def decode(self, ids: Iterable[int]) -> str:
     return self._sp.decode(_ids(ids))
+
+
+def _id_or_none(i: int) -> int | None:
+  return int(i) if i >= 0 else None
 
 
 def _lines(text: str, max_chars: int = 4096) -> Iterator[str]:
@@ -150,13 +175,64 @@ class HFTokenizer:
     self.path = p
     self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
     self.name = f"hf-{corpus_hash(data)}"
+    self.eos_id, self.bos_id = _hf_special_ids(self._tok, p.parent / "tokenizer_config.json")
 
   def encode(self, text: str | bytes) -> np.ndarray:
     enc = self._tok.encode(as_utf8(text), add_special_tokens=False)
     return np.asarray(enc.ids, dtype=np.int32)
 
+  def encode_batch(self, texts: Sequence[str | bytes], num_threads: int = 1) -> list[np.ndarray]:
+    """The library's `encode_batch`: on one thread when num_threads == 1, else on its own thread pool
+    (all cores unless RAYON_NUM_THREADS was set before its first parallel call)."""
+    texts = [as_utf8(t) for t in texts]
+    with _tokenizers_parallelism(num_threads > 1):
+      encs = self._tok.encode_batch(texts, add_special_tokens=False)
+    return [np.asarray(e.ids, dtype=np.int32) for e in encs]
+
   def decode(self, ids: Iterable[int]) -> str:
     return self._tok.decode(_ids(ids), skip_special_tokens=False)
+
+
+@contextlib.contextmanager
+def _tokenizers_parallelism(on: bool) -> Iterator[None]:
+  """TOKENIZERS_PARALLELISM for the calls inside (the library reads it at every batch call)."""
+  key, old = "TOKENIZERS_PARALLELISM", os.environ.get("TOKENIZERS_PARALLELISM")
+  os.environ[key] = "true" if on else "false"
+  try:
+    yield
+  finally:
+    if old is None:
+      os.environ.pop(key, None)
+    else:
+      os.environ[key] = old
+
+
+# Names an end-of-document token goes by, in the order we prefer them when tokenizer_config.json is absent.
+_EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]")
+_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[CLS]")
+
+
+def _hf_special_ids(tok: HFTok, config_path: pathlib.Path) -> tuple[int | None, int | None]:
+  """(eos_id, bos_id): from tokenizer_config.json's eos_token/bos_token beside tokenizer.json when present,
+  else the first special token with a conventional name; None when there is none."""
+  named: dict[str, str | None] = {}
+  if config_path.is_file():
+    try:
+      cfg = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+      cfg = {}
+    for key in ("eos_token", "bos_token"):
+      value = cfg.get(key) if isinstance(cfg, dict) else None
+      named[key] = value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
+
+  def find(key: str, names: tuple[str, ...]) -> int | None:
+    for name in ([named[key]] if named.get(key) else []) + list(names):
+      i = tok.token_to_id(name)
+      if i is not None:
+        return int(i)
+    return None
+
+  return find("eos_token", _EOS_NAMES), find("bos_token", _BOS_NAMES)
 
 
 def get_tokenizer(spec: str, *, corpus: bytes | None = None, vocab_size: int = 2048,

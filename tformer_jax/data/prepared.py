@@ -1,0 +1,733 @@
+"""Prepared datasets: text sources tokenized once into shards of token ids, read memory-mapped.
+
+The format (`tformer_jax.prepared/1`), a directory:
+
+  manifest.json                written last, atomically: its presence means the dataset is complete. Holds the
+                               dtype, the tokenizer (spec, name, vocab_size, sha256, file), eos_id / bos_id and
+                               the convention, counts, the sources, and per shard its counts and sha256s.
+  tokenizer.model | .json      a copy of the tokenizer (none for the byte tokenizer)
+  shard-NNNNN.tokens.npy       1-D token ids, uint16 when the vocabulary has <= 65536 ids, else uint32
+  shard-NNNNN.offsets.npy      1-D int64, num_documents + 1 entries: document i of the shard is
+                               tokens[offsets[i]:offsets[i + 1]], its EOS included when eos_id is set
+
+Documents never span shards; a shard closes once it holds >= shard_tokens tokens. Every document ends with
+eos_id when the tokenizer has one (no BOS is added); the byte tokenizer has none, and its documents are
+concatenated with no separator (the offsets hold the boundaries).
+
+Reading: `open_prepared(DIR)` -> `PreparedDataset` (shards memory-mapped; `verify()` checks the sha256s).
+Writing: `prepare(sources, DIR, tokenizer=...)` streams documents (`tformer_jax.data.sources`), tokenizes
+batches of them in `workers` processes, and writes the results in input order, so the output is
+byte-identical for any worker count. Each shard is committed atomically (temporary file, fsync, rename),
+then `.progress.json` records where the input stands; a rerun with the same arguments resumes there, and
+the result is byte-identical to an uninterrupted run. `tokenizer_ceiling` measures the tokenizer
+library's own batch encode on the same texts (the throughput ceiling `prepare` is compared with).
+
+Test hook: with $TFORMER_PREPARE_KILL_AFTER_SHARDS=N set, `prepare` kills its own process (SIGKILL) right
+after committing its N-th shard of this run, as a crash would.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import hashlib
+import io
+import json
+import logging
+import multiprocessing
+import os
+import pathlib
+import resource
+import shutil
+import signal
+import time
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import tqdm
+
+from tformer_jax.data import sources as sources_lib
+from tformer_jax.data.corpora import DataError, sha256_file, write_atomic
+from tformer_jax.data.sources import EMPTY, NOT_UTF8, Position, Unit
+from tformer_jax.data.tokenizers import (
+    ByteTokenizer,
+    HFTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+    get_tokenizer,
+)
+
+log = logging.getLogger(__name__)
+
+FORMAT = "tformer_jax.prepared/1"
+MANIFEST = "manifest.json"
+PROGRESS = ".progress.json"
+KILL_ENV = "TFORMER_PREPARE_KILL_AFTER_SHARDS"
+DEFAULT_SHARD_TOKENS = 1 << 24
+DEFAULT_BPE_VOCAB = 8192
+DEFAULT_SAMPLE_BYTES = 20_000_000
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+  """uint16 when every id fits (vocab_size <= 65536), else uint32; DataError beyond uint32."""
+  if vocab_size <= 1 << 16:
+    return np.dtype("<u2")
+  if vocab_size <= 1 << 32:
+    return np.dtype("<u4")
+  raise DataError(f"a vocabulary of {vocab_size} ids does not fit uint32 token ids (at most {1 << 32})")
+
+
+def shard_files(index: int) -> tuple[str, str]:
+  return f"shard-{index:05d}.tokens.npy", f"shard-{index:05d}.offsets.npy"
+
+
+def _convention(eos_id: int | None) -> str:
+  if eos_id is None:
+    return ("documents are concatenated with no separator (the tokenizer has no EOS id); "
+            "boundaries are in the offsets")
+  return f"every document ends with eos_id ({eos_id}); no BOS is added"
+
+
+# --- reading ---------------------------------------------------------------------------------------
+
+def _npy_header_len(path: pathlib.Path) -> int:
+  with open(path, "rb") as f:
+    version = np.lib.format.read_magic(f)
+    if version == (1, 0):
+      np.lib.format.read_array_header_1_0(f)
+    else:
+      np.lib.format.read_array_header_2_0(f)
+    return f.tell()
+
+
+class PreparedDataset:
+  """A prepared dataset directory, its shards memory-mapped (nothing is loaded whole)."""
+
+  def __init__(self, path: str | os.PathLike, manifest: dict[str, Any]):
+    self.path = pathlib.Path(path)
+    self.manifest = manifest
+    self.dtype = np.dtype(manifest["dtype"])
+    self.num_documents = int(manifest["num_documents"])
+    self.num_tokens = int(manifest["num_tokens"])
+    self.eos_id = manifest.get("eos_id")
+    self.bos_id = manifest.get("bos_id")
+    self.vocab_size = int(manifest["tokenizer"]["vocab_size"])
+    self.shards: list[tuple[np.ndarray, np.ndarray]] = []
+    for entry in manifest["shards"]:
+      self.shards.append((self._load(entry["tokens"], self.dtype, entry["num_tokens"]),
+                          self._load(entry["offsets"], np.dtype("<i8"), entry["num_documents"] + 1, mmap=False)))
+    for (tokens, offsets), entry in zip(self.shards, manifest["shards"]):
+      if offsets[0] != 0 or offsets[-1] != len(tokens) or np.any(np.diff(offsets) < 0):
+        raise DataError(f"{self.path / entry['offsets']}: offsets are not 0..{len(tokens)} ascending: the file is "
+                        "corrupt; prepare the dataset again")
+    self.shard_token_starts = np.concatenate([[0], np.cumsum([len(t) for t, _ in self.shards])]).astype(np.int64)
+    self.shard_doc_starts = np.concatenate([[0], np.cumsum([len(o) - 1 for _, o in self.shards])]).astype(np.int64)
+    if self.shard_token_starts[-1] != self.num_tokens or self.shard_doc_starts[-1] != self.num_documents:
+      raise DataError(f"{self.path / MANIFEST}: the shards hold {self.shard_token_starts[-1]} tokens and "
+                      f"{self.shard_doc_starts[-1]} documents, the manifest says {self.num_tokens} and "
+                      f"{self.num_documents}: prepare the dataset again")
+    self._doc_offsets: np.ndarray | None = None
+
+  def _load(self, name: str, dtype: np.dtype, length: int, mmap: bool = True) -> np.ndarray:
+    file = self.path / name
+    if not file.is_file():
+      raise DataError(f"{file}: missing shard file of the prepared dataset {self.path}; prepare it again")
+    try:
+      expected = _npy_header_len(file) + length * dtype.itemsize
+      size = file.stat().st_size
+      if size != expected:
+        raise ValueError(f"{size} bytes, expected {expected}")
+      array = np.load(file, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+      raise DataError(f"{file}: truncated or not a .npy file of {length} {dtype.name} ({e}); "
+                      "prepare the dataset again") from None
+    if array.dtype != dtype or array.shape != (length,):
+      raise DataError(f"{file}: holds {array.dtype}{list(array.shape)}, the manifest says {dtype.name}[{length}]")
+    return array
+
+  def __repr__(self) -> str:
+    return (f"PreparedDataset({str(self.path)!r}, {self.num_documents} documents, {self.num_tokens} tokens, "
+            f"{len(self.shards)} shards, {self.dtype.name})")
+
+  @property
+  def doc_offsets(self) -> np.ndarray:
+    """int64 start offsets of every document (and the end), over all shards concatenated."""
+    if self._doc_offsets is None:
+      parts = [offsets[:-1] + start for (_, offsets), start in zip(self.shards, self.shard_token_starts)]
+      self._doc_offsets = np.concatenate(parts + [np.array([self.num_tokens], np.int64)]).astype(np.int64)
+    return self._doc_offsets
+
+  def tokens_at(self, start: int, n: int) -> np.ndarray:
+    """Tokens [start, start + n) of all shards concatenated (a copy, in the dataset's dtype)."""
+    if start < 0 or n < 0 or start + n > self.num_tokens:
+      raise IndexError(f"tokens [{start}, {start + n}) out of range: the dataset holds {self.num_tokens}")
+    out = np.empty(n, self.dtype)
+    done = 0
+    shard = int(np.searchsorted(self.shard_token_starts, start, side="right")) - 1
+    while done < n:
+      tokens = self.shards[shard][0]
+      lo = start + done - int(self.shard_token_starts[shard])
+      take = min(n - done, len(tokens) - lo)
+      out[done:done + take] = tokens[lo:lo + take]
+      done += take
+      shard += 1
+    return out
+
+  def document(self, i: int) -> np.ndarray:
+    """The tokens of document i (with its EOS when the dataset has one)."""
+    if not 0 <= i < self.num_documents:
+      raise IndexError(f"document {i} out of range: the dataset holds {self.num_documents}")
+    shard = int(np.searchsorted(self.shard_doc_starts, i, side="right")) - 1
+    tokens, offsets = self.shards[shard]
+    j = i - int(self.shard_doc_starts[shard])
+    return np.asarray(tokens[offsets[j]:offsets[j + 1]])
+
+  def tokenizer(self) -> Tokenizer:
+    """The tokenizer the dataset was made with (its copy in the directory), eos_id/bos_id as in the manifest."""
+    info = self.manifest["tokenizer"]
+    file = info.get("file")
+    if not file:
+      tok: Any = ByteTokenizer()
+    elif file.endswith(".json"):
+      tok = HFTokenizer(self.path / file)
+    else:
+      tok = SentencePieceTokenizer(self.path / file, name=info.get("name"))
+    tok.eos_id, tok.bos_id = self.eos_id, self.bos_id
+    return tok
+
+  def verify(self) -> None:
+    """Check every file against the manifest's sha256; DataError naming the first bad file."""
+    info = self.manifest["tokenizer"]
+    files = [(e[kind], e["sha256"][kind]) for e in self.manifest["shards"] for kind in ("tokens", "offsets")]
+    if info.get("file"):
+      files.append((info["file"], info["sha256"]))
+    for name, want in files:
+      file = self.path / name
+      if not file.is_file():
+        raise DataError(f"{file}: missing file of the prepared dataset {self.path}; prepare it again")
+      got = sha256_file(file)
+      if got != want:
+        raise DataError(f"{file}: checksum mismatch (sha256 {got[:16]}..., the manifest says {want[:16]}...): "
+                        "the file is corrupt; prepare the dataset again")
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+  root = pathlib.Path(path).expanduser()
+  file = root / MANIFEST
+  if not file.is_file():
+    if not root.exists():
+      raise DataError(f"prepared dataset {root}: no such directory")
+    if (root / PROGRESS).is_file():
+      raise DataError(f"{file} is missing: the prepare of {root} did not finish; rerun the same "
+                      "tformer-prepare command to resume it")
+    raise DataError(f"{file} is missing: {root} is not a prepared dataset (make one with tformer-prepare)")
+  try:
+    manifest = json.loads(file.read_text(encoding="utf-8"))
+  except (OSError, ValueError) as e:
+    raise DataError(f"{file}: unreadable manifest ({e}); prepare the dataset again") from None
+  if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+    raise DataError(f"{file}: format {found!r}, expected {FORMAT!r}")
+  missing = [k for k in ("dtype", "tokenizer", "num_documents", "num_tokens", "shards") if k not in manifest]
+  if missing:
+    raise DataError(f"{file}: incomplete manifest (no {', '.join(missing)}); prepare the dataset again")
+  return manifest
+
+
+def open_prepared(path: str | os.PathLike, *, verify: bool = False) -> PreparedDataset:
+  """The prepared dataset at `path`, shards memory-mapped. DataError naming the file when the manifest is
+  missing or incomplete, a shard is missing or truncated, or (verify=True) a checksum differs."""
+  root = pathlib.Path(path).expanduser()
+  ds = PreparedDataset(root, read_manifest(root))
+  if verify:
+    ds.verify()
+  return ds
+
+
+# --- writing: the worker side ------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Recipe:
+  """What a worker needs to turn units into tokens (picklable)."""
+  tokenizer_kind: str         # byte | spm | hf
+  tokenizer_file: str | None
+  eos_id: int | None
+  dtype: str
+  fields: sources_lib.Fields
+  on_bad_utf8: str
+  txt_split: str
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _load_tokenizer(kind: str, file: str | None) -> Any:
+  if kind == "byte":
+    return ByteTokenizer()
+  if kind == "hf":
+    return HFTokenizer(file)
+  return SentencePieceTokenizer(file)
+
+
+def _init_worker(recipe: _Recipe) -> None:
+  _WORKER["recipe"] = recipe
+  _WORKER["tok"] = _load_tokenizer(recipe.tokenizer_kind, recipe.tokenizer_file)
+
+
+def _encode_unit(unit: Unit) -> tuple[np.ndarray, np.ndarray, int, int]:
+  """(tokens of the unit's documents concatenated, per record its token count or NOT_UTF8/EMPTY, UTF-8 bytes
+  of the documents, this process's peak RSS in KiB)."""
+  recipe: _Recipe = _WORKER["recipe"]
+  docs = sources_lib.unit_documents(unit, recipe.fields, recipe.on_bad_utf8, recipe.txt_split)
+  texts = [d for d in docs if isinstance(d, str)]
+  ids = _WORKER["tok"].encode_batch(texts) if texts else []
+  eos = None if recipe.eos_id is None else np.array([recipe.eos_id], np.int32)
+  lengths = np.empty(len(docs), np.int64)
+  parts, text_bytes, j = [], 0, 0
+  for i, doc in enumerate(docs):
+    if not isinstance(doc, str):
+      lengths[i] = doc
+      continue
+    doc_ids = ids[j]
+    j += 1
+    if len(doc_ids) == 0:
+      lengths[i] = EMPTY
+      continue
+    parts.append(doc_ids)
+    if eos is not None:
+      parts.append(eos)
+    lengths[i] = len(doc_ids) + (eos is not None)
+    text_bytes += len(doc.encode("utf-8"))
+  tokens = np.concatenate(parts).astype(recipe.dtype) if parts else np.empty(0, recipe.dtype)
+  return tokens, lengths, text_bytes, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _results(units: Iterator[Unit], workers: int, recipe: _Recipe
+             ) -> Iterator[tuple[Unit, tuple[np.ndarray, np.ndarray, int, int]]]:
+  """(unit without its data, result) in input order; at most 2 * workers + 2 units in flight."""
+  if workers == 1:
+    _init_worker(recipe)
+    try:
+      for unit in units:
+        result = _encode_unit(unit)
+        unit.data = None
+        yield unit, result
+    finally:
+      _WORKER.clear()
+    return
+  ctx = multiprocessing.get_context("spawn")     # no fork: the caller may hold jax's threads
+  try:
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                                                initargs=(recipe,)) as pool:
+      window: collections.deque = collections.deque()
+      try:
+        for unit in units:
+          window.append((unit, pool.submit(_encode_unit, unit)))
+          unit.data = None                         # pickled into the task already
+          if len(window) >= 2 * workers + 2:
+            done, future = window.popleft()
+            yield done, future.result()
+        while window:
+          done, future = window.popleft()
+          yield done, future.result()
+      finally:
+        for _, future in window:
+          future.cancel()
+  except concurrent.futures.process.BrokenProcessPool as e:
+    raise RuntimeError(f"a prepare worker process died ({e}); out of memory? Rerun the same command to resume, "
+                       "with fewer --workers") from None
+
+
+# --- writing: shards and progress --------------------------------------------------------------------
+
+def _fsync_dir(path: pathlib.Path) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _write_npy(path: pathlib.Path, chunks: Sequence[np.ndarray], dtype: np.dtype) -> str:
+  """A 1-D .npy of the chunks concatenated, written atomically without concatenating; its sha256."""
+  n = sum(len(c) for c in chunks)
+  header = io.BytesIO()
+  np.lib.format.write_array_header_1_0(
+      header, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (n,)})
+  h = hashlib.sha256()
+  tmp = path.with_name(path.name + ".tmp")
+  try:
+    with open(tmp, "wb") as f:
+      for part in [header.getvalue(), *chunks]:
+        data = part if isinstance(part, bytes) else np.ascontiguousarray(part, dtype=dtype).tobytes()
+        h.update(data)
+        f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    tmp.unlink(missing_ok=True)
+    raise
+  return h.hexdigest()
+
+
+class _Writer:
+  """Accumulates documents into shards; each closed shard is committed with the progress that follows it."""
+
+  def __init__(self, root: pathlib.Path, dtype: np.dtype, shard_tokens: int, state: dict[str, Any]):
+    self.root, self.dtype, self.shard_tokens, self.state = root, dtype, shard_tokens, state
+    self.chunks: list[np.ndarray] = []
+    self.lengths: list[np.ndarray] = []
+    self.tokens = 0
+    self.committed_this_run = 0
+    self.kill_after = int(os.environ.get(KILL_ENV, "0") or 0)
+
+  def add(self, position: Position, tokens: np.ndarray, lengths: np.ndarray, skip: int) -> None:
+    """The records of one unit from record `skip` on."""
+    counts = self.state["counts"]
+    sizes = np.where(lengths > 0, lengths, 0)
+    ends = np.cumsum(sizes)
+    n, i = len(lengths), skip
+    while i < n:
+      base = int(ends[i] - sizes[i])
+      j = int(np.searchsorted(ends, base + self.shard_tokens - self.tokens, side="left"))
+      last = min(j, n - 1)
+      take = lengths[i:last + 1]
+      counts["not_utf8"] += int(np.sum(take == NOT_UTF8))
+      counts["empty"] += int(np.sum(take == EMPTY))
+      docs = take[take > 0]
+      if len(docs):
+        self.chunks.append(tokens[base:int(ends[last])])
+        self.lengths.append(docs)
+        self.tokens += int(ends[last]) - base
+      if j >= n:
+        return
+      self.close({"position": position.as_dict(), "record": last + 1})
+      i = last + 1
+
+  def close(self, next_position: dict[str, Any] | None) -> None:
+    """Commit the open shard (if it holds documents), then the progress."""
+    if self.lengths:
+      index = len(self.state["shards"])
+      tokens_name, offsets_name = shard_files(index)
+      lengths = np.concatenate(self.lengths)
+      offsets = np.concatenate([[0], np.cumsum(lengths)]).astype("<i8")
+      entry = {"tokens": tokens_name, "offsets": offsets_name, "num_documents": int(len(lengths)),
+               "num_tokens": int(offsets[-1]),
+               "sha256": {"tokens": _write_npy(self.root / tokens_name, self.chunks, self.dtype),
+                          "offsets": _write_npy(self.root / offsets_name, [offsets], np.dtype("<i8"))}}
+      self.state["shards"].append(entry)
+      self.state["counts"]["documents"] += entry["num_documents"]
+      self.state["counts"]["tokens"] += entry["num_tokens"]
+      self.chunks, self.lengths, self.tokens = [], [], 0
+      self.committed_this_run += 1
+    self.state["next"] = next_position
+    _fsync_dir(self.root)
+    write_atomic(self.root / PROGRESS, json.dumps(self.state, indent=1, sort_keys=True).encode())
+    if self.kill_after and self.committed_this_run >= self.kill_after:
+      log.warning("%s=%d: killing this process after %d shards (test hook)", KILL_ENV, self.kill_after,
+                  self.committed_this_run)
+      os.kill(os.getpid(), signal.SIGKILL)
+
+
+# --- prepare ---------------------------------------------------------------------------------------
+
+def _tokenizer_kind(spec: str) -> str:
+  spec = spec.strip()
+  if spec == "byte":
+    return "byte"
+  if spec == "bpe" or spec.startswith("spm:"):
+    return "spm"
+  if spec.startswith("hf:"):
+    return "hf"
+  get_tokenizer(spec)        # raises the one-line error naming the known specs
+  raise AssertionError(spec)
+
+
+def sample_texts(srcs: Sequence[sources_lib.Source], fields: sources_lib.Fields, *, max_bytes: int,
+                 txt_split: str = "file", on_bad_utf8: str = "skip", seed: int = 0) -> list[str]:
+  """About `max_bytes` of document text spread over all sources: each unit is kept with probability
+  max_bytes / (the sources' size) (deterministic for a seed), its documents taken until max_bytes."""
+  total = sum(s.bytes for s in srcs) or 1
+  keep = min(1.0, max_bytes / total)
+  rng = np.random.default_rng(seed)
+  out, size = [], 0
+  for unit in sources_lib.iter_units(srcs, fields, txt_split=txt_split):
+    if keep < 1.0 and rng.random() >= keep:
+      continue
+    for doc in sources_lib.unit_documents(unit, fields, on_bad_utf8, txt_split):
+      if isinstance(doc, str):
+        out.append(doc)
+        size += len(doc.encode("utf-8"))
+        if size >= max_bytes:
+          return out
+  return out
+
+
+def _setup_tokenizer(spec: str, srcs: Sequence[sources_lib.Source], fields: sources_lib.Fields, *,
+                     bpe_vocab_size: int, sample_bytes: int, txt_split: str, on_bad_utf8: str,
+                     cache_dir: str | os.PathLike | None) -> tuple[Any, pathlib.Path | None, dict[str, Any]]:
+  """(tokenizer, its file, extra manifest info); 'bpe' is trained on a sample of the sources."""
+  kind = _tokenizer_kind(spec)
+  extra: dict[str, Any] = {}
+  if spec.strip() == "bpe":
+    texts = sample_texts(srcs, fields, max_bytes=sample_bytes, txt_split=txt_split, on_bad_utf8=on_bad_utf8)
+    corpus = "\n".join(texts).encode("utf-8")
+    if not corpus.strip():
+      raise DataError("empty dataset: the sources hold no text to train the bpe tokenizer on")
+    log.info("training a %d-token BPE on a %.1f MB sample of %d documents", bpe_vocab_size, len(corpus) / 1e6,
+             len(texts))
+    tok = SentencePieceTokenizer.train(corpus, bpe_vocab_size, cache_dir)
+    extra = {"trained_on": {"documents": len(texts), "bytes": len(corpus)}}
+  else:
+    tok = get_tokenizer(spec)
+  file = getattr(tok, "path", None) if kind != "byte" else None
+  return tok, file, extra
+
+
+def _arguments(srcs: Sequence[sources_lib.Source], fields: sources_lib.Fields, tokenizer: str, *,
+               shard_tokens: int, on_bad_utf8: str, txt_split: str, bpe_vocab_size: int,
+               sample_bytes: int) -> dict[str, Any]:
+  """Everything the output depends on (a rerun must match it to resume)."""
+  args: dict[str, Any] = {
+      "format": FORMAT, "sources": [dict(s.describe(), mtime_ns=s.mtime_ns) for s in srcs],
+      "fields": sources_lib.fields_text(fields), "txt_split": txt_split, "tokenizer": tokenizer.strip(),
+      "shard_tokens": shard_tokens, "on_bad_utf8": on_bad_utf8}
+  spec = tokenizer.strip()
+  if spec == "bpe":
+    args.update(bpe_vocab_size=bpe_vocab_size, train_tokenizer_sample_bytes=sample_bytes)
+  elif spec.startswith(("spm:", "hf:")):
+    path = pathlib.Path(spec.split(":", 1)[1]).expanduser()
+    if spec.startswith("hf:") and path.is_dir():
+      path = path / "tokenizer.json"
+    args["tokenizer_sha256"] = sha256_file(path) if path.is_file() else None
+  return args
+
+
+def _differences(a: dict[str, Any], b: dict[str, Any]) -> str:
+  keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+  return ", ".join(keys) or "nothing"
+
+
+def _ours(name: str) -> bool:
+  return (name in (MANIFEST, PROGRESS, "tokenizer.model", "tokenizer.json") or name.endswith(".tmp")
+          or (name.startswith("shard-") and name.endswith(".npy")))
+
+
+def _clear(root: pathlib.Path) -> None:
+  for p in root.iterdir():
+    if _ours(p.name) and p.is_file():
+      p.unlink()
+
+
+def _peak_rss_mb() -> float:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _check_out_dir(root: pathlib.Path, args: dict[str, Any], overwrite: bool) -> dict[str, Any] | None:
+  """The progress to resume from, None to start afresh; DataError when the directory holds something else."""
+  if not root.exists():
+    return None
+  if not root.is_dir():
+    raise DataError(f"output {root} exists and is not a directory")
+  foreign = sorted(p.name for p in root.iterdir() if not _ours(p.name))
+  if foreign:
+    raise DataError(f"output {root} holds files that are not part of a prepared dataset ({', '.join(foreign[:5])}): "
+                    "choose an empty or new directory")
+  if overwrite:
+    _clear(root)
+    return None
+  for name in (MANIFEST, PROGRESS):
+    file = root / name
+    if not file.is_file():
+      continue
+    try:
+      old = json.loads(file.read_text(encoding="utf-8")).get("arguments", {})
+    except (OSError, ValueError, AttributeError):
+      raise DataError(f"{file} is unreadable: pass --overwrite to prepare {root} again") from None
+    if old != args:
+      what = "a prepared dataset" if name == MANIFEST else "an unfinished prepare"
+      raise DataError(f"output {root} holds {what} made with other arguments (differing: "
+                      f"{_differences(old, args)}): pass --overwrite to replace it, or choose another directory")
+    if name == MANIFEST:
+      return {"complete": True}
+    return json.loads(file.read_text(encoding="utf-8"))
+  _clear(root)                                     # only leftovers of a run killed before its first commit
+  return None
+
+
+def _check_committed(root: pathlib.Path, state: dict[str, Any]) -> None:
+  """Before resuming: the committed shards are intact; files past them (an uncommitted shard) are removed."""
+  names = set()
+  for entry in state["shards"]:
+    for kind in ("tokens", "offsets"):
+      file = root / entry[kind]
+      names.add(entry[kind])
+      if not file.is_file() or sha256_file(file) != entry["sha256"][kind]:
+        raise DataError(f"{file}: {'missing' if not file.is_file() else 'checksum mismatch'} in the unfinished "
+                        f"prepare of {root}; pass --overwrite to start again")
+  for p in root.iterdir():
+    if p.name.endswith(".tmp") or (p.name.startswith("shard-") and p.name not in names):
+      p.unlink()
+
+
+def prepare(sources: Sequence[str] | str, out_dir: str | os.PathLike, *, tokenizer: str,
+            text_field: str | Sequence[str] | None = None, column: str | Sequence[str] | None = None,
+            workers: int = 1, shard_tokens: int = DEFAULT_SHARD_TOKENS, on_bad_utf8: str = "skip",
+            bpe_vocab_size: int = DEFAULT_BPE_VOCAB, train_tokenizer_sample_bytes: int = DEFAULT_SAMPLE_BYTES,
+            txt_split: str = "file", overwrite: bool = False, progress: bool = True,
+            cache_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+  """Tokenize `sources` into the prepared dataset `out_dir` (see the module docstring); resumes an
+  interrupted run with the same arguments. Returns stats: documents, tokens, bytes (UTF-8 text), seconds,
+  mb_per_s, tokens_per_s, skipped, peak_rss_mb (this process), worker_peak_rss_mb, shards, resumed."""
+  t0 = time.perf_counter()
+  if on_bad_utf8 not in ("skip", "fail"):
+    raise DataError(f"on_bad_utf8 must be 'skip' or 'fail', got {on_bad_utf8!r}")
+  if workers < 1:
+    raise DataError(f"workers must be >= 1, got {workers}")
+  if shard_tokens < 1:
+    raise DataError(f"shard_tokens must be >= 1, got {shard_tokens}")
+  if text_field is not None and column is not None:
+    raise DataError("pass the text field(s) as text_field (--field) or column (--column), not both")
+  if txt_split not in sources_lib.TXT_SPLITS:
+    raise DataError(f"txt_split must be one of {', '.join(sources_lib.TXT_SPLITS)}, got {txt_split!r}")
+  kind = _tokenizer_kind(tokenizer)
+  fields = sources_lib.parse_fields(text_field if text_field is not None else column)
+  srcs = sources_lib.resolve_sources(sources)
+  sources_lib.check_fields(srcs, fields)
+  root = pathlib.Path(out_dir).expanduser()
+  args = _arguments(srcs, fields, tokenizer, shard_tokens=shard_tokens, on_bad_utf8=on_bad_utf8,
+                    txt_split=txt_split, bpe_vocab_size=bpe_vocab_size, sample_bytes=train_tokenizer_sample_bytes)
+  state = _check_out_dir(root, args, overwrite)
+  if state is not None and state.get("complete"):
+    ds = open_prepared(root)
+    log.info("%s is already prepared with these arguments (%d documents, %d tokens)", root, ds.num_documents,
+             ds.num_tokens)
+    return {"documents": ds.num_documents, "tokens": ds.num_tokens, "bytes": 0, "seconds": 0.0, "mb_per_s": 0.0,
+            "tokens_per_s": 0.0, "skipped": ds.manifest["skipped_documents"], "peak_rss_mb": _peak_rss_mb(),
+            "worker_peak_rss_mb": 0.0, "shards": len(ds.shards), "workers": workers, "resumed": False,
+            "already_prepared": True, "path": str(root)}
+  root.mkdir(parents=True, exist_ok=True)
+  resumed = state is not None
+  if state is None:
+    tok, file, extra = _setup_tokenizer(tokenizer, srcs, fields, bpe_vocab_size=bpe_vocab_size,
+                                        sample_bytes=train_tokenizer_sample_bytes, txt_split=txt_split,
+                                        on_bad_utf8=on_bad_utf8, cache_dir=cache_dir)
+    dtype = token_dtype(tok.vocab_size)
+    copy = None
+    if file is not None:
+      copy = "tokenizer.json" if kind == "hf" else "tokenizer.model"
+      write_atomic(root / copy, pathlib.Path(file).read_bytes())
+    info = {"spec": tokenizer.strip(), "name": tok.name, "vocab_size": int(tok.vocab_size),
+            "sha256": sha256_file(root / copy) if copy else hashlib.sha256(tok.name.encode()).hexdigest(),
+            "file": copy, **extra}
+    state = {"arguments": args, "tokenizer": info, "eos_id": tok.eos_id, "bos_id": tok.bos_id,
+             "dtype": dtype.name, "shards": [], "next": {"position": Position().as_dict(), "record": 0},
+             "counts": {"documents": 0, "tokens": 0, "not_utf8": 0, "empty": 0}}
+    write_atomic(root / PROGRESS, json.dumps(state, indent=1, sort_keys=True).encode())
+  else:
+    _check_committed(root, state)
+    log.info("resuming the prepare of %s after %d shards (%d documents)", root, len(state["shards"]),
+             state["counts"]["documents"])
+  info = state["tokenizer"]
+  dtype = np.dtype(state["dtype"])
+  recipe = _Recipe(kind, str(root / info["file"]) if info["file"] else None, state["eos_id"], dtype.str, fields,
+                   on_bad_utf8, txt_split)
+  writer = _Writer(root, dtype, shard_tokens, state)
+  start = Position(**state["next"]["position"])
+  skip_first = int(state["next"]["record"])
+  total_input = sum(s.bytes for s in srcs)
+  done_input = sum(s.bytes for s in srcs[:start.source]) + start.offset * (srcs[start.source].format in
+                                                                             ("txt", "jsonl"))
+  text_bytes, worker_rss_kb, tokens_before = 0, 0, state["counts"]["tokens"]
+  bar = tqdm.tqdm(total=total_input, initial=done_input, unit="B", unit_scale=True, disable=not progress,
+                  desc=f"prepare {root.name}", dynamic_ncols=True, leave=True)
+  t_run = time.perf_counter()
+  try:
+    units = sources_lib.iter_units(srcs, fields, txt_split=txt_split, start=start)
+    for unit, (tokens, lengths, nbytes, rss_kb) in _results(units, workers, recipe):
+      skip = skip_first if unit.position == start else 0
+      writer.add(unit.position, tokens, lengths, skip)
+      text_bytes += nbytes
+      worker_rss_kb = max(worker_rss_kb, rss_kb)
+      if progress:
+        dt = max(time.perf_counter() - t_run, 1e-9)
+        counts = state["counts"]
+        bar.set_postfix_str(f"docs {counts['documents'] + sum(len(x) for x in writer.lengths):,} "
+                            f"tokens {counts['tokens'] + writer.tokens:,} text {text_bytes / 1e6 / dt:.1f} MB/s",
+                            refresh=False)
+        bar.update(unit.input_bytes)
+    writer.close(None)
+  finally:
+    bar.close()
+  counts = state["counts"]
+  if counts["documents"] == 0:
+    _clear(root)
+    raise DataError(f"empty dataset: the sources ({', '.join(s.path for s in srcs[:3])}"
+                    f"{', ...' if len(srcs) > 3 else ''}) hold no documents ({counts['empty']} empty, "
+                    f"{counts['not_utf8']} not UTF-8 skipped)")
+  if counts["not_utf8"]:
+    log.warning("skipped %d documents that are not valid UTF-8 (on_bad_utf8=skip)", counts["not_utf8"])
+  manifest = {
+      "format": FORMAT, "dtype": dtype.name, "tokenizer": state["tokenizer"], "eos_id": state["eos_id"],
+      "bos_id": state["bos_id"], "convention": _convention(state["eos_id"]),
+      "num_documents": counts["documents"], "num_tokens": counts["tokens"],
+      "skipped_documents": {"not_utf8": counts["not_utf8"], "empty": counts["empty"]},
+      "sources": [s.describe() for s in srcs], "text_field": sources_lib.fields_text(fields) or None,
+      "txt_split": txt_split, "shard_tokens": shard_tokens, "shards": state["shards"], "arguments": args}
+  write_atomic(root / MANIFEST, (json.dumps(manifest, indent=1, ensure_ascii=False) + "\n").encode("utf-8"))
+  (root / PROGRESS).unlink(missing_ok=True)
+  _fsync_dir(root)
+  seconds = time.perf_counter() - t0
+  run_seconds = max(time.perf_counter() - t_run, 1e-9)
+  stats = {"documents": counts["documents"], "tokens": counts["tokens"], "bytes": text_bytes,
+           "seconds": seconds, "encode_seconds": run_seconds, "mb_per_s": text_bytes / 1e6 / run_seconds,
+           "tokens_per_s": (counts["tokens"] - tokens_before) / run_seconds,
+           "skipped": manifest["skipped_documents"], "peak_rss_mb": _peak_rss_mb(),
+           "worker_peak_rss_mb": worker_rss_kb / 1024 if workers > 1 else _peak_rss_mb(),
+           "shards": len(state["shards"]), "workers": workers, "resumed": resumed, "already_prepared": False,
+           "path": str(root)}
+  log.info("prepared %s: %d documents, %d tokens in %d shards (%.1f MB/s of text, %.1f s)", root,
+           stats["documents"], stats["tokens"], stats["shards"], stats["mb_per_s"], seconds)
+  return stats
+
+
+# --- the ceiling -----------------------------------------------------------------------------------
+
+def _ceiling_child(kind: str, file: str | None, texts: list[str], threads: int) -> tuple[int, float]:
+  os.environ["RAYON_NUM_THREADS"] = str(threads)      # before the library's first parallel call
+  tok = _load_tokenizer(kind, file)
+  t = time.perf_counter()
+  ids = tok.encode_batch(texts, num_threads=threads)
+  return sum(len(x) for x in ids), time.perf_counter() - t
+
+
+def tokenizer_ceiling(texts: Sequence[str], tokenizer: str | Tokenizer, *, threads: int = 1) -> dict[str, Any]:
+  """The tokenizer library's own batch encode of `texts` on `threads` threads (sentencepiece's encode of a
+  list with num_threads, HF tokenizers' encode_batch on a pool of `threads`): {bytes, tokens, seconds,
+  mb_per_s, tokens_per_s, threads}. The throughput `prepare` (reading, parsing, writing included) is
+  compared with."""
+  tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+  texts = list(texts)
+  nbytes = sum(len(t.encode("utf-8")) for t in texts)
+  if isinstance(tok, HFTokenizer) and threads > 1:
+    ctx = multiprocessing.get_context("spawn")        # the thread pool's size is fixed at its first use
+    with ctx.Pool(1) as pool:
+      ntok, seconds = pool.apply(_ceiling_child, ("hf", str(tok.path), texts, threads))
+  else:
+    t = time.perf_counter()
+    ids = tok.encode_batch(texts, num_threads=threads)
+    seconds = time.perf_counter() - t
+    ntok = sum(len(x) for x in ids)
+  seconds = max(seconds, 1e-9)
+  return {"bytes": nbytes, "tokens": ntok, "seconds": seconds, "mb_per_s": nbytes / 1e6 / seconds,
+          "tokens_per_s": ntok / seconds, "threads": threads}
+
+
+def remove_prepared(path: str | os.PathLike) -> None:
+  """Delete a prepared dataset directory (only when it holds nothing but a prepared dataset's files)."""
+  root = pathlib.Path(path)
+  foreign = [p.name for p in root.iterdir() if not _ours(p.name)]
+  if foreign:
+    raise DataError(f"{root} holds files that are not part of a prepared dataset ({', '.join(foreign[:5])})")
+  shutil.rmtree(root)

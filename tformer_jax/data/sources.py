@@ -1,0 +1,492 @@
+"""Text sources as a stream of documents, cut into work units that worker processes turn into text.
+
+A source spec is a path, a glob pattern (`data/*.jsonl`) or a directory, read by its extension:
+
+  .txt                a text file: one document per file (`txt_split='file'`), per non-empty line
+                      ('line'), or per paragraph separated by blank lines ('paragraph')
+  .jsonl .ndjson      JSON Lines: one record per non-blank line
+  .json               a JSON array of records (a single object is one record)
+  .parquet            a Parquet table, one record per row (needs pyarrow)
+  DIR                 a Hugging Face `datasets` directory written by `save_to_disk` (it holds state.json or
+                      dataset_dict.json; needs `datasets`), else every file of the extensions above under DIR,
+                      recursively, in sorted order
+  (.gz after any file extension: read through gzip)
+
+The text of a record is chosen by fields (`--field` / `--column`, the same spec): a field is a key path
+`a.b.c`; several fields (`title,paragraphs` or a list) are joined with newlines; where a value is a list
+(of strings, or of objects the rest of the path reads), its items are joined with newlines. So
+`['title', 'paragraphs']` makes a chinese-poetry poem `title\\nline 1\\nline 2...`, and `messages.content` reads
+every message's content. A record that is itself a string needs no field. A missing field is an error; a
+null value is empty text.
+
+Units are deterministic (they depend only on the sources and the arguments), and each says where it starts
+(`Position`), so an interrupted run can restart at any unit. The main process only reads bytes and cuts them
+(except for large JSON arrays, Parquet and `datasets`, whose records it parses); workers decode, parse,
+pick the fields and tokenize (`unit_documents`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import gzip
+import io
+import json
+import logging
+import os
+import pathlib
+import re
+from typing import Any, BinaryIO, Iterator, Sequence
+
+from tformer_jax.data.corpora import DataError
+
+log = logging.getLogger(__name__)
+
+TXT_SPLITS = ("file", "line", "paragraph")
+FORMATS = {".txt": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet"}
+DATASETS_MARKERS = ("state.json", "dataset_dict.json")
+BLOCK_BYTES = 1 << 20           # a text/JSONL unit: about this many bytes, cut at a record boundary
+JSON_WHOLE_BYTES = 32 << 20     # a JSON array up to this size is parsed whole by a worker
+RECORDS_PER_UNIT = 2048         # records per unit when the main process reads records (big JSON, Parquet, datasets)
+
+NOT_UTF8, EMPTY = -1, -2        # unit_documents' codes for a skipped record
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  path: str
+  format: str            # txt | jsonl | json | parquet | datasets
+  bytes: int             # size on disk (a datasets directory: its files)
+  mtime_ns: int
+  gzip: bool = False
+
+  def describe(self) -> dict[str, Any]:
+    return {"path": self.path, "format": self.format + ("+gzip" if self.gzip else ""), "bytes": self.bytes}
+
+
+@dataclasses.dataclass(frozen=True)
+class Position:
+  """Where a unit starts: the source's index, a byte offset (txt/jsonl) or record index (others), and the
+  1-based line number at that offset (for messages)."""
+  source: int = 0
+  offset: int = 0
+  line: int = 1
+
+  def as_dict(self) -> dict[str, int]:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Unit:
+  position: Position
+  kind: str              # txt_file | txt_block | jsonl_block | json_file | records
+  path: str
+  data: Any = None       # bytes (blocks), a list of records (records), None (whole files a worker reads)
+  input_bytes: int = 0   # bytes of the source this unit covers (progress)
+  gzip: bool = False
+
+
+# --- resolving source specs -------------------------------------------------------------------------
+
+def _format_of(path: pathlib.Path) -> tuple[str | None, bool]:
+  suffixes = [s.lower() for s in path.suffixes]
+  gz = bool(suffixes) and suffixes[-1] == ".gz"
+  ext = suffixes[-2] if gz and len(suffixes) > 1 else (suffixes[-1] if suffixes and not gz else "")
+  return FORMATS.get(ext), gz
+
+
+def _is_datasets_dir(path: pathlib.Path) -> bool:
+  return path.is_dir() and any((path / m).is_file() for m in DATASETS_MARKERS)
+
+
+def _source(path: pathlib.Path, fmt: str, gz: bool = False) -> Source:
+  if fmt == "datasets":
+    files = [p for p in path.rglob("*") if p.is_file()]
+    size = sum(p.stat().st_size for p in files)
+    mtime = max((p.stat().st_mtime_ns for p in files), default=0)
+  else:
+    st = path.stat()
+    size, mtime = st.st_size, st.st_mtime_ns
+  return Source(str(path.absolute()), fmt, size, mtime, gz)
+
+
+def resolve_sources(specs: Sequence[str]) -> list[Source]:
+  """The files (and datasets directories) of `specs`, in order; DataError for a spec that names nothing
+  readable."""
+  if isinstance(specs, (str, os.PathLike)):
+    specs = [specs]
+  if not specs:
+    raise DataError("no sources: pass at least one file, directory or glob pattern (--source)")
+  out: list[Source] = []
+  known = ", ".join(sorted(FORMATS))
+  for spec in specs:
+    spec = str(spec)
+    if any(c in spec for c in "*?["):
+      paths = sorted(pathlib.Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True))
+      paths = [p for p in paths if p.is_file() or _is_datasets_dir(p)]
+      if not paths:
+        raise DataError(f"source {spec}: the pattern matches no files")
+      for p in paths:
+        fmt, gz = ("datasets", False) if p.is_dir() else _format_of(p)
+        if fmt is None:
+          raise DataError(f"source {p} (from {spec}): unknown format; expected a file ending in {known} "
+                          "(optionally .gz) or a datasets directory")
+        out.append(_source(p, fmt, gz))
+      continue
+    path = pathlib.Path(spec).expanduser()
+    if not path.exists():
+      raise DataError(f"source {spec}: no such file or directory ({path.absolute()})")
+    if _is_datasets_dir(path):
+      out.append(_source(path, "datasets"))
+    elif path.is_dir():
+      files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
+                     and _format_of(p)[0] is not None)
+      if not files:
+        raise DataError(f"source {spec}: the directory has no {known} files (searched recursively)")
+      formats = {_format_of(p)[0] for p in files}
+      if len(formats) > 1:
+        log.info("source %s: %d files of formats %s", spec, len(files), sorted(formats))
+      out += [_source(p, *_format_of(p)) for p in files]
+    else:
+      fmt, gz = _format_of(path)
+      if fmt is None:
+        raise DataError(f"source {spec}: unknown format {''.join(path.suffixes) or '(no extension)'}; "
+                        f"expected {known} (optionally .gz) or a datasets directory")
+      out.append(_source(path, fmt, gz))
+  return out
+
+
+# --- fields -----------------------------------------------------------------------------------------
+
+Fields = tuple[tuple[str, ...], ...]
+
+
+def parse_fields(spec: str | Sequence[str] | None) -> Fields:
+  """'title,paragraphs' or ['title', 'paragraphs'] or 'meta.text' -> key paths; None -> ()."""
+  if spec is None:
+    return ()
+  items = [spec] if isinstance(spec, str) else list(spec)
+  out = []
+  for item in items:
+    for name in str(item).split(","):
+      name = name.strip()
+      if not name:
+        continue
+      parts = tuple(p.strip() for p in name.split("."))
+      if any(not p for p in parts):
+        raise DataError(f"field {name!r}: empty key in the path (fields are key paths like 'a.b.c')")
+      out.append(parts)
+  if not out:
+    raise DataError(f"field spec {spec!r} names no field")
+  return tuple(out)
+
+
+def fields_text(fields: Fields) -> list[str]:
+  return [".".join(f) for f in fields]
+
+
+def _pieces(value: Any, path: tuple[str, ...], full: str, where: str, out: list[str]) -> None:
+  if value is None:
+    return
+  if isinstance(value, list):
+    for item in value:
+      _pieces(item, path, full, where, out)
+    return
+  if path:
+    if not isinstance(value, dict):
+      raise DataError(f"{where}: field {full!r}: {'.'.join(path)!r} is read from a {type(value).__name__}, "
+                      "not an object")
+    if path[0] not in value:
+      keys = ", ".join(map(repr, list(value)[:12])) or "none"
+      raise DataError(f"{where}: no field {full!r} (missing key {path[0]!r}; the keys there: {keys})")
+    _pieces(value[path[0]], path[1:], full, where, out)
+    return
+  if isinstance(value, str):
+    out.append(value)
+  elif isinstance(value, (bytes, bytearray)):
+    out.append(bytes(value).decode("utf-8", errors="surrogateescape"))
+  else:
+    raise DataError(f"{where}: field {full!r} holds a {type(value).__name__} ({str(value)[:40]}), not text")
+
+
+def record_text(record: Any, fields: Fields, where: str) -> str:
+  """The text of one record: its fields' strings joined with newlines."""
+  if not fields:
+    if isinstance(record, str):
+      return record
+    keys = f" (its keys: {', '.join(map(repr, list(record)[:12]))})" if isinstance(record, dict) else ""
+    raise DataError(f"{where}: the record is a {type(record).__name__}{keys}, not a string: pass the text "
+                    "field(s) with --field / --column (text_field=...)")
+  out: list[str] = []
+  for f in fields:
+    _pieces(record, f, ".".join(f), where, out)
+  return "\n".join(out)
+
+
+# --- units (main process) ---------------------------------------------------------------------------
+
+def _open(path: str, gz: bool) -> BinaryIO:
+  return gzip.open(path, "rb") if gz else open(path, "rb")
+
+
+def _cut(buf: bytes, paragraph: bool) -> int:
+  """The end of the last complete record in buf (after its separator), 0 if none."""
+  if paragraph:
+    i = buf.rfind(b"\n\n")
+    return i + 2 if i >= 0 else 0
+  return buf.rfind(b"\n") + 1
+
+
+def _blocks(src: Source, index: int, start: Position, kind: str, paragraph: bool,
+            block_bytes: int) -> Iterator[Unit]:
+  offset, line = start.offset, start.line
+  with _open(src.path, src.gzip) as f:
+    if offset:
+      f.seek(offset)
+    buf = b""
+    while True:
+      chunk = f.read(block_bytes)
+      buf += chunk
+      if not chunk:
+        if buf:
+          yield Unit(Position(index, offset, line), kind, src.path, buf, len(buf), src.gzip)
+        return
+      cut = _cut(buf, paragraph)
+      if cut <= 0:
+        continue                      # one record longer than a block: read on
+      block, buf = buf[:cut], buf[cut:]
+      yield Unit(Position(index, offset, line), kind, src.path, block, len(block), src.gzip)
+      offset += cut
+      line += block.count(b"\n")
+
+
+def _json_array(src: Source) -> Iterator[Any]:
+  """The elements of a large JSON array, parsed incrementally (bounded memory)."""
+  decoder = json.JSONDecoder()
+  with _open(src.path, src.gzip) as raw:
+    f = io.TextIOWrapper(raw, encoding="utf-8", errors="surrogateescape")
+    buf, pos, eof = "", 0, False
+
+    def more() -> bool:
+      nonlocal buf, pos, eof
+      chunk = f.read(1 << 20)
+      buf, pos = buf[pos:] + chunk, 0
+      eof = not chunk
+      return bool(chunk)
+
+    def skip_ws() -> str:
+      nonlocal pos
+      while True:
+        while pos < len(buf) and buf[pos] in " \t\r\n":
+          pos += 1
+        if pos < len(buf) or not more():
+          return buf[pos] if pos < len(buf) else ""
+
+    first = skip_ws()
+    if first != "[":
+      raise DataError(f"{src.path}: a large .json source must be a JSON array (starts with {first!r}); "
+                      "write one record per line as .jsonl instead")
+    pos += 1
+    if skip_ws() == "]":
+      return
+    while True:
+      try:
+        obj, end = decoder.raw_decode(buf, pos)
+        if end >= len(buf) and not eof:
+          raise ValueError("may continue")
+      except ValueError as e:
+        if not eof and more():
+          continue
+        raise DataError(f"{src.path}: invalid JSON near character {pos}: {e}") from None
+      pos = end
+      yield obj
+      sep = skip_ws()
+      if sep == ",":
+        pos += 1
+        skip_ws()
+        continue
+      if sep == "]":
+        return
+      raise DataError(f"{src.path}: invalid JSON array: expected ',' or ']', found {sep!r}")
+
+
+def _records_units(src: Source, index: int, start: Position, records: Iterator[Any], per_unit: int
+                   ) -> Iterator[Unit]:
+  """Units of `per_unit` records from record `start.offset` on (the records before it are read and dropped)."""
+  n, first, batch = 0, start.offset, []
+  for rec in records:
+    n += 1
+    if n <= start.offset:
+      continue
+    batch.append(rec)
+    if len(batch) >= per_unit:
+      yield Unit(Position(index, first), "records", src.path, batch, 0, src.gzip)
+      first, batch = n, []
+  if batch:
+    yield Unit(Position(index, first), "records", src.path, batch, 0, src.gzip)
+
+
+def _parquet_records(src: Source, fields: Fields) -> Iterator[Any]:
+  try:
+    import pyarrow.parquet as pq  # noqa: PLC0415 (optional dependency)
+  except ImportError:
+    raise DataError(f"{src.path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+  pf = pq.ParquetFile(src.path)
+  names = pf.schema_arrow.names
+  columns = _top_columns(src, fields, names)
+  for batch in pf.iter_batches(batch_size=RECORDS_PER_UNIT, columns=columns):
+    yield from batch.to_pylist()
+
+
+def _top_columns(src: Source, fields: Fields, names: Sequence[str]) -> list[str]:
+  if not fields:
+    if len(names) == 1:
+      return list(names)
+    raise DataError(f"{src.path}: pass the text column(s) with --column (its columns: {', '.join(names)})")
+  columns = list(dict.fromkeys(f[0] for f in fields))
+  for c in columns:
+    if c not in names:
+      raise DataError(f"{src.path}: no column {c!r} (its columns: {', '.join(names)})")
+  return columns
+
+
+def _datasets_records(src: Source, fields: Fields, start: int) -> Iterator[Any]:
+  try:
+    import datasets  # noqa: PLC0415 (optional dependency, slow import)
+  except ImportError:
+    raise DataError(f"{src.path}: reading a datasets directory needs `datasets` (pip install datasets)") from None
+  ds = datasets.load_from_disk(src.path)
+  parts = [ds[k] for k in sorted(ds)] if isinstance(ds, datasets.DatasetDict) else [ds]
+  skip = start
+  for part in parts:
+    columns = _top_columns(src, fields, part.column_names)
+    part = part.select_columns(columns)
+    for i in range(min(skip, len(part)), len(part), RECORDS_PER_UNIT):
+      batch = part[i:i + RECORDS_PER_UNIT]
+      yield from (dict(zip(batch, values)) for values in zip(*batch.values()))
+    skip = max(0, skip - len(part))
+
+
+def _skipped_records(records: Iterator[Any], n: int) -> Iterator[Any]:
+  """Placeholders for `n` records already skipped by the reader, then the records."""
+  yield from (None for _ in range(n))
+  yield from records
+
+
+def check_fields(sources: Sequence[Source], fields: Fields) -> None:
+  """Fail early on structured sources without fields; text sources with fields."""
+  for src in sources:
+    if src.format == "txt" and fields:
+      raise DataError(f"{src.path}: a .txt source has no fields; drop --field/--column or convert it to .jsonl")
+
+
+def iter_units(sources: Sequence[Source], fields: Fields, *, txt_split: str = "file",
+               start: Position = Position(), block_bytes: int = BLOCK_BYTES) -> Iterator[Unit]:
+  """The work units of all sources in order, from `start` (a unit's position) on."""
+  if txt_split not in TXT_SPLITS:
+    raise DataError(f"txt_split must be one of {', '.join(TXT_SPLITS)}, got {txt_split!r}")
+  for index in range(start.source, len(sources)):
+    src = sources[index]
+    pos = start if index == start.source else Position(index)
+    if src.format == "txt" and txt_split == "file":
+      if pos.offset == 0:
+        yield Unit(pos, "txt_file", src.path, None, src.bytes, src.gzip)
+    elif src.format in ("txt", "jsonl"):
+      kind = "jsonl_block" if src.format == "jsonl" else "txt_block"
+      yield from _blocks(src, index, pos, kind, src.format == "txt" and txt_split == "paragraph", block_bytes)
+    elif src.format == "json" and (src.bytes <= JSON_WHOLE_BYTES and not src.gzip):
+      if pos.offset == 0:
+        yield Unit(pos, "json_file", src.path, None, src.bytes, src.gzip)
+    elif src.format == "json":
+      yield from _records_units(src, index, pos, _json_array(src), RECORDS_PER_UNIT)
+    elif src.format == "parquet":
+      yield from _records_units(src, index, pos, _parquet_records(src, fields), RECORDS_PER_UNIT)
+    elif src.format == "datasets":
+      records = _skipped_records(_datasets_records(src, fields, pos.offset), pos.offset)
+      yield from _records_units(src, index, pos, records, RECORDS_PER_UNIT)
+    else:
+      raise DataError(f"{src.path}: unknown source format {src.format!r}")
+
+
+# --- documents of a unit (worker process) -----------------------------------------------------------
+
+_PARAGRAPH = re.compile(rb"\n[ \t\r]*\n")
+
+
+def _doc_or_code(text: str | bytes, where: str, on_bad_utf8: str) -> str | int:
+  """The document's text, or NOT_UTF8 / EMPTY."""
+  if isinstance(text, bytes):
+    try:
+      text = text.decode("utf-8")
+    except UnicodeDecodeError as e:
+      return _bad_utf8(where, on_bad_utf8, f"invalid byte {text[e.start:e.start + 1]!r} at byte {e.start}")
+  else:
+    try:
+      text.encode("utf-8")
+    except UnicodeEncodeError as e:
+      return _bad_utf8(where, on_bad_utf8, f"not UTF-8 near character {e.start}")
+  return text if text.strip() else EMPTY
+
+
+def _bad_utf8(where: str, on_bad_utf8: str, detail: str) -> int:
+  if on_bad_utf8 == "fail":
+    raise DataError(f"{where}: the document is not valid UTF-8 ({detail}); re-encode the source to UTF-8 or "
+                    "pass --on_bad_utf8=skip to skip such documents (they are counted in the manifest)")
+  return NOT_UTF8
+
+
+def _read(unit: Unit) -> bytes:
+  with _open(unit.path, unit.gzip) as f:
+    return f.read()
+
+
+def _loads(text: str, where: str) -> Any:
+  try:
+    return json.loads(text)
+  except ValueError as e:
+    raise DataError(f"{where}: invalid JSON: {e}") from None
+
+
+def unit_documents(unit: Unit, fields: Fields, on_bad_utf8: str, txt_split: str) -> list[str | int]:
+  """Each record of the unit in order: its document text, or NOT_UTF8 / EMPTY for a skipped one."""
+  path = unit.path
+  if unit.kind == "txt_file":
+    return [_doc_or_code(_read(unit), path, on_bad_utf8)]
+  if unit.kind == "txt_block":
+    data: bytes = unit.data
+    out: list[str | int] = []
+    if txt_split == "line":
+      for i, line in enumerate(data.split(b"\n")):
+        line = line.rstrip(b"\r")
+        if line.strip():
+          out.append(_doc_or_code(line, f"{path}:{unit.position.line + i}", on_bad_utf8))
+      return out
+    line, pos = unit.position.line, 0
+    for m in [*_PARAGRAPH.finditer(data), None]:
+      end = m.start() if m else len(data)
+      para = data[pos:end]
+      if para.strip():
+        first = line + para[:len(para) - len(para.lstrip(b"\r\n"))].count(b"\n")
+        out.append(_doc_or_code(para.strip(b"\r\n"), f"{path}:{first}", on_bad_utf8))
+      if m:
+        line += data.count(b"\n", pos, m.end())
+        pos = m.end()
+    return out
+  if unit.kind == "jsonl_block":
+    out = []
+    for i, line in enumerate(unit.data.split(b"\n")):
+      if not line.strip():
+        continue
+      where = f"{path}:{unit.position.line + i}"
+      record = _loads(line.decode("utf-8", errors="surrogateescape"), where)
+      out.append(_doc_or_code(record_text(record, fields, where), where, on_bad_utf8))
+    return out
+  if unit.kind == "json_file":
+    data = _loads(_read(unit).decode("utf-8", errors="surrogateescape"), path)
+    records = data if isinstance(data, list) else [data]
+    return [_doc_or_code(record_text(r, fields, f"{path}: record {i}"), f"{path}: record {i}", on_bad_utf8)
+            for i, r in enumerate(records)]
+  if unit.kind == "records":
+    first = unit.position.offset
+    return [_doc_or_code(record_text(r, fields, f"{path}: record {first + i}"), f"{path}: record {first + i}",
+                         on_bad_utf8) for i, r in enumerate(unit.data)]
+  raise DataError(f"unknown unit kind {unit.kind!r}")
