@@ -281,12 +281,14 @@ def _prefill_fn(model: nn.Module, slots: int) -> Callable:
     shapes = _cache_shapes(model, tokens_BxP.shape[0], slots)
     cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)   # fresh per request
     positions_BxP = jnp.maximum(jnp.cumsum(mask_BxP, axis=1) - 1, 0).astype(jnp.int32)
-    logits_BxPxV, upd = model.apply({"params": params, "cache": cache}, tokens_BxP,
-                                    positions_BxL=positions_BxP, attention_mask_BxL=mask_BxP,
-                                    decode=True, mutable=["cache"])
+    # only the last position's logits are needed: no (B, P, vocab) logits
+    (h_BxPxD, unembed_DxV), upd = model.apply({"params": params, "cache": cache}, tokens_BxP,
+                                              positions_BxL=positions_BxP, attention_mask_BxL=mask_BxP,
+                                              decode=True, return_hidden=True, mutable=["cache"])
+    logits_BxV = jnp.einsum("bd,dv->bv", h_BxPxD[:, -1], unembed_DxV).astype(jnp.float32)
     seen = sampling.seen_mask(jnp.where(mask_BxP, tokens_BxP, -1), vocab)
     b = tokens_BxP.shape[0]
-    return DecodeState(cache=upd["cache"], logits_BxV=logits_BxPxV[:, -1], seen_BxV=seen,
+    return DecodeState(cache=upd["cache"], logits_BxV=logits_BxV, seen_BxV=seen,
                        pos_B=lengths_B, done_B=jnp.zeros((b,), bool), lengths_B=jnp.zeros((b,), jnp.int32),
                        step=jnp.zeros((), jnp.int32), rng=rng)
   return prefill
