@@ -29,6 +29,8 @@ else keeps its traceback:
 """
 from __future__ import annotations
 
+import inspect
+import io
 import json
 import logging
 import os
@@ -38,6 +40,7 @@ import sys
 import textwrap
 import threading
 import time
+import tokenize
 import types
 from typing import Any, Callable, Mapping, NoReturn, Sequence
 
@@ -45,6 +48,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
+from tformer_jax import config as config_lib
 from tformer_jax.config import ConfigError, check_field_path, default_config, load_config_file as _load
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -248,6 +252,70 @@ def load_config(path: str | None = None, overrides: Mapping[str, Any] | None = N
   return override(cfg, overrides or {})
 
 
+_SECTION_CLASSES = {"ModelConfig": "model.", "RopeScaling": "model.rope_scaling.", "MoEConfig": "model.moe."}
+_FIELD = re.compile(r"^\s+(\w+)(?:\s*:\s*[^=]+)?\s*=")
+_SECTION = re.compile(r"^\s+c\.(\w+)\s*=\s*ml_collections\.ConfigDict")
+
+
+def field_docs() -> dict[str, str]:
+  """{'model.num_kv_heads': '0 = num_heads (MHA); 1 = MQA; ...', ...}: the comments beside the fields in
+  tformer_jax/config.py (the dataclasses and default_config), a comment-only line continuing the
+  field above it. The schema's one source of descriptions."""
+  source = inspect.getsource(config_lib)
+  docs: dict[str, str] = {}
+  prefix, last, last_line = None, None, -1
+  lines = source.splitlines()
+  for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+    if tok.type != tokenize.COMMENT:
+      continue
+    row = tok.start[0]
+    text = tok.string.lstrip("#").strip()
+    line = lines[row - 1]
+    if line.strip().startswith("#"):
+      if last is not None and row == last_line + 1:
+        docs[last] += " " + text
+        last_line = row
+      continue
+    m = _FIELD.match(line)
+    # the section a field belongs to: the nearest class or `c.<name> = ConfigDict` above it
+    for back in range(row - 1, -1, -1):
+      above = lines[back]
+      cls = re.match(r"^class (\w+)", above)
+      sec = _SECTION.match(above)
+      if cls or sec or above.startswith("def "):
+        prefix = _SECTION_CLASSES.get(cls.group(1)) if cls else (sec.group(1) + "." if sec else None)
+        break
+    if m and prefix:
+      last, last_line = prefix + m.group(1), row
+      docs[last] = text
+    else:
+      last = None
+  return docs
+
+
+def describe_config(cfg: ml_collections.ConfigDict) -> str:
+  """Every field of `cfg` with its value and its description (`field_docs`), one line each."""
+  docs = field_docs()
+  rows: list[tuple[str, str]] = []
+
+  def walk(node: Any, prefix: str) -> None:
+    for key in sorted(node.keys()) if prefix else list(node.keys()):
+      value = node[key]
+      if isinstance(value, ml_collections.ConfigDict):
+        walk(value, f"{prefix}{key}.")
+      else:
+        rows.append((f"{prefix}{key}", repr(value)))
+
+  walk(cfg, "")
+  width = min(max(len(f"{k} = {v}") for k, v in rows), 60)
+  out = []
+  for key, value in rows:
+    text = f"{key} = {value}"
+    doc = docs.get(key, "")
+    out.append(f"{text:<{width}}  # {doc}" if doc else text)
+  return "\n".join(out)
+
+
 def _one_line(e: BaseException) -> str:
   while isinstance(e, (AttributeError, KeyError)) and e.args and isinstance(e.args[0], BaseException):
     e = e.args[0]                 # config_flags: AttributeError(KeyError("'x'\nDid you mean ..."))
@@ -302,6 +370,8 @@ def parse(argv: Sequence[str] | None, define: Callable[[flags.FlagValues], None]
     run = "; without it, the config.json of --workdir's run" if from_workdir else ""
     flags.DEFINE_string("config", default, f"experiment file with get_config(){run}. Override any "
                         "field with --config.a.b=value, anywhere on the line", flag_values=fv)
+    flags.DEFINE_bool("print_config", False, "print every config field with its value (overrides "
+                      "applied) and its description, then exit", flag_values=fv)
   if define is not None:
     define(fv)
   try:
@@ -312,6 +382,7 @@ def parse(argv: Sequence[str] | None, define: Callable[[flags.FlagValues], None]
     print(help_text(fv, doc, prog))
     raise SystemExit(0)
   args = types.SimpleNamespace(**{f.name.replace("-", "_"): f.value for f in _own_flags(fv)})
+  print_config = bool(getattr(args, "print_config", False))
   if config is False:
     if len(rest) > 1:
       fail(f"unexpected arguments: {' '.join(rest[1:])}")
@@ -326,6 +397,8 @@ def parse(argv: Sequence[str] | None, define: Callable[[flags.FlagValues], None]
       raise UsageError("pass --config=configs/<name>.py" + (" (or --workdir=RUN)" if from_workdir else ""))
     else:
       cfg = None
+    if cfg is None and print_config:
+      cfg = default_config()
     if cfg is None:
       if len(rest) > 1:
         extra = " (--config.a.b=v overrides need --config=FILE)" if rest[1].startswith("--config.") else ""
@@ -335,6 +408,9 @@ def parse(argv: Sequence[str] | None, define: Callable[[flags.FlagValues], None]
     args.config, args.overrides, positional = _apply(cfg, [prog] + rest[1:], lock=True)
     if positional:
       raise UsageError(f"unexpected arguments: {' '.join(positional)}")
+    if print_config:
+      print(describe_config(args.config))
+      raise SystemExit(0)
   except (UsageError, ConfigError) as e:
     fail(one_line(e))
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError, OSError) as e:

@@ -77,7 +77,7 @@ class ConfigError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
   type: str = "none"                 # none | linear | ntk | dynamic | yarn | llama3
-  factor: float = 1.0
+  factor: float = 1.0                # context extension factor (new length / original length)
   original_max_len: int = 0          # pre-extension context (yarn, llama3, dynamic); 0 = model max_len
   low_freq_factor: float = 1.0       # llama3
   high_freq_factor: float = 4.0      # llama3
@@ -89,66 +89,66 @@ class RopeScaling:
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
   num_experts: int = 0               # 0 = dense FFN everywhere
-  top_k: int = 2
+  top_k: int = 2                     # experts each token is routed to
   every: int = 1                     # MoE FFN in layers where (i + 1) % every == 0
   d_ff: int = 0                      # expert hidden size; 0 = the model's d_ff
   dispatch: str = "dropless"         # dropless (sort + ragged_dot) | capacity (einsum, drops tokens)
-  capacity_factor: float = 1.25
+  capacity_factor: float = 1.25      # capacity dispatch: expert slots = factor * tokens * top_k / experts
   renormalize: bool = True           # renormalise the top-k probabilities to sum to 1
   jitter: float = 0.0                # multiplicative router-input noise while training
   aux_loss_coef: float = 0.01        # Switch/GShard load balancing
   z_loss_coef: float = 0.001         # router z-loss
-  shared_expert: bool = False
+  shared_expert: bool = False        # DeepSeek-style: one always-on expert beside the routed ones
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  vocab_size: int = 256
-  d_model: int = 256
-  num_layers: int = 4
-  num_heads: int = 4
+  vocab_size: int = 256              # token ids 0 .. vocab_size-1 (>= the tokenizer's vocabulary)
+  d_model: int = 256                 # residual stream width
+  num_layers: int = 4                # transformer blocks
+  num_heads: int = 4                 # query heads
   num_kv_heads: int = 0              # 0 = num_heads (MHA); 1 = MQA; in between = GQA
   head_dim: int = 0                  # 0 = d_model // num_heads
   d_ff: int = 0                      # 0 = mlp_ratio * d_model (x 2/3 for GLU, rounded up to 8)
-  mlp_ratio: float = 4.0
-  activation: str = "gelu"
-  norm: str = "layernorm"
-  norm_eps: float = 1e-5
+  mlp_ratio: float = 4.0             # d_ff = mlp_ratio * d_model when d_ff is 0
+  activation: str = "gelu"           # gelu | gelu_exact | relu | silu | swiglu | geglu (GLU: gated, 3 matrices)
+  norm: str = "layernorm"            # layernorm | rmsnorm
+  norm_eps: float = 1e-5             # added to the variance inside the norm
   norm_position: str = "pre"         # pre | post (original Transformer, BERT)
   final_norm: bool = True            # a norm before the head (Pre-LN models)
   parallel_residual: bool = False    # GPT-J/NeoX: x + attn(ln1 x) + mlp(ln2 x)
   embed_norm: bool = False           # Bloom/BERT: a norm right after the embeddings
   embed_scale: bool = False          # multiply token embeddings by sqrt(d_model) (original Transformer;
                                      # pairs with sinusoidal positions, whose amplitude is 1)
-  position: str = "learned"
-  max_len: int = 256
-  rope_theta: float = 10000.0
-  rotary_fraction: float = 1.0
-  rope_layout: str = "half"
-  rope_scaling: RopeScaling = RopeScaling()
-  t5_num_buckets: int = 32
-  t5_max_distance: int = 128
+  position: str = "learned"          # learned | sinusoidal | rope | alibi | t5 | none
+  max_len: int = 256                 # longest sequence (learned positions: the table size)
+  rope_theta: float = 10000.0        # RoPE base frequency
+  rotary_fraction: float = 1.0       # fraction of each head's dims rotated (GPT-NeoX/Phi partial rotary)
+  rope_layout: str = "half"          # half (Llama/NeoX: rotate halves) | interleaved (GPT-J: rotate pairs)
+  rope_scaling: RopeScaling = RopeScaling() # long-context RoPE scaling (model.rope_scaling.*)
+  t5_num_buckets: int = 32           # T5 relative-position buckets
+  t5_max_distance: int = 128         # T5: distances beyond this share the last bucket
   causal: bool = True                # False = bidirectional encoder
   type_vocab_size: int = 0           # BERT token types; 0 = none
-  tie_embeddings: bool = True
+  tie_embeddings: bool = True        # the LM head is the token embedding transposed
   lm_head: bool = True               # False: apply() returns final hidden states (B, L, d_model)
-  qkv_bias: bool = False
-  out_bias: bool = False
-  mlp_bias: bool = False
+  qkv_bias: bool = False             # biases on the q/k/v projections (GPT-2, Qwen)
+  out_bias: bool = False             # bias on the attention output projection
+  mlp_bias: bool = False             # biases in the MLP
   norm_bias: bool = True             # LayerNorm bias (RMSNorm has none)
-  embed_dropout: float = 0.0
-  attn_dropout: float = 0.0
-  resid_dropout: float = 0.0
-  init_std: float = 0.02
+  embed_dropout: float = 0.0         # dropout after the embeddings (training only)
+  attn_dropout: float = 0.0          # dropout on the attention weights (training only)
+  resid_dropout: float = 0.0         # dropout before each residual add (training only)
+  init_std: float = 0.02             # normal init std of every matrix
   scale_residual_init: bool = True   # GPT-2: residual output projections std / sqrt(2 * num_layers)
   attention_scale: float = 0.0       # 0 = 1/sqrt(head_dim)
   window: int = 0                    # sliding window (each query sees the last `window` keys); 0 = full
   num_global_tokens: int = 0         # Longformer-style global tokens (dense attention paths)
   dtype: str = "float32"             # compute dtype
-  param_dtype: str = "float32"
+  param_dtype: str = "float32"       # storage dtype of the parameters
   scan_layers: bool = False          # one scanned block (params stacked on a 'layers' axis)
   remat: str = "none"                # none | full | dots | dots_no_batch: recompute in the backward
-  moe: MoEConfig = MoEConfig()
+  moe: MoEConfig = MoEConfig()       # mixture of experts (model.moe.*)
 
   @classmethod
   def from_config(cls, cd: Any) -> "ModelConfig":
@@ -234,10 +234,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict(dict(
       corpus="shakespeare",          # shakespeare | kjv | text:PATH | prepared:DIR (tformer-prepare) | synthetic:TASK
       tokenizer="byte",              # byte | bpe (sentencepiece, trained and cached) | hf:PATH/tokenizer.json
-      bpe_vocab_size=2048,
-      seq_len=256,
+      bpe_vocab_size=2048,           # tokenizer='bpe': the vocabulary it trains
+      seq_len=256,                   # tokens per training row
       batch_size=32,                 # global batch (sequences per optimizer step, across all devices)
-      val_fraction=0.05,
+      val_fraction=0.05,             # held-out share of the corpus (its last documents)
       sampling="random",             # random windows | packed (consecutive, epoch-shuffled)
       packing="packed",              # packed (documents concatenated) | document (segment ids: attention and
                                      # loss stay inside each document)
@@ -245,49 +245,53 @@ def default_config() -> ml_collections.ConfigDict:
                                      # rows drawn from these corpora by weight (data.corpus is then unused)
       val_corpus="",                 # '' = the tail documents (val_fraction) | a corpus spec held out whole
       cache_dir="",                  # '' = $TFORMER_CACHE or ~/.cache/tformer_jax
-      worker_count=0,
-      seed=0,
+      worker_count=0,                # grain worker processes (0 = in the main process)
+      seed=0,                        # window order / sampling seed
   ))
   c.optim = ml_collections.ConfigDict(dict(
       name="adamw",                  # adamw | adafactor | lion | sgd (optax; see train/optim.py)
-      peak_lr=1e-3,
-      b1=0.9,
-      b2=0.95,
-      eps=1e-8,
+      peak_lr=1e-3,                  # learning rate after warmup
+      b1=0.9,                        # Adam/Lion first-moment decay
+      b2=0.95,                       # Adam/Lion second-moment decay
+      eps=1e-8,                      # Adam epsilon (added to sqrt(v))
       weight_decay=0.1,              # on kernels (and embeddings, below); never on biases or norms
       decay_embeddings=True,         # token/position/type/relative-bias tables decay too (GPT-2 style)
       momentum=0.9,                  # sgd only (0 = plain SGD)
       schedule="cosine",             # cosine | rsqrt | constant (all after linear warmup)
-      warmup_steps=100,
+      warmup_steps=100,              # linear warmup from 0 to peak_lr
       warmup_fraction=0.0,           # > 0 overrides warmup_steps with this fraction of train.steps
       min_lr_ratio=0.1,              # cosine floor as a fraction of peak_lr
       clip_norm=1.0,                 # 0 = no clipping
       grad_accum=1,                  # micro-batches per step
   ))
   c.train = ml_collections.ConfigDict(dict(
-      steps=1000,
-      seed=0,
+      steps=1000,                    # optimizer steps
+      seed=0,                        # init and dropout seed
       precision="float32",           # float32 | bf16 (bf16 compute, f32 params) | fp16 (+ dynamic loss scale)
-      log_every=50,
-      eval_every=250,
-      eval_batches=8,
-      ckpt_every=500,
-      max_to_keep=3,
+      log_every=50,                  # steps between log lines / metrics
+      eval_every=250,                # steps between validation evaluations
+      eval_batches=8,                # validation batches per evaluation
+      ckpt_every=500,                # steps between checkpoints
+      max_to_keep=3,                 # checkpoints kept (oldest deleted)
       max_nonfinite=5,               # consecutive skipped (non-finite) steps that stop the run
-      sample_tokens=200,
-      sample_prompt="ROMEO:",
+      sample_tokens=200,             # tokens sampled at the end of training (0 = none)
+      sample_prompt="ROMEO:",        # the prompt of that sample
       stats_every=0,                 # 0 = off; training-time layer statistics
       init_from="",                  # an Orbax workdir or checkpoint to fine-tune from
+      loss_chunk=0,                  # > 0: the loss holds ~this many tokens' logits at a time (ops/losses.py)
   ))
   c.mesh = ml_collections.ConfigDict(dict(
       shape=(-1, 1, 1),              # sizes of `axes`; -1 = the rest of the devices
-      axes=("data", "fsdp", "tensor"),
+      axes=("data", "fsdp", "tensor"), # mesh axis names, in the order of shape
       rules="dp",                    # dp | fsdp | tp | fsdp_tp | a name in tformer_jax.parallel.rules
       parallelism="jit",             # jit (NamedSharding, what pjit became) | pmap (data parallel)
       num_devices=0,                 # 0 = all devices; N = the first N (single-process runs)
   ))
-  c.decode = ml_collections.ConfigDict(dict(
-      temperature=0.8, top_k=0, top_p=1.0, repetition_penalty=1.0,
+  c.decode = ml_collections.ConfigDict(dict(   # sampling of the end-of-training sample and scripts/generate.py
+      temperature=0.8,               # 0 = greedy
+      top_k=0,                       # sample from the k most likely tokens; 0 = all
+      top_p=1.0,                     # nucleus: the smallest set holding this probability mass; 1 = all
+      repetition_penalty=1.0,        # > 1 discourages tokens already in the text (CTRL); 1 = off
   ))
   # How this run executes the model; never changes what it computes (tformer_jax/backends/).
   c.runtime = ml_collections.ConfigDict(dict(
@@ -674,6 +678,8 @@ def _validate_train(t: Any, check_paths: bool) -> None:
   for name in ("sample_tokens", "stats_every"):
     if t.get(name, 0) < 0:
       _fail("train." + name, f"must be >= 0 (0 = off), got {t[name]}")
+  if t.get("loss_chunk", 0) < 0:
+    _fail("train.loss_chunk", f"must be >= 0 (tokens of logits per chunk; 0 = the full logits), got {t.loss_chunk}")
   init_from = str(t.get("init_from", "") or "")
   if check_paths and init_from and "://" not in init_from:      # gs://... is checked by Orbax
     src = pathlib.Path(init_from).expanduser()
