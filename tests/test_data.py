@@ -317,13 +317,16 @@ def test_build_dataset_on_shakespeare(shakespeare):
   assert b["inputs"].max() < 256
 
 
-def test_build_dataset_bpe_and_non_utf8_text(tmp_path, cache):
-  f = tmp_path / "latin1.txt"
-  f.write_bytes("caf\xe9 na\xefve r\xe9sum\xe9\n".encode("latin-1") * 200)
+def test_build_dataset_text_and_non_utf8_text(tmp_path, cache):
+  f = tmp_path / "utf8.txt"
+  f.write_text("café naïve résumé 你好\n" * 200)
   ds = build_dataset(_cfg(corpus=f"text:{f}", seq_len=32, cache_dir=cache))
   assert ds.tokenizer.decode_bytes(np.concatenate([ds.train_tokens, ds.val_tokens])) == f.read_bytes()
-  with pytest.raises(DataError, match="byte offset 3"):
-    build_dataset(_cfg(corpus=f"text:{f}", tokenizer="bpe", cache_dir=cache))
+  f = tmp_path / "latin1.txt"     # corpora are prepared as UTF-8 text (data/prepared.py), whatever the tokenizer
+  f.write_bytes("caf\xe9 na\xefve r\xe9sum\xe9\n".encode("latin-1") * 200)
+  for tok in ("byte", "bpe"):
+    with pytest.raises(DataError, match="not valid UTF-8.*byte offset 3"):
+      build_dataset(_cfg(corpus=f"text:{f}", tokenizer=tok, cache_dir=cache))
 
 
 def test_corpus_shorter_than_a_window(tmp_path):
