@@ -1,50 +1,7 @@
 #!/usr/bin/env python
-r"""Short trainings over the cartesian product of config sweeps: a results table and loss curves.
-
-  python scripts/ablate.py --config=configs/shakespeare_char.py --sweep model.num_heads=1,4,8 \
-      --sweep model.position=none,sinusoidal,rope,alibi --steps 300 --out ablations/heads_pos \
-      [--config.model.d_model=128 ...]
-
-Writes OUT/results.md and OUT/results.json (per run: parameters, final train loss, validation
-loss/perplexity/token accuracy, exact match for synthetic:* tasks, loss roughness, tokens/s, wall
-time) and OUT/loss_curves.png; each run's workdir is OUT/runs/<name>. See
-tformer_jax/diagnostics/ablate.py.
-"""
-from __future__ import annotations
-
-import logging
-import sys
-from typing import Sequence
-
-from absl import flags
-
-
-def define_flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_multi_string("sweep", [], "KEY=V1,V2,...: one sweep (runs are the cartesian "
-                            "product); each value set as --config.KEY=V would set it", flag_values=fv)
-  flags.DEFINE_integer("steps", 200, "training steps per run", flag_values=fv)
-  flags.DEFINE_string("out", "ablations/run", "output directory", flag_values=fv)
-  flags.DEFINE_string("title", "", "title of the table and plot (default: the swept keys)", flag_values=fv)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-  from tformer_jax import cli_common
-  from tformer_jax.diagnostics import ablate
-  args = cli_common.parse(argv, define_flags, doc=__doc__, prog="scripts/ablate.py", config="required")
-  try:
-    sweeps = [ablate.parse_sweep(s) for s in args.sweep]
-    for combo in ablate.grid(sweeps):    # every value parses before the first run trains
-      cli_common.override(args.config, combo)
-  except (ValueError, cli_common.UsageError) as e:
-    cli_common.fail(str(e))
-  logging.basicConfig(level=logging.WARNING)
-  results = ablate.run_ablation(args.config, sweeps, args.steps, args.out)
-  paths = ablate.write_results(results, args.out, args.title or ", ".join(k for k, _ in sweeps))
-  print("\n" + ablate.markdown_table(results))
-  print(f"\nwritten: {paths['md']}, {paths['json']}, {paths['png']}")
-  return 0
-
+"""`python scripts/ablate.py` = `tformer-ablate` (tformer_jax/cli/ablate.py; --help)."""
+from tformer_jax.cli.ablate import *  # noqa: F403 (the command's functions, for tests and notebooks)
+from tformer_jax.cli.ablate import entry
 
 if __name__ == "__main__":
-  from tformer_jax import cli_common
-  sys.exit(cli_common.run_main(main))
+  entry()

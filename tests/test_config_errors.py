@@ -232,20 +232,21 @@ def test_run_main_exit_statuses(capsys):
 
 
 def test_train_cli_maps_errors_raised_while_training(monkeypatch, capsys, tmp_path):
-  """In-process: scripts/train.py's run() under run_main, with loop.train raising each anticipated
+  """In-process: tformer-train's main() under run_main, with loop.train raising each anticipated
   error (one line, status 2) and an unexpected one (propagates, so the traceback is printed)."""
-  from tformer_jax.train import cli, loop
+  from tformer_jax.cli import train as cli
+  from tformer_jax.train import loop
   argv = [f"--config={REPO / 'configs' / 'shakespeare_char.py'}", f"--workdir={tmp_path / 'run'}"]
   for error in _anticipated():
     def train(cfg, workdir, error=error):
       raise error
     monkeypatch.setattr(loop, "train", train)
-    assert cli_common.run_main(cli.run, argv) == 2
+    assert cli_common.run_main(cli.main, argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and len(err.splitlines()) == 1, err
   monkeypatch.setattr(loop, "train", lambda cfg, workdir: {}.pop("unexpected"))
   with pytest.raises(KeyError):
-    cli_common.run_main(cli.run, argv)
+    cli_common.run_main(cli.main, argv)
 
 
 def test_parse_and_override_name_the_closest_field(capsys):
@@ -353,14 +354,16 @@ def test_train_cli_distributed_start_up_errors_are_one_line(tmp_path, monkeypatc
 
 SCRIPT = textwrap.dedent("""
     import sys
-    from tformer_jax.train import cli, loop
+    from tformer_jax import cli_common
+    from tformer_jax.cli import train as cli
+    from tformer_jax.train import loop
     def train(cfg, workdir):
       if sys.argv[1] == "checkpoint":
         from tformer_jax.checkpoint import CheckpointError
         raise CheckpointError("checkpoint step 3 in /w does not fit the state being restored:\\n  x: (2,) vs (3,)")
       raise RuntimeError("an unexpected bug")
     loop.train = train
-    cli.main(sys.argv[2:])
+    cli_common.exit_process(cli_common.run_main(cli.main, sys.argv[2:]))
 """)
 
 
@@ -418,4 +421,4 @@ def test_train_cli_unwritable_checkpoint_dir_is_one_line_and_exits(tmp_path):
   assert r.returncode == 2, r.stderr[-3000:]
   last = r.stderr.strip().splitlines()[-1]
   assert last.startswith("error: ") and "checkpoints" in last, r.stderr[-3000:]
-  assert "tformer_jax/train/cli.py" not in r.stderr      # Orbax's threads may log their own; none of ours
+  assert "tformer_jax/cli/train.py" not in r.stderr      # Orbax's threads may log their own; none of ours

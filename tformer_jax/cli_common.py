@@ -176,14 +176,38 @@ def check_overrides(cfg: ml_collections.ConfigDict, argv: Sequence[str]) -> None
       check_field_path(cfg, m.group(1))
 
 
-def load_config_file(path: str | pathlib.Path) -> ml_collections.ConfigDict:
-  """`get_config()` of a config file, by path relative to the cwd or else the repository root."""
+def config_dirs() -> list[pathlib.Path]:
+  """Where shipped experiment files live: the checkout's configs/ and, in an installed package,
+  tformer_jax/configs (pyproject.toml maps configs/ there)."""
+  dirs = [REPO / "configs", pathlib.Path(__file__).resolve().parent / "configs"]
+  return [d for d in dirs if d.is_dir()]
+
+
+def shipped_configs() -> list[str]:
+  """The shipped experiments by name ('llama_tiny', 'bench/gpt2_cpu', ...)."""
+  names = {str(f.relative_to(d).with_suffix("")) for d in config_dirs() for f in d.rglob("*.py")
+           if f.name != "__init__.py"}
+  return sorted(names)
+
+
+def find_config_file(path: str | pathlib.Path) -> pathlib.Path:
+  """An experiment file: the path as given (from the cwd), else relative to the checkout, else a
+  shipped config by path or name (`configs/llama_tiny.py`, `llama_tiny`, `bench/gpt2_cpu`)."""
   p = pathlib.Path(path)
-  if not p.is_file() and not p.is_absolute() and (REPO / p).is_file():
-    p = REPO / p
-  if not p.is_file():
-    raise UsageError(f"config file {path} not found")
-  return _load(p)
+  if p.is_file():
+    return p
+  if not p.is_absolute():
+    rel = p.parts[1:] if p.parts and p.parts[0] == "configs" else p.parts
+    for d in [REPO] + config_dirs():
+      for candidate in (d / p, d.joinpath(*rel), d.joinpath(*rel).with_suffix(".py")):
+        if rel and candidate.is_file():
+          return candidate
+  raise UsageError(f"config file {path} not found; the shipped configs are: {', '.join(shipped_configs())}")
+
+
+def load_config_file(path: str | pathlib.Path) -> ml_collections.ConfigDict:
+  """`get_config()` of an experiment file (`find_config_file`)."""
+  return _load(find_config_file(path))
 
 
 def workdir_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
@@ -368,8 +392,9 @@ def parse(argv: Sequence[str] | None, define: Callable[[flags.FlagValues], None]
   if config is not False:
     default = config if isinstance(config, str) and config != "required" else None
     run = "; without it, the config.json of --workdir's run" if from_workdir else ""
-    flags.DEFINE_string("config", default, f"experiment file with get_config(){run}. Override any "
-                        "field with --config.a.b=value, anywhere on the line", flag_values=fv)
+    flags.DEFINE_string("config", default, f"experiment file with get_config(): a path or a shipped name "
+                        f"(llama_tiny, bench/gpt2_cpu, ...){run}. Override any field with "
+                        "--config.a.b=value, anywhere on the line; --print_config lists them", flag_values=fv)
     flags.DEFINE_bool("print_config", False, "print every config field with its value (overrides "
                       "applied) and its description, then exit", flag_values=fv)
   if define is not None:

@@ -73,7 +73,12 @@ def main(argv: Sequence[str] | None = None) -> Any:
   return importlib.import_module(MODULES[name]).main(rest)
 
 
-if __name__ == "__main__":
-  from tformer_jax.host_alloc import maybe_reexec
+def entry() -> None:
+  """The `tformer-bench` console command."""
+  from tformer_jax.host_alloc import maybe_reexec  # noqa: PLC0415 (before anything imports jax)
   maybe_reexec()  # tcmalloc / hugetlb: see tformer_jax/host_alloc.py
   sys.exit(cli_common.run_main(main))
+
+
+if __name__ == "__main__":
+  entry()

@@ -84,5 +84,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   return 1 if any(r.status == checks.FAIL for r in results) else 0
 
 
-if __name__ == "__main__":
+def entry() -> None:
+  """The `tformer-doctor` console command."""
   sys.exit(cli_common.run_main(main))
+
+
+if __name__ == "__main__":
+  entry()

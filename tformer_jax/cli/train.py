@@ -1,4 +1,4 @@
-"""`python scripts/train.py --config=configs/X.py --workdir=runs/x [--config.a.b=v ...]` (or `tformer-train`).
+"""`tformer-train --config=configs/X.py --workdir=runs/x [--config.a.b=v ...]` (or `python scripts/train.py`).
 
 The command line is every tool's (tformer_jax/cli_common.py). The whole config is validated here,
 before jax is imported: a bad value is one line `error: <field>: <rule>` and exit status 2 within a
@@ -17,7 +17,7 @@ from tformer_jax import cli_common
 from tformer_jax.config import validate
 from tformer_jax.host_alloc import maybe_reexec
 
-PROG = "scripts/train.py"
+PROG = "tformer-train"
 
 
 def define_flags(fv: flags.FlagValues) -> None:
@@ -29,7 +29,7 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer("process_id", None, "this process's id (multi-host)", flag_values=fv)
 
 
-def run(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
   """Parse, validate, then (only then) import jax and train. Errors propagate to `run_main`."""
   args = cli_common.parse(argv, define_flags, doc=__doc__, prog=PROG, config="required")
   if not args.workdir:
@@ -45,10 +45,11 @@ def run(argv: Sequence[str] | None = None) -> int:
   return 0
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def entry() -> None:
+  """The `tformer-train` console command."""
   maybe_reexec()  # tcmalloc / hugetlb: see tformer_jax/host_alloc.py
-  cli_common.exit_process(cli_common.run_main(run, argv))   # no hang on threads a failed save left
+  cli_common.exit_process(cli_common.run_main(main))   # no hang on threads a failed save left
 
 
 if __name__ == "__main__":
-  main()
+  entry()

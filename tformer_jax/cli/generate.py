@@ -1,0 +1,153 @@
+"""Generate text with the KV cache, streaming to stdout.
+
+  python scripts/generate.py --workdir runs/gpt2_tiny --prompt "ROMEO:" --max_new_tokens 200
+  python scripts/generate.py --hf path/to/hf_model --prompt "Hello" --temperature 0.7 --top_p 0.9
+  python scripts/generate.py --random_init --config=configs/gpt2_tiny.py --prompt "To be"   # smoke test
+
+One source of weights: --workdir (its config.json; --config.a.b=v overrides apply to it), --hf, or
+--random_init with --config=FILE (and overrides).
+
+Several --prompt (or --prompts_file, one prompt per line) run as one left-padded batch; a single
+prompt streams chunk by chunk. --stop strings end a row (the text is cut before the stop string).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Sequence
+
+import numpy as np
+from absl import flags
+
+from tformer_jax import backends, cli_common, config as config_lib, decode, decode_io
+from tformer_jax.checkpoint import CheckpointError, restore_params
+
+
+def define_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_string("workdir", None, "training workdir (config.json + checkpoints/)", flag_values=fv)
+  flags.DEFINE_string("hf", None, "Hugging Face model directory", flag_values=fv)
+  flags.DEFINE_bool("random_init", False, "random weights from --config", flag_values=fv)
+  flags.DEFINE_multi_string("prompt", [], "a prompt", flag_values=fv)
+  flags.DEFINE_string("prompts_file", None, "a file with one prompt per line", flag_values=fv)
+  flags.DEFINE_integer("max_new_tokens", 200, "tokens generated per prompt", flag_values=fv)
+  flags.DEFINE_float("temperature", 0.8, "sampling temperature (0: greedy)", flag_values=fv)
+  flags.DEFINE_integer("top_k", 0, "sample from the k most likely tokens (0: all)", flag_values=fv)
+  flags.DEFINE_float("top_p", 1.0, "nucleus sampling mass", flag_values=fv)
+  flags.DEFINE_float("repetition_penalty", 1.0, "penalty of already generated tokens", flag_values=fv)
+  flags.DEFINE_integer("seed", 0, "sampling (and random-init) seed", flag_values=fv)
+  flags.DEFINE_multi_string("stop", [], "a stop string", flag_values=fv)
+  flags.DEFINE_integer("chunk_size", 16, "tokens per streamed chunk", flag_values=fv)
+
+
+def parse_args(argv: Sequence[str] | None) -> Any:
+  args = cli_common.parse(argv, define_flags, doc=__doc__, prog="tformer-generate", config=True,
+                          from_workdir=True)
+  sources = [name for name in ("workdir", "hf", "random_init") if getattr(args, name)]
+  if len(sources) != 1:
+    cli_common.fail("pass exactly one of --workdir=RUN, --hf=DIR, --random_init")
+  if args.random_init and args.config is None:
+    cli_common.fail("--random_init needs --config=configs/<name>.py")
+  if args.hf and args.config is not None:
+    cli_common.fail("--hf takes its config from the model directory, not --config")
+  return args
+
+
+def load(args: Any) -> tuple[Any, Any, Any, str]:
+  """(model, params, tokenizer, default prompt)."""
+  cfg = args.config
+  if args.random_init:
+    model, params, tok = decode_io.random_init(cfg, args.seed)
+    return model, params, tok, cfg.train.sample_prompt if "train" in cfg else "\n"
+  if args.hf:
+    return (*decode_io.load_hf(args.hf), "Hello")
+  _, params = restore_params(args.workdir)
+  model = decode_io.model_from_config(cfg)
+  return model, decode_io.check_params(model, params, args.workdir), decode_io.tokenizer_from_config(cfg), "\n"
+
+
+class RowText:
+  """The decoded continuation of one row, cut at the first stop string."""
+
+  def __init__(self, tokenizer: Any, stops: Sequence[str]):
+    self.tok, self.stops, self.ids, self.finished = tokenizer, [s for s in stops if s], [], False
+    self.text, self.shown = "", 0
+
+  def add(self, ids: np.ndarray, n_real: int) -> None:
+    if self.finished:
+      return
+    self.ids.extend(int(i) for i in ids[:n_real])
+    text = self.tok.decode(self.ids)
+    cuts = [text.find(s) for s in self.stops if s in text]
+    if cuts:
+      text, self.finished = text[:min(cuts)], True
+    self.text = text
+
+  def ready(self, final: bool) -> str:
+    """New text safe to print: holds back a possibly partial character or stop-string prefix."""
+    end = len(self.text)
+    if not (final or self.finished):
+      end -= max((len(s) - 1 for s in self.stops), default=0)
+      while end > self.shown and self.text[end - 1] == "\ufffd":
+        end -= 1
+    out = self.text[self.shown:max(end, self.shown)]
+    self.shown = max(end, self.shown)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = parse_args(argv)
+  try:
+    model, params, tok, default_prompt = load(args)
+  except (CheckpointError, config_lib.ConfigError) as e:
+    cli_common.fail(str(e))
+  cfg = args.config if args.config is not None else config_lib.default_config()
+  runtime = backends.resolve_runtime(cfg, model=model.cfg, quiet=True)
+  backends.enable_compilation_cache(cfg.data.get("cache_dir", "") if "data" in cfg else "")
+  with backends.use(runtime.backend):   # traced lazily, inside the stream
+    return generate(args, model, params, tok, default_prompt)
+
+
+def generate(args: Any, model: Any, params: Any, tok: Any, default_prompt: str) -> int:
+  prompts = list(args.prompt)
+  if args.prompts_file:
+    with open(args.prompts_file, encoding="utf-8") as f:
+      prompts += [line.rstrip("\n") for line in f if line.strip()]
+  prompts = prompts or [default_prompt]
+  encoded = [tok.encode(p) for p in prompts]
+  for p, ids in zip(prompts, encoded):
+    if len(ids) == 0:
+      cli_common.fail(f"prompt {p!r} encodes to no tokens")
+  stop_tokens = sorted({int(ids[0]) for ids in map(tok.encode, args.stop) if len(ids) == 1})
+  rows = [RowText(tok, args.stop) for _ in prompts]
+  stream = decode.generate_stream(
+      model, params, encoded, max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size,
+      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+      repetition_penalty=args.repetition_penalty, stop_tokens=stop_tokens, rng=args.seed, pad_id=-1)
+  single = len(prompts) == 1
+  if single:
+    sys.stdout.write(prompts[0])
+  for chunk in stream:
+    for row, ids in zip(rows, chunk):
+      row.add(ids, int(np.sum(ids >= 0)))      # pad_id=-1 follows a row's stop token
+    if single:
+      sys.stdout.write(rows[0].ready(final=False))
+      sys.stdout.flush()
+    if all(r.finished for r in rows):
+      stream.close()
+      break
+  if single:
+    sys.stdout.write(rows[0].ready(final=True) + "\n")
+  else:
+    for i, (p, row) in enumerate(zip(prompts, rows)):
+      sys.stdout.write(f"=== [{i}] ===\n{p}{row.text}\n")
+  sys.stdout.flush()
+  return 0
+
+
+
+def entry() -> None:
+  """The `tformer-generate` console command."""
+  sys.exit(cli_common.run_main(main))
+
+
+if __name__ == "__main__":
+  entry()
