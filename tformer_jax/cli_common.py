@@ -206,7 +206,10 @@ def find_config_file(path: str | pathlib.Path) -> pathlib.Path:
 
 
 def load_config_file(path: str | pathlib.Path) -> ml_collections.ConfigDict:
-  """`get_config()` of an experiment file (`find_config_file`)."""
+  """`get_config()` of an experiment file (`find_config_file`), or the config.json of a workdir
+  (a training run, or one `tformer-convert --from-hf` wrote)."""
+  if pathlib.Path(path).is_dir() and (pathlib.Path(path) / "config.json").is_file():
+    return workdir_config(path)
   return _load(find_config_file(path))
 
 
@@ -393,8 +396,9 @@ def parse(argv: Sequence[str] | None, define: Callable[[flags.FlagValues], None]
     default = config if isinstance(config, str) and config != "required" else None
     run = "; without it, the config.json of --workdir's run" if from_workdir else ""
     flags.DEFINE_string("config", default, f"experiment file with get_config(): a path or a shipped name "
-                        f"(llama_tiny, bench/gpt2_cpu, ...){run}. Override any field with "
-                        "--config.a.b=value, anywhere on the line; --print_config lists them", flag_values=fv)
+                        f"(llama_tiny, bench/gpt2_cpu, ...), or a workdir (its config.json){run}. Override any "
+                        "field with --config.a.b=value, anywhere on the line; --print_config lists them",
+                        flag_values=fv)
     flags.DEFINE_bool("print_config", False, "print every config field with its value (overrides "
                       "applied) and its description, then exit", flag_values=fv)
   if define is not None:

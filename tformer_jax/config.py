@@ -218,18 +218,19 @@ class ModelConfig:
     return d
 
 
-def _to_configdict(dc: Any) -> ml_collections.ConfigDict:
+def to_configdict(dc: Any) -> ml_collections.ConfigDict:
+  """A config dataclass (ModelConfig, its nested MoEConfig/RopeScaling) as the ConfigDict section."""
   out = {}
   for f in dataclasses.fields(dc):
     v = getattr(dc, f.name)
-    out[f.name] = _to_configdict(v) if dataclasses.is_dataclass(v) else v
+    out[f.name] = to_configdict(v) if dataclasses.is_dataclass(v) else v
   return ml_collections.ConfigDict(out)
 
 
 def default_config() -> ml_collections.ConfigDict:
   """The whole schema with defaults. Experiment files override fields of this."""
   c = ml_collections.ConfigDict()
-  c.model = _to_configdict(ModelConfig())
+  c.model = to_configdict(ModelConfig())
 
   c.data = ml_collections.ConfigDict(dict(
       corpus="shakespeare",          # shakespeare | kjv | text:PATH | prepared:DIR (tformer-prepare) | synthetic:TASK
@@ -277,7 +278,7 @@ def default_config() -> ml_collections.ConfigDict:
       sample_tokens=200,             # tokens sampled at the end of training (0 = none)
       sample_prompt="ROMEO:",        # the prompt of that sample
       stats_every=0,                 # 0 = off; training-time layer statistics
-      init_from="",                  # an Orbax workdir or checkpoint to fine-tune from
+      init_from="",                  # fine-tune from: a workdir or hf:DIR (its architecture and tokenizer too)
       loss_chunk=0,                  # > 0: the loss holds ~this many tokens' logits at a time (ops/losses.py)
   ))
   c.mesh = ml_collections.ConfigDict(dict(
@@ -681,7 +682,11 @@ def _validate_train(t: Any, check_paths: bool) -> None:
   if t.get("loss_chunk", 0) < 0:
     _fail("train.loss_chunk", f"must be >= 0 (tokens of logits per chunk; 0 = the full logits), got {t.loss_chunk}")
   init_from = str(t.get("init_from", "") or "")
-  if check_paths and init_from and "://" not in init_from:      # gs://... is checked by Orbax
+  if check_paths and init_from.startswith("hf:"):
+    src = pathlib.Path(init_from[3:]).expanduser()
+    if not (src / "config.json").is_file():
+      _fail("train.init_from", f"{init_from}: not a Hugging Face model directory (no config.json in {src.resolve()})")
+  elif check_paths and init_from and "://" not in init_from:      # gs://... is checked by Orbax
     src = pathlib.Path(init_from).expanduser()
     if not src.exists():
       _fail("train.init_from", f"{init_from}: no such directory or file ({src.resolve()}); it must name a "

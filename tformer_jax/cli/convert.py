@@ -1,11 +1,14 @@
 """Convert between Hugging Face model directories and training workdirs.
 
-  python scripts/convert.py --from-hf path/to/hf_model --to runs/my_finetune
-      -> runs/my_finetune/config.json (a full experiment config) + an Orbax checkpoint at step 0
-         holding {'params': ...}; the HF tokenizer.json (if any) is copied and set as data.tokenizer.
-         Fine-tune with train.init_from=runs/my_finetune, sample with generate.py --workdir.
-  python scripts/convert.py --from runs/my_finetune --to-hf out/hf_model [--family llama]
-      -> config.json + model.safetensors that transformers' from_pretrained loads (and tokenizer.json).
+  tformer-convert --from-hf path/to/hf_model --to runs/converted
+      -> runs/converted/config.json (a full experiment config) + an Orbax checkpoint at step 0
+         holding {'params': ...}; the HF tokenizer files (tokenizer.json, tokenizer_config.json,
+         special_tokens_map.json, generation_config.json) are copied and tokenizer.json set as
+         data.tokenizer. Train from it with --config=runs/converted (its config) and
+         --config.train.init_from=runs/converted, or skip this step: train.init_from=hf:DIR.
+  tformer-convert --from runs/my_finetune --to-hf out/hf_model [--family llama]
+      -> config.json + model.safetensors that transformers' from_pretrained loads, the run's tokenizer
+         files, and its bos/eos/pad ids in config.json and generation_config.json.
          Without --family, the first family that reproduces the architecture exactly; a model that
          no family holds is refused with the fields that differ.
 
@@ -25,14 +28,15 @@ from typing import Sequence
 
 import ml_collections
 
-from tformer_jax import cli_common
+from tformer_jax import cli_common, decode_io
 from tformer_jax.checkpoint import Checkpointer, CheckpointError, restore_params
 from tformer_jax.config import ConfigError, ModelConfig, default_config
-from tformer_jax.interop.hf import HFConfigError, HFWeightsError, load_hf, save_hf
+from tformer_jax.data.corpora import DataError
+from tformer_jax.interop.hf import TOKENIZER_FILES, HFConfigError, HFWeightsError, load_hf, save_hf, special_token_ids
 
 # What a user can cause (bad paths or permissions, malformed or unsafe HF files, checkpoints, configs,
 # architectures): one line, exit status 2. Anything else is a bug and keeps its traceback.
-USER_ERRORS = (HFConfigError, HFWeightsError, CheckpointError, ConfigError, OSError)
+USER_ERRORS = (HFConfigError, HFWeightsError, CheckpointError, ConfigError, DataError, OSError)
 
 
 def hf_to_workdir(hf_dir: str | pathlib.Path, workdir: str | pathlib.Path, step: int = 0) -> pathlib.Path:
@@ -46,8 +50,10 @@ def hf_to_workdir(hf_dir: str | pathlib.Path, workdir: str | pathlib.Path, step:
   cfg.model = ml_collections.ConfigDict(dataclasses.asdict(model.cfg))
   cfg.data.seq_len = min(cfg.data.seq_len, model.cfg.max_len)
   work.mkdir(parents=True, exist_ok=True)
-  if (hf_dir / "tokenizer.json").is_file():
-    shutil.copyfile(hf_dir / "tokenizer.json", work / "tokenizer.json")
+  for name in TOKENIZER_FILES:             # the tokenizer and its bos/eos/pad ids travel with the weights
+    if (hf_dir / name).is_file():
+      shutil.copyfile(hf_dir / name, work / name)
+  if (work / "tokenizer.json").is_file():
     cfg.data.tokenizer = "hf:" + str(work / "tokenizer.json")
   (work / "config.json").write_text(cfg.to_json_best_effort(indent=2) + "\n")
   ckpt = Checkpointer(ckpt_dir)
@@ -61,16 +67,28 @@ def hf_to_workdir(hf_dir: str | pathlib.Path, workdir: str | pathlib.Path, step:
 
 def workdir_to_hf(workdir: str | pathlib.Path, hf_dir: str | pathlib.Path, family: str | None = None,
                   step: int | None = None) -> pathlib.Path:
-  """Export the params of `workdir`'s latest checkpoint (or `step`) as a Hugging Face directory."""
+  """Export the params of `workdir`'s latest checkpoint (or `step`) as a Hugging Face directory, with
+  the run's tokenizer files (an hf: tokenizer) and its bos/eos/pad ids in config.json and
+  generation_config.json."""
   cfg, params = restore_params(workdir, step)
-  out = save_hf(ModelConfig.from_config(cfg.model), params, hf_dir, family)
-  tok = str(cfg.get("data", {}).get("tokenizer", ""))
-  if tok.startswith("hf:"):
-    src = pathlib.Path(tok[3:])
-    src = src / "tokenizer.json" if src.is_dir() else src
-    if src.is_file():
-      shutil.copyfile(src, out / "tokenizer.json")
-  return out
+  tok_spec = str(cfg.get("data", {}).get("tokenizer", ""))
+  tok_dir = None
+  if tok_spec.startswith("hf:"):
+    src = pathlib.Path(tok_spec[3:])
+    tok_dir = src if src.is_dir() else src.parent
+  out = pathlib.Path(hf_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  if tok_dir is not None:
+    for name in TOKENIZER_FILES:
+      if (tok_dir / name).is_file():
+        shutil.copyfile(tok_dir / name, out / name)
+  ids = None
+  try:
+    tokenizer = decode_io.tokenizer_from_config(cfg)
+    ids = special_token_ids(tokenizer, tok_dir)
+  except (DataError, OSError) as e:       # a tokenizer this machine cannot load: export the weights anyway
+    print(f"note: no bos/eos/pad ids written ({e})", file=sys.stderr)
+  return save_hf(ModelConfig.from_config(cfg.model), params, out, family, token_ids=ids)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

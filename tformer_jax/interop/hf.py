@@ -782,10 +782,13 @@ def load_hf(src: str | os.PathLike | Any) -> tuple[Transformer, dict[str, Any]]:
 
 
 def save_hf(model: Transformer | ModelConfig, params: Mapping[str, Any], path: str | os.PathLike,
-            family: str | None = None, *, max_shard_bytes: int = 4 << 30) -> pathlib.Path:
+            family: str | None = None, *, max_shard_bytes: int = 4 << 30,
+            token_ids: Mapping[str, int | None] | None = None) -> pathlib.Path:
   """Write config.json + model.safetensors (sharded with an index above `max_shard_bytes`) that
   transformers' AutoModelForCausalLM (AutoModel for bert) loads. `family` defaults to the first one
-  that reproduces the model exactly; a family that cannot raises HFConfigError naming the field."""
+  that reproduces the model exactly; a family that cannot raises HFConfigError naming the field.
+  token_ids ({'bos_token_id', 'eos_token_id', 'pad_token_id'}: `special_token_ids`) go into
+  config.json and a generation_config.json (what `generate` stops and pads with)."""
   cfg = model.cfg if isinstance(model, Transformer) else model
   family = family or infer_family(cfg)
   fam = get_family(family)
@@ -793,10 +796,41 @@ def save_hf(model: Transformer | ModelConfig, params: Mapping[str, Any], path: s
   tensors = export_tensors(fam, dataclasses.replace(cfg, scan_layers=False), params)
   d = pathlib.Path(path)
   d.mkdir(parents=True, exist_ok=True)
-  hf_cfg = {**hf_cfg, "dtype": "float32"}
+  ids = {k: v for k, v in (token_ids or {}).items() if v is not None}
+  hf_cfg = {**hf_cfg, "dtype": "float32", **ids}
   (d / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
+  if ids and not (d / "generation_config.json").is_file():
+    (d / "generation_config.json").write_text(json.dumps(ids, indent=2, sort_keys=True) + "\n")
   _write_safetensors(tensors, d, max_shard_bytes)
   return d
+
+
+# Files beside an HF model that describe its tokenizer and generation: carried by scripts/convert.py.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def special_token_ids(tokenizer: Any, hf_dir: str | os.PathLike | None = None) -> dict[str, int | None]:
+  """{'bos_token_id', 'eos_token_id', 'pad_token_id'}: an HF directory's own (config.json,
+  generation_config.json) where it states them, else the tokenizer's bos/eos ids; pad falls back to
+  eos (what Llama-style models use), None where there is nothing to say."""
+  out: dict[str, int | None] = {"bos_token_id": getattr(tokenizer, "bos_id", None),
+                                "eos_token_id": getattr(tokenizer, "eos_id", None), "pad_token_id": None}
+  for name in ("config.json", "generation_config.json"):
+    f = pathlib.Path(hf_dir) / name if hf_dir is not None else None
+    if f is not None and f.is_file():
+      try:
+        stated = json.loads(f.read_text())
+      except (OSError, ValueError):
+        continue
+      for key in out:
+        value = stated.get(key) if isinstance(stated, dict) else None
+        if isinstance(value, list):          # generation_config may list several eos ids
+          value = value[0] if value else None
+        if isinstance(value, int):
+          out[key] = value
+  if out["pad_token_id"] is None:
+    out["pad_token_id"] = out["eos_token_id"]
+  return out
 
 
 def load_hf_tokenizer(path: str | os.PathLike) -> Any:

@@ -1,0 +1,29 @@
+"""Fine-tune a Hugging Face causal LM (Llama, Mistral, Qwen2, GPT-2, ... : tformer_jax/interop) on a corpus.
+
+  tformer-train --config=configs/finetune_hf.py --config.train.init_from=hf:path/to/model \
+      --config.data.corpus=text:my_texts/ --workdir=runs/ft
+  tformer-eval --workdir=runs/ft                                   # the run's validation split
+  tformer-convert --from runs/ft --to-hf out/ft                    # back to transformers
+
+train.init_from=hf:DIR gives the run the model's architecture and its tokenizer.json (with the bos/eos
+ids of its tokenizer_config.json); this file only sets how to train: a small constant-after-warmup
+learning rate, no weight decay, clipping at 1 (add --config.train.precision=bf16 on a GPU/TPU).
+Without init_from it trains its own small Llama from scratch, which is rarely what you want here.
+Measured (tests/test_finetune.py's setting: a 2-layer random transformers Llama with a 320-token
+byte-level BPE, 12 steps of 8 x 32 tokens on Shakespeare at peak_lr 3e-3, 2 CPU cores): train loss
+5.77 -> 5.13, val 5.06; the export reloads in transformers with our logits (1e-4).
+"""
+from tformer_jax.config import default_config
+
+
+def get_config():
+  c = default_config()
+  m = c.model                        # replaced by the source's architecture when init_from is set
+  m.d_model, m.num_layers, m.num_heads, m.num_kv_heads = 256, 4, 8, 2
+  m.position, m.norm, m.activation, m.tie_embeddings, m.max_len = "rope", "rmsnorm", "swiglu", False, 1024
+  c.data.corpus, c.data.seq_len, c.data.batch_size = "shakespeare", 512, 8
+  o = c.optim
+  o.peak_lr, o.schedule, o.warmup_steps, o.weight_decay, o.clip_norm = 2e-5, "constant", 20, 0.0, 1.0
+  c.train.steps, c.train.eval_every, c.train.ckpt_every, c.train.log_every = 500, 100, 250, 10
+  c.train.init_from = ""             # --config.train.init_from=hf:DIR (or a training workdir)
+  return c
