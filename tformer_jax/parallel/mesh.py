@@ -1,6 +1,7 @@
 """Device mesh from config: `mesh.shape` over `mesh.axes` (data, fsdp, tensor[, expert]), -1 = the rest.
 
-`mesh.num_devices` (0 = all) restricts the mesh to the first N devices. `check_layout` and
+`mesh.num_devices` (0 = all) restricts the mesh to the first N devices. On several TPU slices the
+'data' axis spans the slices (DCN) and the others stay within a slice (`make_mesh`). `check_layout` and
 `check_shardings` turn every layout the mesh cannot split evenly into a ConfigError before compiling;
 `traced_under` makes the model's logical sharding constraints effective inside a jitted function.
 """
@@ -13,7 +14,7 @@ from typing import Any, Callable, Sequence
 import flax.linen as nn
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
+from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from tformer_jax.config import ConfigError
@@ -49,14 +50,46 @@ def select_devices(mesh_cfg) -> list[jax.Device]:
 
 
 def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A mesh with Auto axis types (what linen logical partitioning needs)."""
+  """A mesh with Auto axis types (what linen logical partitioning needs). Devices of several TPU
+  slices (multi-slice: a `slice_index` per device) get a hybrid mesh: `slice_axis` spans the slices
+  over the data-center network (DCN), every other axis stays inside a slice (ICI)."""
   devices = list(select_devices(mesh_cfg) if devices is None else devices)
   shape = resolve_shape(mesh_cfg.shape, len(devices))
   axes = tuple(mesh_cfg.axes)
+  types = (AxisType.Auto,) * len(axes)
+  slices = num_slices(devices)
+  if slices > 1:
+    ici, dcn = hybrid_shapes(shape, axes, slices)
+    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
+    return Mesh(grid, axes, axis_types=types)
   try:
-    return jax.make_mesh(shape, axes, axis_types=(AxisType.Auto,) * len(axes), devices=devices)
+    return jax.make_mesh(shape, axes, axis_types=types, devices=devices)
   except TypeError:  # older signature without devices=
-    return Mesh(np.asarray(devices).reshape(shape), axes, axis_types=(AxisType.Auto,) * len(axes))
+    return Mesh(np.asarray(devices).reshape(shape), axes, axis_types=types)
+
+
+def num_slices(devices: Sequence[jax.Device]) -> int:
+  """How many TPU slices `devices` span (1 for GPUs, CPUs and a single slice)."""
+  return len({getattr(d, "slice_index", 0) for d in devices})
+
+
+def slice_axis(axes: Sequence[str]) -> str:
+  """The mesh axis that spans the slices of a multi-slice run: 'data' (pure data parallelism: only
+  the gradient reduction crosses the slower DCN), or the first axis when there is no 'data' axis."""
+  return "data" if "data" in axes else axes[0]
+
+
+def hybrid_shapes(shape: Sequence[int], axes: Sequence[str], slices: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """(per-slice ICI shape, DCN shape) of `shape` over `slices` slices (`slice_axis` spans them)."""
+  name = slice_axis(axes)
+  i = list(axes).index(name)
+  if shape[i] % slices:
+    raise ConfigError(f"mesh.shape: {tuple(shape)} over {slices} TPU slices: the {name!r} axis spans the "
+                      f"slices (DCN), so its size ({shape[i]}) must be a multiple of {slices}; e.g. "
+                      f"mesh.shape with {name}={slices}")
+  ici = tuple(s // slices if j == i else s for j, s in enumerate(shape))
+  dcn = tuple(slices if j == i else 1 for j in range(len(shape)))
+  return ici, dcn
 
 
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:

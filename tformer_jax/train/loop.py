@@ -6,8 +6,6 @@ from the latest good checkpoint, so a resumed run continues bit-for-bit.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
 import logging
 import math
@@ -25,13 +23,12 @@ from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from tformer_jax import backends, config as config_lib, decode
-from tformer_jax.checkpoint import Checkpointer, CheckpointError, restore_params
+from tformer_jax.checkpoint import Checkpointer
 from tformer_jax.data import pipeline
-from tformer_jax.nn import Transformer
-from tformer_jax.parallel import mesh as mesh_lib, pmap as pmap_lib, rules as rules_lib
-from tformer_jax.train import optim, precision, state as state_lib, step as step_lib, workdir as workdir_lib
-from tformer_jax.train.metrics import MetricWriter
-from tformer_jax.train.stats import make_stats_fn
+from tformer_jax.parallel import mesh as mesh_lib, pmap as pmap_lib
+from tformer_jax.train import init_from, setup as setup_lib, state as state_lib, workdir as workdir_lib
+from tformer_jax.train.metrics import MetricWriter, bytes_per_token, eval_summary
+from tformer_jax.train.setup import resolve_model_config as resolve_model_config  # re-exported (bench, tests)
 
 log = logging.getLogger("tformer_jax")
 
@@ -52,17 +49,6 @@ def prepare_workdir(workdir: str | os.PathLike) -> pathlib.Path:
   return path
 
 
-def resolve_model_config(cfg: ml_collections.ConfigDict, vocab_size: int | None = None) -> config_lib.ModelConfig:
-  """Validated ModelConfig, with the precision policy's compute dtype applied."""
-  m = config_lib.validate(cfg)
-  policy = precision.get_policy(cfg.train.precision)
-  m = dataclasses.replace(m, **policy.model_overrides())
-  if vocab_size is not None and m.vocab_size < vocab_size:
-    raise config_lib.ConfigError(f"model.vocab_size: {m.vocab_size} is smaller than the tokenizer's "
-                                 f"vocabulary ({vocab_size}); set --config.model.vocab_size={vocab_size}")
-  return m
-
-
 def _install_stop_handlers() -> dict[str, Any]:
   flag = {"signal": None}
 
@@ -77,16 +63,10 @@ def _install_stop_handlers() -> dict[str, Any]:
   return flag
 
 
-def bytes_per_token(ds) -> float:
-  if getattr(ds.tokenizer, "name", "") == "byte" or ds.val_tokens is None:
-    return 1.0
-  sample = ds.val_tokens[: 200_000]
-  return max(1e-9, len(ds.tokenizer.decode(sample).encode("utf-8")) / max(1, len(sample)))
-
-
 def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[str, float]:
   """Train (or resume) the experiment `cfg` in `workdir`. Returns the final metrics."""
   config_lib.validate(cfg)  # fail on config errors before touching data or compiling
+  cfg = init_from.with_source_architecture(cfg)   # fine-tuning: the source's architecture and tokenizer
   if not cfg.model.causal:
     raise config_lib.ConfigError("model.causal: train.py trains causal language models; an encoder "
                                  "(causal=False) has no next-token objective here")
@@ -133,17 +113,10 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
   is_main = jax.process_index() == 0
 
   ds = pipeline.build_dataset(cfg.data)
-  mcfg = resolve_model_config(cfg, ds.vocab_size)
-  rules = rules_lib.get_rules(cfg.mesh.rules, mesh.axis_names)
-
-  model = Transformer(mcfg)
-  tx, schedule = optim.make_optimizer(cfg.optim, cfg.train.steps, runtime.backend)
-  policy = precision.get_policy(cfg.train.precision)
-  init = state_lib.init_fn(model, tx, policy.initial_loss_scale(), cfg.data.seq_len)
+  # model, optimizer, abstract sharded state and the jitted steps: the same builder as tformer_jax/aot.py
+  program = setup_lib.build(cfg, mesh, runtime.backend, vocab_size=ds.vocab_size)
+  model, rules, abstract, shardings = program.model, program.rules, program.abstract, program.shardings
   rng = jax.random.PRNGKey(cfg.train.seed)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    abstract, shardings = state_lib.state_shardings(init, rng, mesh, rules)
-  mesh_lib.check_shardings(abstract, mesh)
   ckpt = Checkpointer(work / "checkpoints", max_to_keep=cfg.train.max_to_keep)
   restored = ckpt.restore(abstract, require_data_state=True)   # a step without its iterator is damage
   it = pipeline.train_iterator(ds, cfg.data, process_index=jax.process_index(),
@@ -155,33 +128,21 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
     log.info("resumed from step %d", start)
   else:
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-      state = state_lib.create_state(init, rng, shardings)
+      state = state_lib.create_state(program.init, rng, shardings)
     start = 0
     if cfg.train.init_from:
-      state = state.replace(params=load_init_params(cfg.train.init_from, abstract.params))
+      state = state.replace(params=init_from.load_params(cfg.train.init_from, abstract.params,
+                                                         model.cfg.num_layers))
       log.info("initialised parameters from %s", cfg.train.init_from)
   n_params = state_lib.param_count(state.params)
   if is_main:  # only now: a config that cannot restore this workdir has changed nothing in it
     (work / "config.json").write_text(cfg.to_json_best_effort(indent=2))
     (work / "runtime.json").write_text(json.dumps(runtime.as_dict(), indent=2))
 
-  train_step = step_lib.make_train_step(model, tx, schedule, cfg.optim)
-  batch_sh = mesh_lib.batch_sharding(mesh)
+  batch_sh = program.batch_sharding
   use_pmap = cfg.mesh.parallelism == "pmap"
-  if use_pmap:  # replicated state, batch split over local devices (tformer_jax/parallel/pmap.py)
-    jstep = pmap_lib.make_train_step(
-        step_lib.make_train_step(model, tx, schedule, cfg.optim, axis_name=pmap_lib.AXIS), mesh, shardings)
-    jeval = pmap_lib.make_eval_step(functools.partial(step_lib.eval_step, model=model), mesh)
-  else:  # traced under the rules, so the model's activation constraints take effect
-    jstep = jax.jit(mesh_lib.traced_under(train_step, mesh, rules), in_shardings=(shardings, batch_sh),
-                    out_shardings=(shardings, None), donate_argnums=(0,))
-    jeval = jax.jit(mesh_lib.traced_under(lambda p, b: step_lib.eval_step(p, b, model=model), mesh, rules),
-                    in_shardings=(shardings.params, batch_sh))
-
-  stats_every, jstats = int(cfg.train.get("stats_every", 0)), None
-  if stats_every > 0 and cfg.mesh.parallelism != "pmap":  # layer statistics, train/stats.py
-    jstats = jax.jit(mesh_lib.traced_under(make_stats_fn(model, tx), mesh, rules),
-                     in_shardings=(shardings, batch_sh))
+  jstep, jeval, jstats = program.train_step, program.eval_step, program.stats_step
+  stats_every = int(cfg.train.get("stats_every", 0))
 
   def to_global(local: dict) -> dict:
     if use_pmap:
@@ -195,12 +156,11 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
 
   def evaluate(params) -> dict[str, float]:
     sums = [jeval(params, b) for b in eval_set]
-    tot = {k: float(sum(float(s[k]) for s in sums)) for k in sums[0]}
-    loss = tot["nll_sum"] / max(tot["count"], 1.0)
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
-            "val_bpb": loss / math.log(2) / bpt, "val_accuracy": tot["correct"] / max(tot["count"], 1.0)}
+    return eval_summary({k: float(sum(float(s[k]) for s in sums)) for k in sums[0]}, bpt)
 
-  writer = MetricWriter(work, enabled=is_main, truncate_after=start)
+  loggers = [x.strip() for x in str(cfg.train.get("loggers", "jsonl,tensorboard")).split(",") if x.strip()]
+  writer = MetricWriter(work, enabled=is_main, truncate_after=start, loggers=loggers,
+                        run_config=cfg.to_dict(), project=str(cfg.train.get("wandb_project", "tformer_jax")))
   if is_main:
     log.info("model: %s parameters; mesh %s; rules %s", f"{n_params:,}", dict(mesh.shape), cfg.mesh.rules)
   tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
@@ -293,21 +253,6 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
   final["params"] = n_params
   final["step"] = int(state.step)
   return final
-
-
-def load_init_params(source: str, abstract_params: Any) -> Any:
-  """Parameters of another run (or a converted HF model) to fine-tune from, checked against ours."""
-  _, params = restore_params(source)
-  flat = lambda t: {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(t)[0]}  # noqa: E731
-  ours, theirs = flat(abstract_params), flat(params)
-  diffs = [f"{k}: ours {a.shape} vs {theirs[k].shape if k in theirs else 'missing'}"
-           for k, a in ours.items() if k not in theirs or tuple(theirs[k].shape) != tuple(a.shape)]
-  diffs += [f"{k}: not in this model" for k in theirs if k not in ours]
-  if diffs:
-    raise CheckpointError(f"train.init_from={source}: parameters do not match this config:\n  "
-                          + "\n  ".join(diffs[:20]))
-  leaves = [jax.device_put(np.asarray(theirs[k], a.dtype), a.sharding) for k, a in ours.items()]
-  return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract_params), leaves)
 
 
 def sample_text(model, params, tokenizer, cfg, seed: int = 0) -> str:

@@ -1,0 +1,119 @@
+"""What a training run compiles, built from the config without allocating an array.
+
+  program = build(cfg, mesh, backend, vocab_size=ds.vocab_size)
+  program.abstract          # the TrainState as ShapeDtypeStructs carrying their NamedShardings
+  program.train_step        # jit(in_shardings=(state, batch), out_shardings=(state, None), donate state)
+  program.train_step.lower(program.abstract, abstract_batch(cfg, mesh)).compile()   # ahead of time
+
+train/loop.py runs `train_step` on arrays; tformer_jax/aot.py lowers the very same function on abstract
+inputs for a TPU topology. One builder serves both, so the compiled figures are those of the step the
+loop runs: same model config (train.precision applied), logical-axis rules, optimizer and state tree,
+shardings, donation, remat/scan. Nothing here touches data, a workdir or device memory: `init` is only
+traced (jax.eval_shape) for the abstract state; the loop materialises it with `state.create_state`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from tformer_jax import backends, config as config_lib
+from tformer_jax.nn import Transformer
+from tformer_jax.parallel import mesh as mesh_lib, pmap as pmap_lib, rules as rules_lib
+from tformer_jax.train import optim, precision, state as state_lib, step as step_lib
+from tformer_jax.train.stats import make_stats_fn
+
+Step = Callable[..., Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainProgram:
+  """The compiled pieces of a run and everything they were built from."""
+  model_config: config_lib.ModelConfig
+  model: Transformer
+  mesh: Mesh
+  rules: rules_lib.Rules
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+  init: Callable[[jax.Array], state_lib.TrainState]  # rng -> boxed state (materialise: state.create_state)
+  abstract: state_lib.TrainState                     # ShapeDtypeStructs with their shardings
+  shardings: state_lib.TrainState                    # NamedShardings of the state
+  batch_sharding: NamedSharding
+  train_step: Step                                   # (state, batch) -> (state, metrics); state donated
+  eval_step: Step                                    # (params, batch) -> {nll_sum, count, correct}
+  stats_step: Step | None                            # (state, batch) -> layer statistics (train.stats_every)
+
+
+def resolve_model_config(cfg: ml_collections.ConfigDict, vocab_size: int | None = None, *,
+                         check_paths: bool = True) -> config_lib.ModelConfig:
+  """Validated ModelConfig, with the precision policy's compute dtype applied. check_paths=False: the
+  run's files (corpus, tokenizer, init_from) need not exist here (ahead-of-time compilation)."""
+  m = config_lib.validate(cfg, check_paths=check_paths)
+  policy = precision.get_policy(cfg.train.precision)
+  m = dataclasses.replace(m, **policy.model_overrides())
+  if vocab_size is not None and m.vocab_size < vocab_size:
+    raise config_lib.ConfigError(f"model.vocab_size: {m.vocab_size} is smaller than the tokenizer's "
+                                 f"vocabulary ({vocab_size}); set --config.model.vocab_size={vocab_size}")
+  return m
+
+
+def build(cfg: ml_collections.ConfigDict, mesh: Mesh, backend: backends.Backend, *,
+          vocab_size: int | None = None, check_paths: bool = True) -> TrainProgram:
+  """The run's model, optimizer, abstract sharded state and jitted (or pmapped) steps over `mesh`.
+
+  Raises ConfigError for a layout the mesh cannot split (batch, heads, experts, any parameter
+  dimension) before anything compiles. Trace the steps under `backends.use(backend)`."""
+  mesh_lib.check_layout(cfg, mesh)
+  m = resolve_model_config(cfg, vocab_size, check_paths=check_paths)
+  rules = rules_lib.get_rules(cfg.mesh.rules, mesh.axis_names)
+  model = Transformer(m)
+  tx, schedule = optim.make_optimizer(cfg.optim, cfg.train.steps, backend)
+  policy = precision.get_policy(cfg.train.precision)
+  init = state_lib.init_fn(model, tx, policy.initial_loss_scale(), cfg.data.seq_len)
+  rng = jax.ShapeDtypeStruct((2,), jnp.uint32)   # a PRNGKey's shape: the state is only traced here
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    abstract, shardings = state_lib.state_shardings(init, rng, mesh, rules)
+  mesh_lib.check_shardings(abstract, mesh)
+
+  batch_sh = mesh_lib.batch_sharding(mesh)
+  eval_fn = functools.partial(step_lib.eval_step, model=model)
+  stats_step = None
+  if cfg.mesh.parallelism == "pmap":  # replicated state, batch split over local devices (parallel/pmap.py)
+    train_step = pmap_lib.make_train_step(
+        step_lib.make_train_step(model, tx, schedule, cfg.optim, axis_name=pmap_lib.AXIS), mesh, shardings)
+    eval_step = pmap_lib.make_eval_step(eval_fn, mesh)
+  else:  # traced under the rules, so the model's activation constraints take effect
+    train_step = jax.jit(mesh_lib.traced_under(step_lib.make_train_step(model, tx, schedule, cfg.optim), mesh, rules),
+                         in_shardings=(shardings, batch_sh), out_shardings=(shardings, None), donate_argnums=(0,))
+    eval_step = jax.jit(mesh_lib.traced_under(eval_fn, mesh, rules), in_shardings=(shardings.params, batch_sh))
+    if int(cfg.train.get("stats_every", 0)) > 0:  # layer statistics, train/stats.py
+      stats_step = jax.jit(mesh_lib.traced_under(make_stats_fn(model, tx), mesh, rules),
+                           in_shardings=(shardings, batch_sh))
+  return TrainProgram(m, model, mesh, rules, tx, schedule, init, abstract, shardings, batch_sh,
+                      train_step, eval_step, stats_step)
+
+
+def batch_spec(data_cfg: Any) -> dict[str, tuple[tuple[int, ...], Any]]:
+  """{key: (global shape, dtype)} of one training batch as data.pipeline yields it: 'inputs' and
+  'targets' int32 (batch_size, seq_len); document packing adds 'segment_ids', 'positions' (int32) and a
+  float32 'loss_mask'; synthetic tasks add a 'loss_mask'."""
+  shape = (int(data_cfg.batch_size), int(data_cfg.seq_len))
+  spec: dict[str, tuple[tuple[int, ...], Any]] = {"inputs": (shape, jnp.int32), "targets": (shape, jnp.int32)}
+  if data_cfg.get("packing", "packed") == "document":
+    spec.update(segment_ids=(shape, jnp.int32), positions=(shape, jnp.int32), loss_mask=(shape, jnp.float32))
+  elif str(data_cfg.get("corpus", "")).startswith("synthetic:"):
+    spec["loss_mask"] = (shape, jnp.float32)
+  return spec
+
+
+def abstract_batch(cfg: ml_collections.ConfigDict, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
+  """One global training batch (`batch_spec`) as ShapeDtypeStructs, sharded as the loop shards it."""
+  sh = mesh_lib.batch_sharding(mesh)
+  return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sh) for k, (shape, dtype) in batch_spec(cfg.data).items()}
