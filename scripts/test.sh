@@ -10,6 +10,11 @@ PY=${PYTHON:-python3}
 # torch pinned exactly: a CPU wheel; any looser spec pulls a multi-GB CUDA build.
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
 "$VENV/bin/python" -m pip install -q -e ".[test,reference]"
+# Ahead-of-time TPU compilation (tests/test_aot.py): the tpu-aot extra, i.e. the libtpu wheel (~210 MB) that
+# jax[tpu] pins for the jax just installed (kept: no other jax is tried). Optional: without it those tests skip.
+JAX_VERSION=$("$VENV/bin/python" -c "import jax; print(jax.__version__)")
+"$VENV/bin/python" -m pip install -q -e ".[tpu-aot]" "jax==$JAX_VERSION" \
+  || echo "note: libtpu not installed (the tpu-aot extra); tests/test_aot.py skips"
 # Optional real corpus for the kjv tests (Debian); the suite skips those cases without it.
 if ! command -v bible >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && apt-get install -y -qq bible-kjv) >/dev/null 2>&1 || echo "note: bible-kjv not installed"

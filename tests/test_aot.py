@@ -1,0 +1,138 @@
+"""Ahead-of-time compilation of the real train step for TPU topologies on this CPU (tformer_jax/aot.py).
+
+Needs libtpu (the `tpu-aot` extra, installed by scripts/test.sh); without it every test here skips with
+the reason. One tiny Llama-style config (MHA 4 x 128, d_model 512 so every FSDP shard is a whole TPU
+tile, 2 scanned layers, float32) is compiled for v5e:2x2 (4 chips) sharded and unsharded, for 2 slices
+of it, and a large one that does not fit; each compile takes seconds.
+"""
+import contextlib
+import io
+import json
+import math
+import re
+
+import jax
+import pytest
+
+from tformer_jax import aot, cli_common
+from tformer_jax.parallel import mesh as mesh_lib
+
+OK, WHY = aot.libtpu_available()
+pytestmark = pytest.mark.skipif(not OK, reason=WHY)
+
+V, D, L, H, FF, SEQ, BATCH = 512, 512, 2, 4, 1024, 128, 8
+TINY = ["--config=configs/llama_tiny.py", f"--config.model.vocab_size={V}", f"--config.model.d_model={D}",
+        f"--config.model.num_layers={L}", f"--config.model.num_heads={H}", f"--config.model.num_kv_heads={H}",
+        f"--config.model.d_ff={FF}", f"--config.model.max_len={SEQ}", "--config.model.scan_layers=true",
+        f"--config.data.seq_len={SEQ}", f"--config.data.batch_size={BATCH}", "--config.train.steps=10",
+        "--config.optim.warmup_steps=1"]
+FSDP = ["--config.mesh.shape=(1,-1,1)", "--config.mesh.rules=fsdp"]
+GiB = 1024 ** 3
+# parameters by hand: every weight has an 'embed' axis (split by fsdp) except the RMSNorm scales
+# (logical axis 'norm': always replicated)
+NORMS = (2 * L + 1) * D
+WEIGHTS = V * D + D * V + L * (4 * D * D + 3 * D * FF)
+
+
+def run_aot(*flags: str) -> tuple[int, dict | None, str, str]:
+  """tformer-aot in this process, as a fresh process would run it (default matmul precision, not the
+  'highest' of conftest): (exit status, the last line's JSON, stdout, stderr)."""
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), jax.default_matmul_precision("default"):
+    status = cli_common.run_main(aot.main, [*TINY, *flags])
+  lines = out.getvalue().strip().splitlines()
+  last = json.loads(lines[-1]) if status in (0, 3) else None
+  return status, last, out.getvalue(), err.getvalue()
+
+
+def entry_parameters(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
+  """(dtype, per-device shape) of each argument of the compiled program's entry computation."""
+  entry = hlo[hlo.index("\nENTRY "):]
+  entry = entry[: entry.index("\n}")]
+  return [(t, tuple(int(d) for d in dims.split(",") if d))
+          for t, dims in re.findall(r"= (\w+)\[([\d,]*)\][^ ]* parameter\(", entry)]
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory):
+  hlo = tmp_path_factory.mktemp("aot") / "step.hlo"
+  status, report, out, _ = run_aot("--topology=v5e:2x2", *FSDP, f"--hlo={hlo}")
+  return status, report, out, hlo.read_text()
+
+
+def test_fsdp_step_fits_and_its_arguments_are_the_sharded_state(fsdp):
+  status, r, out, hlo = fsdp
+  assert status == 0 and r["fits"] is True, out
+  assert (r["topology"], r["devices"], r["device_kind"], r["mesh"]) == (
+      "v5e:2x2", 4, "TPU v5 lite", {"data": 1, "fsdp": 4, "tensor": 1})
+  assert r["hbm_bytes"] == 16 * GiB and 0 < r["per_device_bytes"] <= r["hbm_bytes"]
+  params = 4 * (WEIGHTS // 4 + NORMS)                                    # float32, fsdp = 4
+  assert r["state_bytes"]["params"] == params
+  assert 0 <= r["state_bytes"]["opt_state"] - 2 * params <= 64           # AdamW mu + nu (+ step counts)
+  assert r["batch_bytes"] == 2 * (BATCH // 4) * SEQ * 4                   # inputs + targets, int32
+  # XLA's per-device arguments are exactly those shards: the same bytes once TPU's tiling pads each
+  # scalar or short vector (< 128 elements) to a 128-element tile; every other shard is whole tiles
+  args = entry_parameters(hlo)
+  small = [(t, s) for t, s in args if math.prod(s) < 128]
+  padding = sum((128 - math.prod(s)) * 4 for t, s in small)
+  state = sum(r["state_bytes"].values())
+  assert r["memory"]["argument"] == state + r["batch_bytes"] + padding
+  assert ("f32", (L, D // 4, H, D // H)) in args and ("f32", (D // 4, V)) in args    # wq, head shards
+  assert r["memory"]["alias"] >= state                                   # the donated state is reused
+  # FSDP: parameters gathered for the matmuls, gradients reduce-scattered back (XLA:TPU may run either
+  # as a ring of collective-permutes inside a collective matmul)
+  c = r["collectives"]
+  assert c["all-gather"]["count"] + c["collective-permute"]["count"] > 0
+  assert c["reduce-scatter"]["count"] + c["collective-permute"]["count"] > 0
+  # XLA's FLOPs against the formula counted the way XLA counts a scanned stack (the body once)
+  assert r["flops_xla_per_device"] == pytest.approx(r["flops_formula_as_xla_counts_per_device"], rel=0.05)
+  assert "fits: yes" in out and "collectives per step per device" in out
+
+
+def test_no_collectives_when_the_mesh_shards_nothing(fsdp):
+  """Mesh (1, 1, 4) with rules 'dp': the 'tensor' axis shards no parameter and the batch axes have size
+  1, so the 4 devices each run the whole step: no collective at all (the FSDP step above has them)."""
+  status, r, out, _ = run_aot("--topology=v5e:2x2", "--config.mesh.shape=(1,1,4)", "--config.mesh.rules=dp",
+                              "--config.data.batch_size=2")      # a smaller replicated program compiles faster
+  assert status == 0 and r["fits"], out
+  assert all(c["count"] == 0 and c["bytes"] == 0 for c in r["collectives"].values()), r["collectives"]
+  assert sum(c["count"] for c in fsdp[1]["collectives"].values()) > 0
+  assert r["state_bytes"]["params"] == 4 * (WEIGHTS + NORMS)             # all replicated
+
+
+def test_two_slices_hybrid_mesh(tmp_path):
+  """2 x v5e:2x2 over DCN: the 'data' axis spans the slices, fsdp stays within one; gradients are
+  reduced across the slices."""
+  devices = aot.topology_devices("v5e:2x2", num_slices=2)
+  cfg = cli_common.load_config("configs/llama_tiny.py", {"mesh.shape": "(2,4,1)"})
+  mesh = mesh_lib.make_mesh(cfg.mesh, devices=devices)
+  assert [{d.slice_index for d in row.flat} for row in mesh.devices] == [{0}, {1}]
+  status, r, out, _ = run_aot("--topology=v5e:2x2", "--num_slices=2", "--config.mesh.shape=(2,4,1)",
+                              "--config.mesh.rules=fsdp", f"--json={tmp_path / 'r.json'}")
+  assert status == 0 and r["fits"] and r["devices"] == 8 and r["num_slices"] == 2, out
+  assert r["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
+  assert sum(c["count"] for c in r["collectives"].values()) > 0
+  assert json.loads((tmp_path / "r.json").read_text())["per_device_bytes"] == r["per_device_bytes"]
+
+
+def test_too_large_exits_3_with_xla_figures():
+  """A 2.1B-parameter float32 model replicated on every v5e chip (16 bytes a parameter with AdamW):
+  XLA:TPU refuses the program; the tool reports what it needed and exits 3."""
+  status, r, out, _ = run_aot("--topology=v5e:2x2", "--config.mesh.rules=dp", "--config.model.d_model=4096",
+                              "--config.model.num_layers=12", "--config.model.num_heads=32",
+                              "--config.model.num_kv_heads=8", "--config.model.d_ff=11008")
+  assert status == aot.EXIT_NO_FIT and r["fits"] is False, out
+  assert r["per_device_bytes"] > r["hbm_bytes"] > 0 and sum(r["state_bytes"].values()) > r["hbm_bytes"]
+  assert "fits: NO" in out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--topology=v9:2x2",), "error: --topology: 'v9:2x2':"),
+    (("--topology=v5e",), "error: --topology: expected GENERATION:SHAPE"),
+    (("--topology=v5e:2x2", "--config.mesh.shape=(1,8,1)"), "error: mesh.shape: (1, 8, 1) needs 8 devices"),
+    (("--topology=v5e:2x2", "--num_slices=2", *FSDP), "error: mesh.shape: (1, 8, 1) over 2 TPU slices"),
+    (("--topology=v5e:2x2", "--config.mesh.parallelism=pmap"), "error: mesh.parallelism:"),
+])
+def test_config_and_topology_errors_are_one_line_status_2(flags, message):
+  status, _, out, err = run_aot(*flags)
+  assert status == aot.EXIT_CONFIG and err.startswith(message) and len(err.strip().splitlines()) == 1, err

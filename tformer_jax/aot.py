@@ -1,0 +1,473 @@
+r"""Does this config compile and fit on that TPU topology? Ahead-of-time compilation on any host (a CPU).
+
+  tformer-aot --config=configs/scale/llama_70b.py --topology=v5p:4x4x4
+  python -m tformer_jax.aot --config=configs/scale/llama_8b.py --topology=v5e:4x4 --json=runs/aot_8b.json
+  python -m tformer_jax.aot --config=configs/llama_tiny.py --topology=v5e:2x2 --num_slices=2 \
+      --config.mesh.shape='(2,4,1)' --config.mesh.rules=fsdp
+
+libtpu (the `tpu-aot` extra, `pip install -e ".[tpu-aot]"`: the wheel `jax[tpu]` pins for the installed
+jax) describes a topology's devices with no TPU attached (`jax.experimental.topologies`). The mesh and
+logical-axis rules are built from the config over those devices exactly as a run builds them
+(`parallel.mesh.make_mesh`; several slices: a hybrid mesh whose 'data' axis spans the slices over DCN),
+and `train.setup.build` gives the train step train/loop.py runs: same function, shardings, donation,
+remat/scan, precision and optimizer state. It is lowered on abstract inputs (nothing is allocated) and
+compiled by XLA:TPU for the topology.
+
+Printed, per device: XLA's memory analysis (argument, output, aliased, temporary bytes, their sum, and
+XLA:TPU's own peak, which `per_device_bytes` and `fits` use) against the chip's HBM (`HBM_GIB_PER_CHIP`);
+the state's share of the arguments (parameters, optimizer, rest: sharded sizes computed from the
+shardings; the remainder is TPU tile padding); the step's FLOPs from XLA's cost analysis and from
+bench/flops.py's formula (also counted as XLA counts a scanned stack: the loop body once); and the
+collectives of the compiled HLO (count and bytes per step, by kind: `hlo_collectives`). The last line is
+one JSON object (`topology`, `devices`, `fits`, `per_device_bytes`, `hbm_bytes`, ...).
+
+Exit status: 0 it fits; 3 it does not fit (XLA:TPU refuses a program larger than its HBM with
+RESOURCE_EXHAUSTED: the figure it needed is reported); 2 a config or topology error (one line).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import re
+import sys
+import time
+from typing import Any, Sequence
+
+import jax
+import ml_collections
+from absl import flags
+from jax.experimental import topologies
+
+from tformer_jax import backends, cli_common
+from tformer_jax.bench import flops as flops_lib
+from tformer_jax.config import ConfigError
+from tformer_jax.parallel import mesh as mesh_lib
+from tformer_jax.train import setup as setup_lib
+
+PROG = "tformer-aot"
+EXIT_FITS, EXIT_CONFIG, EXIT_NO_FIT = 0, 2, 3
+GiB = 1024 ** 3
+
+# HBM per chip in GiB, by the device_kind jax reports. Source: the Cloud TPU system architecture pages
+# (cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e, "HBM capacity per chip": v4 32, v5e 16, v5p 95,
+# v6e (Trillium) 32). A v4 chip has two TensorCores, which a topology lists as two devices sharing the
+# chip's HBM (`devices_per_chip`). XLA:TPU itself leaves a little of it to the runtime (it reports
+# 15.75G available on a v5e): a program within a few hundred MiB of the figure may still be refused.
+HBM_GIB_PER_CHIP = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5": 95, "TPU v6 lite": 32}
+# TPU_ACCELERATOR_TYPE for a topology name's generation (libtpu wants it, and worker hostnames, at
+# start-up; without them it prints warnings): f(chips) -> e.g. 'v5p-128' (v4/v5p count TensorCores).
+ACCELERATOR_TYPES = {"v4": lambda chips: f"v4-{2 * chips}", "v5e": lambda chips: f"v5litepod-{chips}",
+                     "v5litepod": lambda chips: f"v5litepod-{chips}", "v5p": lambda chips: f"v5p-{2 * chips}",
+                     "v6e": lambda chips: f"v6e-{chips}"}
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+
+def define_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_string("topology", None, "TPU topology, GENERATION:SHAPE: v5e:2x2, v5e:4x4, v5e:16x16, v5p:4x4x4, "
+                      "v4:4x4x4, v6e:16x16 (required)", flag_values=fv)
+  flags.DEFINE_integer("num_slices", 1, "slices of that topology (multi-slice over DCN; the 'data' mesh axis "
+                       "spans them)", flag_values=fv)
+  flags.DEFINE_string("json", None, "also write the JSON report to this file", flag_values=fv)
+  flags.DEFINE_string("hlo", None, "also write the compiled (per-device, optimized) HLO text to this file",
+                      flag_values=fv)
+
+
+def libtpu_available() -> tuple[bool, str]:
+  """(True, '') when libtpu is importable, else (False, why): what AOT compilation for TPU needs."""
+  if importlib.util.find_spec("libtpu") is None:
+    return False, ('libtpu is not installed: pip install -e ".[tpu-aot]" (the libtpu wheel that jax[tpu] '
+                   f"pins for jax {jax.__version__})")
+  return True, ""
+
+
+def _accelerator_type(topology: str) -> str | None:
+  gen, _, shape = topology.partition(":")
+  try:
+    chips = math.prod(int(s) for s in shape.lower().split("x"))
+  except ValueError:
+    return None
+  make = ACCELERATOR_TYPES.get(gen.lower())
+  return make(chips) if make else None
+
+
+def topology_devices(topology: str, num_slices: int = 1) -> list[jax.Device]:
+  """The devices of `num_slices` slices of `topology`, compile-only (no TPU needed; libtpu required).
+  Raises UsageError naming the flag for a name libtpu does not know or a bad slice count."""
+  ok, why = libtpu_available()
+  if not ok:
+    raise cli_common.UsageError(f"--topology: {why}")
+  if num_slices < 1:
+    raise cli_common.UsageError(f"--num_slices: must be >= 1, got {num_slices}")
+  if not re.fullmatch(r"[a-z0-9]+:\d+(x\d+)*", topology or ""):
+    raise cli_common.UsageError(f"--topology: expected GENERATION:SHAPE such as v5e:2x2 or v5p:4x4x4, got "
+                                f"{topology!r}")
+  # libtpu reads these once, when it loads (without them it warns); the user's own values win
+  os.environ.setdefault("TPU_ACCELERATOR_TYPE", _accelerator_type(topology) or "v5litepod-4")
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
+  try:
+    desc = topologies.get_topology_desc(topology_name=topology, platform="tpu", **kwargs)
+  except (jax.errors.JaxRuntimeError, RuntimeError, ValueError) as e:
+    raise cli_common.UsageError(f"--topology: {topology!r}: {cli_common.one_line(e)}") from None
+  return list(desc.devices)
+
+
+def devices_per_chip(devices: Sequence[jax.Device]) -> int:
+  return 1 + max(int(getattr(d, "core_on_chip", 0)) for d in devices)
+
+
+def hbm_bytes_per_device(devices: Sequence[jax.Device]) -> int | None:
+  gib = HBM_GIB_PER_CHIP.get(devices[0].device_kind)
+  return None if gib is None else int(gib * GiB) // devices_per_chip(devices)
+
+
+# -- collectives in the compiled HLO ---------------------------------------------------------------------
+
+_COMPUTATION = re.compile(r"^(ENTRY )?%([\w.\-]+) .*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128|f8e\w+)\[([\d,]*)\]")
+_CALLS = re.compile(r"\b(calls|body|to_apply|condition)=%([\w.\-]+)")
+
+
+def _array_bytes(shape_text: str) -> int:
+  total = 0
+  for dtype, dims in _ARRAY.findall(shape_text):
+    bits = 1 if dtype == "pred" else 16 if dtype == "bf16" else 64 if dtype == "c64" else 128 if dtype == "c128" \
+        else 8 if dtype.startswith("f8") else int(dtype[1:])
+    total += math.prod(int(d) for d in dims.split(",") if d) * max(bits, 8) // 8
+  return total
+
+
+def _tuple_elements(shape_text: str) -> list[str]:
+  """The top-level elements of a tuple shape '(a, (b, c), d)' (a plain array shape: itself)."""
+  text = shape_text.strip()
+  if not text.startswith("("):
+    return [text]
+  parts, depth, start = [], 0, 1
+  for i, ch in enumerate(text):
+    if ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+      if depth == 0:
+        parts.append(text[start:i])
+        break
+    elif ch == "," and depth == 1:
+      parts.append(text[start:i])
+      start = i + 1
+  return [re.sub(r"/\*.*?\*/", "", p).strip() for p in parts]
+
+
+def _group_size(attrs: str) -> int:
+  """Participants per replica group: {{0,1,2,3},...}, [G,S]<=[N] (iota) or mesh['a'=4,'b'=2] {'a'}."""
+  m = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
+  if m:
+    return len(m.group(1).split(","))
+  m = re.search(r"replica_groups=\[([\d,]+)\]<=", attrs)
+  if m:
+    return int(m.group(1).split(",")[-1])
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+  if m:
+    sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
+    return math.prod(sizes.get(a, 1) for a in re.findall(r"'([^']+)'", m.group(2)))
+  return 1
+
+
+def _trip_count(while_attrs: str, comps: dict[str, list[tuple[str, str, str, str]]]) -> int:
+  """Iterations of a while loop: its known_trip_count, else the bound of a condition `i < constant`
+  (a scan's counter starts at 0); 1 when neither is there."""
+  known = re.search(r"known_trip_count\D*(\d+)", while_attrs)
+  if known:
+    return int(known.group(1))
+  cond = re.search(r"condition=%([\w.\-]+)", while_attrs)
+  instrs = comps.get(cond.group(1), []) if cond else []
+  consts = {name: int(c.group(1)) for name, _, op, rest in instrs
+            if op == "constant" and (c := re.match(r"(-?\d+)\)", rest))}
+  for _, _, op, rest in instrs:
+    if op == "compare" and "direction=LT" in rest:
+      bound = [consts[a] for a in re.findall(r"%([\w.\-]+)", rest.split(")")[0]) if a in consts]
+      if bound:
+        return max(bound[0], 1)
+  return 1
+
+
+def hlo_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+  """{kind: {'count', 'bytes'}} of the collectives one execution of a compiled HLO module runs (per
+  device). Walks the call graph from ENTRY: a while body counts its trip count times (scanned layers:
+  `_trip_count`), fusions and calls once. XLA:TPU repeats an asynchronous collective inside the fusions that
+  overlap it with compute (same channel_id): each channel counts once; its reduce-scatter is a fusion
+  named 'all-reduce-scatter' around an all-reduce. bytes: the full buffer per device (all-gather: the
+  gathered output; reduce-scatter: the input; all-reduce, all-to-all, collective-permute: the operand)."""
+  comps: dict[str, list[tuple[str, str, str, str]]] = {}
+  entry, current = None, None
+  for line in hlo_text.splitlines():
+    m = _COMPUTATION.match(line)
+    if m:
+      current = m.group(2)
+      comps[current] = []
+      entry = current if m.group(1) else entry
+    elif line.startswith("}"):
+      current = None
+    elif current is not None:
+      mi = _INSTRUCTION.match(line)
+      if mi:
+        comps[current].append(mi.groups())
+  seen: dict[Any, list] = {}   # key -> [kind, bytes, executions]
+
+  def walk(name: str, times: int, scatter: bool, stack: tuple[str, ...]) -> None:
+    if name in stack:
+      return
+    for instr, shape, op, rest in comps.get(name, []):
+      kind = op[:-len("-start")] if op.endswith("-start") else op
+      if kind in COLLECTIVES:
+        parts = _tuple_elements(shape) if op.endswith("-start") else [shape]
+        # an async start's shape is (operands..., outputs..., context): all-gather counts its output
+        nbytes = _array_bytes(parts[1] if kind == "all-gather" and len(parts) > 1 else parts[0])
+        if kind == "all-reduce" and scatter:
+          kind = "reduce-scatter"
+        elif kind == "reduce-scatter":
+          nbytes *= _group_size(rest)
+        ch = re.search(r"channel_id=(\d+)", rest)
+        key = ("channel", int(ch.group(1))) if ch else (name, instr)
+        entry_ = seen.setdefault(key, [kind, nbytes, 0])
+        entry_[2] = max(entry_[2], times)
+        continue
+      for attr, callee in _CALLS.findall(rest):
+        if attr in ("to_apply", "condition"):
+          continue
+        n = times * (_trip_count(rest, comps) if attr == "body" else 1)
+        walk(callee, n, scatter or "reduce-scatter" in callee, stack + (name,))
+      branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
+      for callee in (branches.group(1).split(",") if branches else ()):
+        walk(callee.strip().lstrip("%"), times, scatter, stack + (name,))
+
+  if entry is not None:
+    walk(entry, 1, False, ())
+  out = {k: {"count": 0, "bytes": 0} for k in COLLECTIVES}
+  for kind, nbytes, times in seen.values():
+    out[kind]["count"] += times
+    out[kind]["bytes"] += times * nbytes
+  return out
+
+
+# -- the compile ------------------------------------------------------------------------------------------
+
+def _shard_bytes(tree: Any) -> int:
+  """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard of each leaf)."""
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+    total += math.prod(shape) * leaf.dtype.itemsize
+  return int(total)
+
+
+def _hbm_figure(text: str, pattern: str) -> int | None:
+  m = re.search(pattern, text)
+  if not m:
+    return None
+  units = {"": 1, "B": 1, "K": 1024, "M": 1024 ** 2, "G": GiB, "T": 1024 ** 4}
+  return int(float(m.group(1)) * units.get(m.group(2).upper()[:1], 1))
+
+
+def formula_flops(m: Any, batch: int, seq: int) -> dict[str, Any]:
+  """bench/flops.py's step FLOPs (6*N_matmul*T + 12*n*h*hd*S*T: the attention scores over all S keys, as
+  the 'xla' attention computes them), and the same formula counted the way XLA's cost analysis counts
+  the compiled step: a scanned stack's loop body once (the layers outside it plus one layer), and a
+  'full' remat's recomputed forward (x 4/3 on the layers: forward 2 + recompute 2 + backward 4)."""
+  out = dict(flops_lib.flops_per_step(m, batch, seq, "full"))
+  one, two = (flops_lib.flops_per_step(dataclasses.replace(m, num_layers=k), batch, seq, "full")["flops_per_step"]
+              for k in (1, 2))
+  per_layer, rest = two - one, 2 * one - two
+  recompute = 4 / 3 if m.remat == "full" else 1.0
+  out["as_xla_counts"] = rest + per_layer * recompute * (1 if m.scan_layers else m.num_layers)
+  out["scan_layers"], out["remat"] = bool(m.scan_layers), m.remat
+  return out
+
+
+@dataclasses.dataclass
+class Report:
+  topology: str
+  num_slices: int
+  devices: int
+  device_kind: str
+  mesh: dict[str, int]
+  rules: Any
+  runtime: str
+  hbm_bytes: int | None
+  state_bytes: dict[str, int]              # per device, computed from the shardings (no TPU tile padding)
+  batch_bytes: int
+  fits: bool = False
+  memory: dict[str, int] = dataclasses.field(default_factory=dict)   # XLA memory_analysis, per device
+  per_device_bytes: int | None = None
+  compiler_error: str = ""
+  flops_xla: float | None = None           # per device
+  flops_formula: dict[str, Any] = dataclasses.field(default_factory=dict)
+  collectives: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+  lower_s: float = 0.0
+  compile_s: float = 0.0
+
+  def as_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def compile_for_topology(cfg: ml_collections.ConfigDict, topology: str, num_slices: int = 1, *,
+                         hlo_path: str | None = None) -> Report:
+  """Lower and compile `cfg`'s train step for `num_slices` x `topology` (see the module docstring).
+  Raises UsageError / ConfigError (one line) for a topology or config that cannot be laid out."""
+  if cfg.mesh.get("parallelism", "jit") != "jit":
+    raise ConfigError(f"mesh.parallelism: ahead-of-time compilation covers the jit step; got "
+                      f"{cfg.mesh.parallelism!r}, use 'jit'")
+  devices = topology_devices(topology, num_slices)
+  n = int(cfg.mesh.get("num_devices", 0) or 0)
+  if n and n != len(devices):
+    raise ConfigError(f"mesh.num_devices: {n}, but {topology} x {num_slices} has {len(devices)} devices; "
+                      "use 0 (all of them)")
+  mesh = mesh_lib.make_mesh(cfg.mesh, devices=devices)
+  runtime = backends.resolve_runtime(cfg, mesh_devices=mesh.size, platform="tpu", quiet=True)
+  with backends.use(runtime.backend):
+    program = setup_lib.build(cfg, mesh, runtime.backend, check_paths=False)
+    batch = setup_lib.abstract_batch(cfg, mesh)
+    abstract = program.abstract
+    state = {"params": _shard_bytes(abstract.params), "opt_state": _shard_bytes(abstract.opt_state)}
+    state["other"] = _shard_bytes(abstract) - state["params"] - state["opt_state"]
+    report = Report(topology=topology, num_slices=num_slices, devices=len(devices),
+                    device_kind=devices[0].device_kind, mesh=dict(mesh.shape), rules=cfg.mesh.rules,
+                    runtime=f"{runtime.backend.describe()}", hbm_bytes=hbm_bytes_per_device(devices),
+                    state_bytes=state, batch_bytes=_shard_bytes(batch))
+    report.flops_formula = formula_flops(program.model_config, int(cfg.data.batch_size), int(cfg.data.seq_len))
+    t0 = time.perf_counter()
+    lowered = program.train_step.lower(abstract, batch)
+    report.lower_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    try:
+      compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+      text = str(e)
+      if "RESOURCE_EXHAUSTED" not in text:
+        raise
+      report.compile_s = time.perf_counter() - t0
+      report.compiler_error = cli_common.one_line(e)
+      report.per_device_bytes = (_hbm_figure(text, r"Used ([\d.]+)([KMGT]?)i?B? of")
+                                 or _hbm_figure(text, r"required for [^(]*\(([\d.]+)([KMGT]?)\)"))
+      available = (_hbm_figure(text, r"of ([\d.]+)([KMGT]?)i?B? hbm")
+                   or _hbm_figure(text, r"available HBM \(([\d.]+)([KMGT]?)\)"))
+      report.hbm_bytes = report.hbm_bytes or available
+      report.fits = False
+      return report
+  report.compile_s = time.perf_counter() - t0
+  ma = compiled.memory_analysis()
+  report.memory = {"argument": int(ma.argument_size_in_bytes), "output": int(ma.output_size_in_bytes),
+                   "alias": int(ma.alias_size_in_bytes), "temp": int(ma.temp_size_in_bytes),
+                   "generated_code": int(ma.generated_code_size_in_bytes)}
+  mem = report.memory
+  # MaxText's sum (donated outputs reuse the argument buffers), and XLA:TPU's own peak of the program's
+  # HBM use (buffer assignment's live ranges, the program and the runtime's reservation included)
+  mem["sum"] = mem["argument"] + mem["output"] + mem["temp"] - mem["alias"]
+  mem["peak"] = int(getattr(ma, "peak_memory_in_bytes", 0) or 0)
+  report.per_device_bytes = mem["peak"] or mem["sum"]
+  report.fits = report.hbm_bytes is None or report.per_device_bytes <= report.hbm_bytes
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  report.flops_xla = float(cost["flops"]) if cost and "flops" in cost else None
+  text = compiled.as_text()
+  report.collectives = hlo_collectives(text)
+  if hlo_path:
+    with open(hlo_path, "w") as f:
+      f.write(text)
+  return report
+
+
+# -- the report --------------------------------------------------------------------------------------------
+
+def format_report(r: Report) -> str:
+  slices = f" x {r.num_slices} slices" if r.num_slices > 1 else ""
+  unit, scale = ("GiB", GiB) if max(r.per_device_bytes or 0, r.hbm_bytes or 0) >= GiB else ("MiB", 2 ** 20)
+
+  def b(x: float | None) -> str:
+    return "        ?" if x is None else f"{x / scale:9.2f}"
+
+  hbm = "unknown" if r.hbm_bytes is None else f"{r.hbm_bytes / GiB:.2f} GiB"
+  lines = [f"topology {r.topology}{slices}: {r.devices} devices ({r.device_kind}), HBM per device {hbm}",
+           f"mesh {r.mesh}, rules {r.rules!r}; {r.runtime}",
+           f"lowered in {r.lower_s:.1f} s, compiled in {r.compile_s:.1f} s", "",
+           f"per device                          {unit}"]
+  s = r.state_bytes
+  if r.memory:
+    mem = r.memory
+    lines += [f"  arguments                   {b(mem['argument'])}",
+              f"    params (sharded)          {b(s['params'])}",
+              f"    optimizer state           {b(s['opt_state'])}",
+              f"    rest of the state         {b(s['other'])}",
+              f"    batch                     {b(r.batch_bytes)}",
+              f"    TPU tile padding          {b(mem['argument'] - sum(s.values()) - r.batch_bytes)}",
+              f"  outputs                     {b(mem['output'])}",
+              f"  aliased (donated state)     {b(-mem['alias'])}",
+              f"  temporaries                 {b(mem['temp'])}",
+              f"  sum                         {b(mem['sum'])}   (arguments + outputs + temporaries - aliased)",
+              f"  XLA:TPU peak                {b(mem['peak'] or None)}   (the compiler's own figure: the program "
+              f"and runtime reservation included)"]
+  else:
+    lines += [f"  params (sharded)            {b(s['params'])}",
+              f"  optimizer state             {b(s['opt_state'])}",
+              f"  XLA:TPU needs               {b(r.per_device_bytes)}   ({r.compiler_error})"]
+  share = ("" if not r.hbm_bytes or r.per_device_bytes is None
+           else f"   ({100 * r.per_device_bytes / r.hbm_bytes:.1f}% used)")
+  lines += [f"  HBM                         {b(r.hbm_bytes)}{share}",
+            f"  fits: {'yes' if r.fits else 'NO'}", ""]
+  f = r.flops_formula
+  if f:
+    n = r.devices
+    lines += ["FLOPs per step per device:",
+              f"  formula                     {f['flops_per_step'] / n:.4g}   ({f['formula']}, / {n} devices)"]
+    if r.flops_xla is not None:
+      how = ("one scanned layer + the rest" if f["scan_layers"] else "every layer") + (
+          ", x4/3 recompute (remat full)" if f["remat"] == "full" else "")
+      lines += [f"  formula as XLA counts it    {f['as_xla_counts'] / n:.4g}   ({how})",
+                f"  XLA cost analysis           {r.flops_xla:.4g}   (XLA / formula as XLA counts it: "
+                f"{r.flops_xla / (f['as_xla_counts'] / n):.3f})"]
+  if r.collectives:
+    lines.append("collectives per step per device (count, bytes of the full buffer):")
+    for kind, c in r.collectives.items():
+      lines.append(f"  {kind:<20}{c['count']:6d}  {c['bytes'] / GiB:10.3f} GiB")
+  return "\n".join(lines)
+
+
+def summary(r: Report) -> dict[str, Any]:
+  """The JSON line: the fields a script needs (the whole report is `Report.as_dict()`)."""
+  return {"topology": r.topology, "num_slices": r.num_slices, "devices": r.devices, "device_kind": r.device_kind,
+          "mesh": r.mesh, "fits": r.fits, "per_device_bytes": r.per_device_bytes, "hbm_bytes": r.hbm_bytes,
+          "memory": r.memory, "state_bytes": r.state_bytes, "batch_bytes": r.batch_bytes,
+          "flops_xla_per_device": r.flops_xla,
+          "flops_formula_per_device": (r.flops_formula["flops_per_step"] / r.devices) if r.flops_formula else None,
+          "flops_formula_as_xla_counts_per_device": (r.flops_formula["as_xla_counts"] / r.devices
+                                                     if r.flops_formula else None),
+          "collectives": r.collectives, "compile_s": round(r.compile_s, 1), "compiler_error": r.compiler_error}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = cli_common.parse(argv, define_flags, doc=__doc__, prog=PROG, config="required")
+  if not args.topology:
+    cli_common.fail("pass --topology=GENERATION:SHAPE (e.g. v5e:2x2, v5p:4x4x4)")
+  if not os.environ.get("JAX_PLATFORMS"):
+    jax.config.update("jax_platforms", "cpu")   # this host's devices are not used (and libtpu would probe)
+  report = compile_for_topology(args.config, args.topology, args.num_slices, hlo_path=args.hlo)
+  print(format_report(report))
+  out = summary(report)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(report.as_dict() | out, f, indent=2)
+  print(json.dumps(out), flush=True)
+  return EXIT_FITS if report.fits else EXIT_NO_FIT
+
+
+def entry() -> None:
+  """The `tformer-aot` console command: anticipated errors are one line and exit status 2."""
+  sys.exit(cli_common.run_main(main))
+
+
+if __name__ == "__main__":
+  entry()
