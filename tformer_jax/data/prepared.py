@@ -35,11 +35,13 @@ import io
 import json
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import pathlib
 import resource
 import shutil
 import signal
+import threading
 import time
 from typing import Any, Iterator, Sequence
 
@@ -269,18 +271,21 @@ def _load_tokenizer(kind: str, file: str | None) -> Any:
   return SentencePieceTokenizer(file)
 
 
-def _init_worker(recipe: _Recipe) -> None:
-  _WORKER["recipe"] = recipe
-  _WORKER["tok"] = _load_tokenizer(recipe.tokenizer_kind, recipe.tokenizer_file)
+def _worker_tokenizer(recipe: _Recipe) -> Any:
+  """This process's tokenizer for `recipe` (loaded at its first unit)."""
+  if _WORKER.get("recipe") != recipe:
+    _WORKER["tok"] = _load_tokenizer(recipe.tokenizer_kind, recipe.tokenizer_file)
+    _WORKER["recipe"] = recipe
+  return _WORKER["tok"]
 
 
-def _encode_unit(unit: Unit) -> tuple[np.ndarray, np.ndarray, int, int]:
+def _encode_unit(unit: Unit, recipe: _Recipe) -> tuple[np.ndarray, np.ndarray, int, int]:
   """(tokens of the unit's documents concatenated, per record its token count or NOT_UTF8/EMPTY, UTF-8 bytes
   of the documents, this process's peak RSS in KiB)."""
-  recipe: _Recipe = _WORKER["recipe"]
+  tok = _worker_tokenizer(recipe)
   docs = sources_lib.unit_documents(unit, recipe.fields, recipe.on_bad_utf8, recipe.txt_split)
   texts = [d for d in docs if isinstance(d, str)]
-  ids = _WORKER["tok"].encode_batch(texts) if texts else []
+  ids = tok.encode_batch(texts) if texts else []
   eos = None if recipe.eos_id is None else np.array([recipe.eos_id], np.int32)
   lengths = np.empty(len(docs), np.int64)
   parts, text_bytes, j = [], 0, 0
@@ -302,40 +307,54 @@ def _encode_unit(unit: Unit) -> tuple[np.ndarray, np.ndarray, int, int]:
   return tokens, lengths, text_bytes, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def _results(units: Iterator[Unit], workers: int, recipe: _Recipe
-             ) -> Iterator[tuple[Unit, tuple[np.ndarray, np.ndarray, int, int]]]:
-  """(unit without its data, result) in input order; at most 2 * workers + 2 units in flight."""
+def _exit_with_parent() -> None:
+  """Worker initializer: leave when the main process dies (killed, not shut down), instead of lingering."""
+  parent = multiprocessing.parent_process()
+  if parent is not None:
+    def watch() -> None:
+      multiprocessing.connection.wait([parent.sentinel])
+      os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
+
+
+def _start_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor | None:
+  """`workers` spawned processes (None for 1: the caller's process tokenizes). Started before the tokenizer
+  is ready, so their start-up overlaps the main process's reading and BPE training."""
   if workers == 1:
-    _init_worker(recipe)
+    return None
+  ctx = multiprocessing.get_context("spawn")     # no fork: the caller may hold jax's threads
+  pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_exit_with_parent)
+  for _ in range(workers):
+    pool.submit(int)                             # start every process now, not at the first units
+  return pool
+
+
+def _results(units: Iterator[Unit], pool: concurrent.futures.ProcessPoolExecutor | None, workers: int,
+             recipe: _Recipe) -> Iterator[tuple[Position, int, tuple[np.ndarray, np.ndarray, int, int]]]:
+  """(unit position, unit input bytes, result) in input order; at most 2 * workers + 2 units in flight."""
+  if pool is None:
     try:
       for unit in units:
-        result = _encode_unit(unit)
-        unit.data = None
-        yield unit, result
+        yield unit.position, unit.input_bytes, _encode_unit(unit, recipe)
     finally:
       _WORKER.clear()
     return
-  ctx = multiprocessing.get_context("spawn")     # no fork: the caller may hold jax's threads
+  window: collections.deque = collections.deque()
   try:
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                                                initargs=(recipe,)) as pool:
-      window: collections.deque = collections.deque()
-      try:
-        for unit in units:
-          window.append((unit, pool.submit(_encode_unit, unit)))
-          unit.data = None                         # pickled into the task already
-          if len(window) >= 2 * workers + 2:
-            done, future = window.popleft()
-            yield done, future.result()
-        while window:
-          done, future = window.popleft()
-          yield done, future.result()
-      finally:
-        for _, future in window:
-          future.cancel()
+    for unit in units:
+      window.append((unit.position, unit.input_bytes, pool.submit(_encode_unit, unit, recipe)))
+      if len(window) >= 2 * workers + 2:
+        position, nbytes, future = window.popleft()
+        yield position, nbytes, future.result()
+    while window:
+      position, nbytes, future = window.popleft()
+      yield position, nbytes, future.result()
   except concurrent.futures.process.BrokenProcessPool as e:
     raise RuntimeError(f"a prepare worker process died ({e}); out of memory? Rerun the same command to resume, "
                        "with fewer --workers") from None
+  finally:
+    for _, _, future in window:
+      future.cancel()
 
 
 # --- writing: shards and progress --------------------------------------------------------------------
@@ -423,7 +442,7 @@ class _Writer:
       self.committed_this_run += 1
     self.state["next"] = next_position
     _fsync_dir(self.root)
-    write_atomic(self.root / PROGRESS, json.dumps(self.state, indent=1, sort_keys=True).encode())
+    write_atomic(self.root / PROGRESS, json.dumps(self.state, indent=1).encode())
     if self.kill_after and self.committed_this_run >= self.kill_after:
       log.warning("%s=%d: killing this process after %d shards (test hook)", KILL_ENV, self.kill_after,
                   self.committed_this_run)
@@ -446,17 +465,20 @@ def _tokenizer_kind(spec: str) -> str:
 
 def sample_texts(srcs: Sequence[sources_lib.Source], fields: sources_lib.Fields, *, max_bytes: int,
                  txt_split: str = "file", on_bad_utf8: str = "skip", seed: int = 0) -> list[str]:
-  """About `max_bytes` of document text spread over all sources: each unit is kept with probability
-  max_bytes / (the sources' size) (deterministic for a seed), its documents taken until max_bytes."""
+  """About `max_bytes` of document text spread evenly over all sources (deterministic for a seed): each
+  document is kept with probability p = max_bytes / (the sources' size). Only units kept with probability
+  min(1, 8p) are parsed (each of their documents then with p / that), so a small sample of a large corpus
+  reads a small part of it."""
   total = sum(s.bytes for s in srcs) or 1
-  keep = min(1.0, max_bytes / total)
+  p = min(1.0, max_bytes / total)
+  q = min(1.0, 8 * p)
   rng = np.random.default_rng(seed)
   out, size = [], 0
   for unit in sources_lib.iter_units(srcs, fields, txt_split=txt_split):
-    if keep < 1.0 and rng.random() >= keep:
+    if q < 1.0 and rng.random() >= q:
       continue
     for doc in sources_lib.unit_documents(unit, fields, on_bad_utf8, txt_split):
-      if isinstance(doc, str):
+      if isinstance(doc, str) and (p >= 1.0 or rng.random() < p / q):
         out.append(doc)
         size += len(doc.encode("utf-8"))
         if size >= max_bytes:
@@ -608,10 +630,25 @@ def prepare(sources: Sequence[str] | str, out_dir: str | os.PathLike, *, tokeniz
             "worker_peak_rss_mb": 0.0, "shards": len(ds.shards), "workers": workers, "resumed": False,
             "already_prepared": True, "path": str(root)}
   root.mkdir(parents=True, exist_ok=True)
+  pool = _start_pool(workers)
+  try:
+    return _prepare(srcs, root, fields, args, state, pool, t0, tokenizer=tokenizer, kind=kind, workers=workers,
+                    shard_tokens=shard_tokens, on_bad_utf8=on_bad_utf8, bpe_vocab_size=bpe_vocab_size,
+                    sample_bytes=train_tokenizer_sample_bytes, txt_split=txt_split, progress=progress,
+                    cache_dir=cache_dir)
+  finally:
+    if pool is not None:
+      pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _prepare(srcs: Sequence[sources_lib.Source], root: pathlib.Path, fields: sources_lib.Fields,
+             args: dict[str, Any], state: dict[str, Any] | None, pool: Any, t0: float, *, tokenizer: str, kind: str,
+             workers: int, shard_tokens: int, on_bad_utf8: str, bpe_vocab_size: int, sample_bytes: int,
+             txt_split: str, progress: bool, cache_dir: str | os.PathLike | None) -> dict[str, Any]:
   resumed = state is not None
   if state is None:
     tok, file, extra = _setup_tokenizer(tokenizer, srcs, fields, bpe_vocab_size=bpe_vocab_size,
-                                        sample_bytes=train_tokenizer_sample_bytes, txt_split=txt_split,
+                                        sample_bytes=sample_bytes, txt_split=txt_split,
                                         on_bad_utf8=on_bad_utf8, cache_dir=cache_dir)
     dtype = token_dtype(tok.vocab_size)
     copy = None
@@ -624,7 +661,7 @@ def prepare(sources: Sequence[str] | str, out_dir: str | os.PathLike, *, tokeniz
     state = {"arguments": args, "tokenizer": info, "eos_id": tok.eos_id, "bos_id": tok.bos_id,
              "dtype": dtype.name, "shards": [], "next": {"position": Position().as_dict(), "record": 0},
              "counts": {"documents": 0, "tokens": 0, "not_utf8": 0, "empty": 0}}
-    write_atomic(root / PROGRESS, json.dumps(state, indent=1, sort_keys=True).encode())
+    write_atomic(root / PROGRESS, json.dumps(state, indent=1).encode())
   else:
     _check_committed(root, state)
     log.info("resuming the prepare of %s after %d shards (%d documents)", root, len(state["shards"]),
@@ -645,9 +682,8 @@ def prepare(sources: Sequence[str] | str, out_dir: str | os.PathLike, *, tokeniz
   t_run = time.perf_counter()
   try:
     units = sources_lib.iter_units(srcs, fields, txt_split=txt_split, start=start)
-    for unit, (tokens, lengths, nbytes, rss_kb) in _results(units, workers, recipe):
-      skip = skip_first if unit.position == start else 0
-      writer.add(unit.position, tokens, lengths, skip)
+    for position, input_bytes, (tokens, lengths, nbytes, rss_kb) in _results(units, pool, workers, recipe):
+      writer.add(position, tokens, lengths, skip_first if position == start else 0)
       text_bytes += nbytes
       worker_rss_kb = max(worker_rss_kb, rss_kb)
       if progress:
@@ -656,7 +692,7 @@ def prepare(sources: Sequence[str] | str, out_dir: str | os.PathLike, *, tokeniz
         bar.set_postfix_str(f"docs {counts['documents'] + sum(len(x) for x in writer.lengths):,} "
                             f"tokens {counts['tokens'] + writer.tokens:,} text {text_bytes / 1e6 / dt:.1f} MB/s",
                             refresh=False)
-        bar.update(unit.input_bytes)
+        bar.update(input_bytes)
     writer.close(None)
   finally:
     bar.close()
@@ -681,7 +717,8 @@ def prepare(sources: Sequence[str] | str, out_dir: str | os.PathLike, *, tokeniz
   seconds = time.perf_counter() - t0
   run_seconds = max(time.perf_counter() - t_run, 1e-9)
   stats = {"documents": counts["documents"], "tokens": counts["tokens"], "bytes": text_bytes,
-           "seconds": seconds, "encode_seconds": run_seconds, "mb_per_s": text_bytes / 1e6 / run_seconds,
+           "seconds": seconds, "tokenizer_seconds": t_run - t0, "encode_seconds": run_seconds,
+           "mb_per_s": text_bytes / 1e6 / run_seconds,
            "tokens_per_s": (counts["tokens"] - tokens_before) / run_seconds,
            "skipped": manifest["skipped_documents"], "peak_rss_mb": _peak_rss_mb(),
            "worker_peak_rss_mb": worker_rss_kb / 1024 if workers > 1 else _peak_rss_mb(),

@@ -78,9 +78,9 @@ class Position:
 @dataclasses.dataclass
 class Unit:
   position: Position
-  kind: str              # txt_file | txt_block | jsonl_block | json_file | records
-  path: str
-  data: Any = None       # bytes (blocks), a list of records (records), None (whole files a worker reads)
+  kind: str              # files | txt_block | jsonl_block | records
+  path: str              # (the first file's, for files)
+  data: Any = None       # bytes (blocks), records (records), [(path, format, gzip)] (files a worker reads whole)
   input_bytes: int = 0   # bytes of the source this unit covers (progress)
   gzip: bool = False
 
@@ -218,8 +218,19 @@ def record_text(record: Any, fields: Fields, where: str) -> str:
                     "field(s) with --field / --column (text_field=...)")
   out: list[str] = []
   for f in fields:
+    if len(f) == 1 and type(record) is dict:     # the common case, without the general walk
+      value = record.get(f[0], _MISSING)
+      if type(value) is str:
+        out.append(value)
+        continue
+      if type(value) is list and all(type(v) is str for v in value):
+        out += value
+        continue
     _pieces(record, f, ".".join(f), where, out)
   return "\n".join(out)
+
+
+_MISSING = object()
 
 
 # --- units (main process) ---------------------------------------------------------------------------
@@ -379,23 +390,39 @@ def check_fields(sources: Sequence[Source], fields: Fields) -> None:
       raise DataError(f"{src.path}: a .txt source has no fields; drop --field/--column or convert it to .jsonl")
 
 
+def _whole_file(src: Source, txt_split: str) -> bool:
+  """Read whole by a worker: a .txt in file mode, a JSON array small enough to parse at once."""
+  return ((src.format == "txt" and txt_split == "file")
+          or (src.format == "json" and src.bytes <= JSON_WHOLE_BYTES and not src.gzip))
+
+
 def iter_units(sources: Sequence[Source], fields: Fields, *, txt_split: str = "file",
                start: Position = Position(), block_bytes: int = BLOCK_BYTES) -> Iterator[Unit]:
-  """The work units of all sources in order, from `start` (a unit's position) on."""
+  """The work units of all sources in order, from `start` (a unit's position) on. Consecutive whole files
+  are grouped into one unit up to `block_bytes` (so many small files cost few tasks)."""
   if txt_split not in TXT_SPLITS:
     raise DataError(f"txt_split must be one of {', '.join(TXT_SPLITS)}, got {txt_split!r}")
+  group: list[int] = []
+
+  def flush() -> Iterator[Unit]:
+    if group:
+      files = [(sources[i].path, sources[i].format, sources[i].gzip) for i in group]
+      yield Unit(Position(group[0]), "files", files[0][0], files, sum(sources[i].bytes for i in group))
+      group.clear()
+
   for index in range(start.source, len(sources)):
     src = sources[index]
     pos = start if index == start.source else Position(index)
-    if src.format == "txt" and txt_split == "file":
+    if _whole_file(src, txt_split):
       if pos.offset == 0:
-        yield Unit(pos, "txt_file", src.path, None, src.bytes, src.gzip)
-    elif src.format in ("txt", "jsonl"):
+        group.append(index)
+        if sum(sources[i].bytes for i in group) >= block_bytes or len(group) >= 1024:
+          yield from flush()
+      continue
+    yield from flush()
+    if src.format in ("txt", "jsonl"):
       kind = "jsonl_block" if src.format == "jsonl" else "txt_block"
       yield from _blocks(src, index, pos, kind, src.format == "txt" and txt_split == "paragraph", block_bytes)
-    elif src.format == "json" and (src.bytes <= JSON_WHOLE_BYTES and not src.gzip):
-      if pos.offset == 0:
-        yield Unit(pos, "json_file", src.path, None, src.bytes, src.gzip)
     elif src.format == "json":
       yield from _records_units(src, index, pos, _json_array(src), RECORDS_PER_UNIT)
     elif src.format == "parquet":
@@ -405,6 +432,7 @@ def iter_units(sources: Sequence[Source], fields: Fields, *, txt_split: str = "f
       yield from _records_units(src, index, pos, records, RECORDS_PER_UNIT)
     else:
       raise DataError(f"{src.path}: unknown source format {src.format!r}")
+  yield from flush()
 
 
 # --- documents of a unit (worker process) -----------------------------------------------------------
@@ -434,8 +462,8 @@ def _bad_utf8(where: str, on_bad_utf8: str, detail: str) -> int:
   return NOT_UTF8
 
 
-def _read(unit: Unit) -> bytes:
-  with _open(unit.path, unit.gzip) as f:
+def _read(path: str, gz: bool) -> bytes:
+  with _open(path, gz) as f:
     return f.read()
 
 
@@ -449,11 +477,21 @@ def _loads(text: str, where: str) -> Any:
 def unit_documents(unit: Unit, fields: Fields, on_bad_utf8: str, txt_split: str) -> list[str | int]:
   """Each record of the unit in order: its document text, or NOT_UTF8 / EMPTY for a skipped one."""
   path = unit.path
-  if unit.kind == "txt_file":
-    return [_doc_or_code(_read(unit), path, on_bad_utf8)]
+  if unit.kind == "files":
+    out: list[str | int] = []
+    for file, fmt, gz in unit.data:
+      data = _read(file, gz)
+      if fmt == "txt":
+        out.append(_doc_or_code(data, file, on_bad_utf8))
+        continue
+      value = _loads(data.decode("utf-8", errors="surrogateescape"), file)
+      records = value if isinstance(value, list) else [value]
+      out += [_doc_or_code(record_text(r, fields, f"{file}: record {i}"), f"{file}: record {i}", on_bad_utf8)
+              for i, r in enumerate(records)]
+    return out
   if unit.kind == "txt_block":
     data: bytes = unit.data
-    out: list[str | int] = []
+    out = []
     if txt_split == "line":
       for i, line in enumerate(data.split(b"\n")):
         line = line.rstrip(b"\r")
@@ -480,11 +518,6 @@ def unit_documents(unit: Unit, fields: Fields, on_bad_utf8: str, txt_split: str)
       record = _loads(line.decode("utf-8", errors="surrogateescape"), where)
       out.append(_doc_or_code(record_text(record, fields, where), where, on_bad_utf8))
     return out
-  if unit.kind == "json_file":
-    data = _loads(_read(unit).decode("utf-8", errors="surrogateescape"), path)
-    records = data if isinstance(data, list) else [data]
-    return [_doc_or_code(record_text(r, fields, f"{path}: record {i}"), f"{path}: record {i}", on_bad_utf8)
-            for i, r in enumerate(records)]
   if unit.kind == "records":
     first = unit.position.offset
     return [_doc_or_code(record_text(r, fields, f"{path}: record {first + i}"), f"{path}: record {first + i}",
