@@ -9,7 +9,7 @@ prepare  Shakespeare's works, repeated in shuffled order to --prepare-mb MB of t
 loader   tokens/s the main config's training iterator (--config, its data section) delivers, on Shakespeare
          and on the big corpus, against the tokens/s the main config's train step consumes (the `rss`
          stage's Shakespeare run logs it: metrics.jsonl tokens_per_s; without that stage, --step-tokens-s).
-rss      peak RSS (the child's ru_maxrss, from wait4) of `python -m tformer_jax.train.cli` on the main config
+rss      peak RSS (the child's ru_maxrss, from wait4) of `python -m tformer_jax.cli.train` on the main config
          for --train-steps steps, on Shakespeare and on a ~--big-gb GB prepared corpus. The big corpus is
          made of real documents (the works, repeated in shuffled order) streamed to .txt files under --tmp,
          then prepared with the main config's tokenizer (2 workers; its prepare stats are reported) and
@@ -37,7 +37,6 @@ from tformer_jax import cli_common, config as config_lib
 from tformer_jax.data import corpora, pipeline, prepared
 from tformer_jax.data.tokenizers import get_tokenizer
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 STAGES = ("prepare", "loader", "rss")
 RSS_BUDGET_MB = 300          # the issue's bound: big-corpus peak RSS - Shakespeare peak RSS
 LOADER_RATIO = 20            # the issue's bound: loader tokens/s over the train step's
@@ -168,14 +167,14 @@ def loader_tokens_per_s(data_cfg: Any, batches: int) -> dict[str, Any]:
 def train_peak_rss(args: Any, corpus: str, workdir: pathlib.Path) -> dict[str, Any]:
   """Train the main config on `corpus` for args.train_steps steps in a child; its peak RSS and speed."""
   steps = int(args.train_steps)
-  cmd = [sys.executable, "-m", "tformer_jax.train.cli", f"--config={args.config}", f"--workdir={workdir}",
+  cmd = [sys.executable, "-m", "tformer_jax.cli.train", f"--config={args.config}", f"--workdir={workdir}",
          f"--config.data.corpus={corpus}", f"--config.train.steps={steps}",
          f"--config.train.eval_every={steps}", f"--config.train.ckpt_every={steps}",
          "--config.train.sample_tokens=0", f"--config.train.log_every={max(1, steps // 8)}",
          f"--config.optim.warmup_steps={min(100, steps // 2)}"]
   t0 = time.perf_counter()
   with open(workdir.parent / f"{workdir.name}.log", "w") as log:
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     _, status, usage = os.wait4(proc.pid, 0)
   proc.returncode = os.waitstatus_to_exitcode(status)
   seconds = time.perf_counter() - t0
@@ -197,7 +196,7 @@ def train_peak_rss(args: Any, corpus: str, workdir: pathlib.Path) -> dict[str, A
 
 def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("stages", ",".join(STAGES), f"comma-separated, from {', '.join(STAGES)}", flag_values=fv)
-  flags.DEFINE_string("config", str(REPO / "configs" / "shakespeare_char.py"), "the main config", flag_values=fv)
+  flags.DEFINE_string("config", "shakespeare_char", "the main config (a path or a shipped name)", flag_values=fv)
   flags.DEFINE_float("prepare-mb", 20.0, "prepare stage: MB of text", flag_values=fv)
   flags.DEFINE_string("tokenizers", "bpe,byte", "prepare stage: tokenizers (bpe = trained on Shakespeare)",
                       flag_values=fv)
@@ -221,7 +220,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   for s in stages:
     if s not in STAGES:
       cli_common.fail(f"unknown stage {s!r}; expected one of {STAGES}")
-  cfg = config_lib.load_config_file(args.config)
+  args.config = str(cli_common.find_config_file(args.config).resolve())
+  cfg = cli_common.load_config_file(args.config)
   config_lib.validate(cfg)
   cache_dir = str(cfg.data.cache_dir) or None
   free = shutil.disk_usage(args.tmp).free / 1e9
@@ -256,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       step = result.get("rss", {}).get("shakespeare", {}).get("train_tokens_per_s") or args.step_tokens_s
       rows = {}
       for name, corpus in (("shakespeare", str(cfg.data.corpus)), ("big", f"prepared:{big}")):
-        data_cfg = config_lib.load_config_file(args.config).data
+        data_cfg = cli_common.load_config_file(args.config).data
         data_cfg.corpus = corpus
         rows[name] = loader_tokens_per_s(data_cfg, args.loader_batches)
         ratio = rows[name]["tokens_per_s"] / step if step else None

@@ -1,6 +1,15 @@
-"""Data: corpora (shakespeare, kjv, text:PATH), tokenizers, grain batch pipelines, synthetic tasks."""
-from tformer_jax.data.corpora import DataError, cache_root, load_corpus, split_tokens
-from tformer_jax.data.pipeline import BatchIterator, Dataset, build_dataset, eval_batches, train_iterator
+"""Data: corpora (shakespeare, kjv, text:PATH), prepared datasets (prepared:DIR), tokenizers, grain batch
+pipelines (packed or document-aware, mixtures), synthetic tasks."""
+from tformer_jax.data.corpora import DataError, cache_root, load_corpus, load_documents, split_tokens
+from tformer_jax.data.pipeline import (
+    BatchIterator,
+    Dataset,
+    PreparedTokens,
+    build_dataset,
+    eval_batches,
+    tokenizer_for,
+    train_iterator,
+)
 from tformer_jax.data.synthetic import SyntheticTask, SyntheticVocab, exact_match_accuracy
 from tformer_jax.data.tokenizers import (
     ByteTokenizer,
@@ -12,8 +21,8 @@ from tformer_jax.data.tokenizers import (
 )
 
 __all__ = [
-    "BatchIterator", "ByteTokenizer", "DataError", "Dataset", "HFTokenizer", "SentencePieceTokenizer",
-    "SyntheticTask", "SyntheticVocab", "Tokenizer", "build_dataset", "cache_root", "encode_corpus",
-    "eval_batches", "exact_match_accuracy", "get_tokenizer", "load_corpus", "split_tokens",
-    "train_iterator",
+    "BatchIterator", "ByteTokenizer", "DataError", "Dataset", "HFTokenizer", "PreparedTokens",
+    "SentencePieceTokenizer", "SyntheticTask", "SyntheticVocab", "Tokenizer", "build_dataset", "cache_root",
+    "encode_corpus", "eval_batches", "exact_match_accuracy", "get_tokenizer", "load_corpus", "load_documents",
+    "split_tokens", "tokenizer_for", "train_iterator",
 ]

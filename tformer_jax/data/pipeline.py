@@ -398,6 +398,22 @@ def build_dataset(data_cfg: Any) -> Dataset:
   return Dataset(tok, mix[0].train, mix[0].val, mixture=mix if len(mix) > 1 else ())
 
 
+def tokenizer_for(data_cfg: Any) -> Tokenizer:
+  """The tokenizer the batches of `data_cfg` are in, without preparing or splitting anything: a prepared
+  dataset's own (the first of a mixture), a synthetic task's vocabulary, else data.tokenizer (a 'bpe'
+  from the cache, trained on the corpus if missing) -- for generation and tools that only decode."""
+  mixture = _cfg(data_cfg, "mixture")
+  spec = parse_mixture(mixture)[0][0] if mixture else str(_cfg(data_cfg, "corpus")).strip()
+  if spec.startswith("synthetic:"):
+    return synthetic.parse_synthetic(spec, int(_cfg(data_cfg, "seq_len"))).vocab
+  if spec.startswith("prepared:"):
+    return prepared_lib.open_prepared(_prepared(spec, data_cfg)[0]).tokenizer()
+  cache_dir = _cfg(data_cfg, "cache_dir") or None
+  tok_spec = str(_cfg(data_cfg, "tokenizer")).strip()
+  corpus = b"".join(load_documents(spec, cache_dir)) if tok_spec == "bpe" else None
+  return get_tokenizer(tok_spec, corpus=corpus, vocab_size=int(_cfg(data_cfg, "bpe_vocab_size")), cache_dir=cache_dir)
+
+
 def _tokenizer_id(o: _Opened) -> tuple[Any, ...]:
   """What makes two datasets' token ids mean the same: the tokenizer's checksum (and EOS)."""
   t = o.ds.manifest["tokenizer"]
@@ -693,4 +709,4 @@ def describe(ds: Dataset) -> dict[str, Any]:
 
 __all__ = ["ArrayTokens", "BatchIterator", "Dataset", "MixPart", "Mixture", "PreparedTokens", "Tokens",
            "build_dataset", "eval_batches", "iterate", "mixture_quotas", "parse_mixture",
-           "prepared_path", "split_documents", "train_iterator"]
+           "prepared_path", "split_documents", "tokenizer_for", "train_iterator"]
