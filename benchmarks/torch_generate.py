@@ -99,8 +99,7 @@ def run_case(model: Any, mode: str, batch: int, args: Any, device: torch.device)
   def call(n: int) -> tuple[float, torch.Tensor]:
     torch_llama.sync(device)
     t0 = time.perf_counter()
-    with torch.inference_mode():
-      out = model.generate(input_ids=ids, attention_mask=mask, **dict(kw, max_new_tokens=n, min_new_tokens=n))
+    out = model.generate(input_ids=ids, attention_mask=mask, **dict(kw, max_new_tokens=n, min_new_tokens=n))
     torch_llama.sync(device)
     return time.perf_counter() - t0, out
 
