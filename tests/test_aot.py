@@ -84,8 +84,10 @@ def test_fsdp_step_fits_and_its_arguments_are_the_sharded_state(fsdp):
   c = r["collectives"]
   assert c["all-gather"]["count"] + c["collective-permute"]["count"] > 0
   assert c["reduce-scatter"]["count"] + c["collective-permute"]["count"] > 0
-  # XLA's FLOPs against the formula counted the way XLA counts a scanned stack (the body once)
-  assert r["flops_xla_per_device"] == pytest.approx(r["flops_formula_as_xla_counts_per_device"], rel=0.05)
+  # the HLO's dots and convolutions, the scanned loop counted twice, against the formula (no remat here);
+  # XLA's own cost analysis counts the loop body once: one layer's share less
+  assert r["flops_hlo_per_device"] == pytest.approx(r["flops_formula_per_device"], rel=0.02)
+  assert r["flops_xla_per_device"] < 0.7 * r["flops_hlo_per_device"]
   assert "fits: yes" in out and "collectives per step per device" in out
 
 

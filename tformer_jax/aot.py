@@ -16,8 +16,9 @@ compiled by XLA:TPU for the topology.
 Printed, per device: XLA's memory analysis (argument, output, aliased, temporary bytes, their sum, and
 XLA:TPU's own peak, which `per_device_bytes` and `fits` use) against the chip's HBM (`HBM_GIB_PER_CHIP`);
 the state's share of the arguments (parameters, optimizer, rest: sharded sizes computed from the
-shardings; the remainder is TPU tile padding); the step's FLOPs from XLA's cost analysis and from
-bench/flops.py's formula (also counted as XLA counts a scanned stack: the loop body once); and the
+shardings; the remainder is TPU tile padding); the step's FLOPs from bench/flops.py's formula, from
+the compiled HLO's dots and convolutions (`hlo_matmul_flops`: loops trip-counted) and from XLA's cost
+analysis (which counts a while-loop body once: scanned layers, collective matmuls); and the
 collectives of the compiled HLO (count and bytes per step, by kind: `hlo_collectives`). The last line is
 one JSON object (`topology`, `devices`, `fits`, `per_device_bytes`, `hbm_bytes`, ...).
 
@@ -177,32 +178,67 @@ def _group_size(attrs: str) -> int:
   return 1
 
 
-def _trip_count(while_attrs: str, comps: dict[str, list[tuple[str, str, str, str]]]) -> int:
-  """Iterations of a while loop: its known_trip_count, else the bound of a condition `i < constant`
-  (a scan's counter starts at 0); 1 when neither is there."""
-  known = re.search(r"known_trip_count\D*(\d+)", while_attrs)
+def _operands(rest: str) -> list[str]:
+  return re.findall(r"%([\w.\-]+)", rest.split(")")[0])
+
+
+def _trip_count(while_rest: str, comps: dict[str, list[tuple[str, str, str, str]]], where: str) -> int:
+  """Iterations of a while loop (in computation `where`): its known_trip_count, else from the loop
+  counter: the condition's `counter < N`, the body's `counter + step` and the counter's initial constant
+  (XLA:TPU's collective-matmul loops step by 2). 1 when the pattern is not there."""
+  known = re.search(r"known_trip_count\D*(\d+)", while_rest)
   if known:
     return int(known.group(1))
-  cond = re.search(r"condition=%([\w.\-]+)", while_attrs)
-  instrs = comps.get(cond.group(1), []) if cond else []
-  consts = {name: int(c.group(1)) for name, _, op, rest in instrs
-            if op == "constant" and (c := re.match(r"(-?\d+)\)", rest))}
-  for _, _, op, rest in instrs:
+  cond = re.search(r"condition=%([\w.\-]+)", while_rest)
+  body = re.search(r"body=%([\w.\-]+)", while_rest)
+  if not cond or not body:
+    return 1
+
+  def table(comp: str) -> dict[str, tuple[str, str]]:
+    return {name: (op, rest) for name, _, op, rest in comps.get(comp, [])}
+
+  def const(t: dict, name: str) -> int | None:
+    op, rest = t.get(name, ("", ""))
+    m = re.match(r"(-?\d+)\)", rest) if op == "constant" else None
+    return int(m.group(1)) if m else None
+
+  def index(t: dict, name: str) -> int | None:
+    op, rest = t.get(name, ("", ""))
+    m = re.search(r"index=(\d+)", rest) if op == "get-tuple-element" else None
+    return int(m.group(1)) if m else None
+
+  ct = table(cond.group(1))
+  counter = bound = None
+  for op, rest in ct.values():
     if op == "compare" and "direction=LT" in rest:
-      bound = [consts[a] for a in re.findall(r"%([\w.\-]+)", rest.split(")")[0]) if a in consts]
-      if bound:
-        return max(bound[0], 1)
-  return 1
+      a, b = (_operands(rest) + [None, None])[:2]
+      counter, bound = index(ct, a), const(ct, b)
+  if counter is None or bound is None:
+    return 1
+  step, start = 1, 0
+  bt = table(body.group(1))
+  root = [rest for name, _, op, rest in comps.get(body.group(1), []) if op == "tuple"]
+  if root:
+    elems = _operands(root[-1])
+    if counter < len(elems) and bt.get(elems[counter], ("",))[0] == "add":
+      adds = _operands(bt[elems[counter]][1])
+      steps = [const(bt, a) for a in adds if const(bt, a) is not None]
+      step = steps[0] if steps and steps[0] > 0 else 1
+  init = _operands(while_rest)
+  wt = table(where)
+  if init and wt.get(init[0], ("",))[0] == "tuple":
+    elems = _operands(wt[init[0]][1])
+    c = const(wt, elems[counter]) if counter < len(elems) else None
+    start = c if c is not None else 0
+  return max(1, -(-(bound - start) // step))
 
 
-def hlo_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
-  """{kind: {'count', 'bytes'}} of the collectives one execution of a compiled HLO module runs (per
-  device). Walks the call graph from ENTRY: a while body counts its trip count times (scanned layers:
-  `_trip_count`), fusions and calls once. XLA:TPU repeats an asynchronous collective inside the fusions that
-  overlap it with compute (same channel_id): each channel counts once; its reduce-scatter is a fusion
-  named 'all-reduce-scatter' around an all-reduce. bytes: the full buffer per device (all-gather: the
-  gathered output; reduce-scatter: the input; all-reduce, all-to-all, collective-permute: the operand)."""
-  comps: dict[str, list[tuple[str, str, str, str]]] = {}
+Instr = tuple[str, str, str, str]   # (name, shape, opcode, the rest of the line)
+
+
+def parse_hlo(hlo_text: str) -> tuple[dict[str, list[Instr]], str | None]:
+  """({computation: its instructions}, the ENTRY computation's name) of an HLO module's text."""
+  comps: dict[str, list[Instr]] = {}
   entry, current = None, None
   for line in hlo_text.splitlines():
     m = _COMPUTATION.match(line)
@@ -216,42 +252,126 @@ def hlo_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
       mi = _INSTRUCTION.match(line)
       if mi:
         comps[current].append(mi.groups())
-  seen: dict[Any, list] = {}   # key -> [kind, bytes, executions]
+  return comps, entry
 
-  def walk(name: str, times: int, scatter: bool, stack: tuple[str, ...]) -> None:
+
+def _executed(comps: dict[str, list[Instr]], entry: str | None):
+  """(computation, instruction, executions per run) for every instruction reached from ENTRY: a while
+  body runs its trip count times (`_trip_count`), fused and called computations once per call
+  (reduction bodies and loop conditions are not walked)."""
+  def walk(name: str, times: int, stack: tuple[str, ...]):
     if name in stack:
       return
-    for instr, shape, op, rest in comps.get(name, []):
-      kind = op[:-len("-start")] if op.endswith("-start") else op
-      if kind in COLLECTIVES:
-        parts = _tuple_elements(shape) if op.endswith("-start") else [shape]
-        # an async start's shape is (operands..., outputs..., context): all-gather counts its output
-        nbytes = _array_bytes(parts[1] if kind == "all-gather" and len(parts) > 1 else parts[0])
-        if kind == "all-reduce" and scatter:
-          kind = "reduce-scatter"
-        elif kind == "reduce-scatter":
-          nbytes *= _group_size(rest)
-        ch = re.search(r"channel_id=(\d+)", rest)
-        key = ("channel", int(ch.group(1))) if ch else (name, instr)
-        entry_ = seen.setdefault(key, [kind, nbytes, 0])
-        entry_[2] = max(entry_[2], times)
-        continue
+    for ins in comps.get(name, []):
+      yield name, ins, times
+      rest = ins[3]
       for attr, callee in _CALLS.findall(rest):
-        if attr in ("to_apply", "condition"):
-          continue
-        n = times * (_trip_count(rest, comps) if attr == "body" else 1)
-        walk(callee, n, scatter or "reduce-scatter" in callee, stack + (name,))
+        if attr in ("calls", "body"):
+          yield from walk(callee, times * (_trip_count(rest, comps, name) if attr == "body" else 1), stack + (name,))
       branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
       for callee in (branches.group(1).split(",") if branches else ()):
-        walk(callee.strip().lstrip("%"), times, scatter, stack + (name,))
-
+        yield from walk(callee.strip().lstrip("%"), times, stack + (name,))
   if entry is not None:
-    walk(entry, 1, False, ())
+    yield from walk(entry, 1, ())
+
+
+def hlo_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+  """{kind: {'count', 'bytes'}} of the collectives one execution of a compiled HLO module runs (per
+  device), trip counts included (`_executed`). XLA:TPU repeats an asynchronous collective inside the
+  fusions that overlap it with compute (same channel_id): each channel counts once; its reduce-scatter
+  is a fusion named 'all-reduce-scatter' around an all-reduce; the all-gathers and reduce-scatters it
+  folds into matmuls (collective matmul, 'windowed einsum' loops) are rings of collective-permutes.
+  bytes: the full buffer per device (all-gather: the gathered output; reduce-scatter: the input;
+  all-reduce, all-to-all, collective-permute: the operand)."""
+  seen: dict[Any, list] = {}   # key -> [kind, bytes, executions]
+  for comp, (instr, shape, op, rest), times in _executed(*parse_hlo(hlo_text)):
+    kind = op[:-len("-start")] if op.endswith("-start") else op
+    if kind not in COLLECTIVES:
+      continue
+    parts = _tuple_elements(shape) if op.endswith("-start") else [shape]
+    # an async start's shape is (operands..., outputs..., context): all-gather counts its output
+    nbytes = _array_bytes(parts[1] if kind == "all-gather" and len(parts) > 1 else parts[0])
+    if kind == "all-reduce" and "reduce-scatter" in comp:
+      kind = "reduce-scatter"
+    elif kind == "reduce-scatter":
+      nbytes *= _group_size(rest)
+    ch = re.search(r"channel_id=(\d+)", rest)
+    key = ("channel", int(ch.group(1))) if ch else (comp, instr)
+    entry = seen.setdefault(key, [kind, nbytes, 0])
+    entry[2] = max(entry[2], times)
   out = {k: {"count": 0, "bytes": 0} for k in COLLECTIVES}
   for kind, nbytes, times in seen.values():
     out[kind]["count"] += times
     out[kind]["bytes"] += times * nbytes
   return out
+
+
+def _dims(shape_text: str) -> list[int]:
+  m = _ARRAY.search(shape_text)
+  return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def _valid_taps(n_in: int, n_out: int, window: int, lo: int, stride: int, lhs_dilate: int, rhs_dilate: int) -> int:
+  """Window taps, summed over the output positions of one spatial dimension, that land on a real input
+  element (not padding, not a dilation hole): XLA:TPU writes many dots as convolutions whose padded
+  windows touch zeros."""
+  last, total = (n_in - 1) * lhs_dilate, 0
+  for t in range(window):
+    c = t * rhs_dilate - lo                      # input position of output j: j * stride + c
+    if lhs_dilate == 1:
+      first = (-c + stride - 1) // stride if c < 0 else 0
+      hi = min(n_out - 1, (last - c) // stride) if last >= c else -1
+      total += max(0, hi - first + 1)
+    else:
+      total += sum(1 for j in range(n_out) if 0 <= j * stride + c <= last and (j * stride + c) % lhs_dilate == 0)
+  return total
+
+
+def _conv_macs(lhs: list[int], rhs: list[int], out: list[int], attrs: str) -> int:
+  labels = re.search(r"dim_labels=([^_]+)_([^-]+)->([\w]+)", attrs)
+  if not labels or not lhs or not rhs or not out:
+    return 0
+  l_lab, r_lab, o_lab = labels.groups()
+  win = re.search(r"window=\{([^}]*)\}", attrs)
+  fields = dict(f.split("=", 1) for f in win.group(1).split()) if win else {}
+
+  spatial = sum(ch.isdigit() for ch in l_lab)
+
+  def per_dim(key: str, default: int) -> list[int]:
+    return [int(x) for x in fields[key].split("x")] if key in fields else [default] * spatial
+  size, stride, ldil, rdil = (per_dim(k, 1) for k in ("size", "stride", "lhs_dilate", "rhs_dilate"))
+  pads = [tuple(int(v) for v in x.split("_")) for x in fields["pad"].split("x")] if "pad" in fields \
+      else [(0, 0)] * spatial
+  macs = out[o_lab.index("b")] * out[o_lab.index("f")] * rhs[r_lab.index("i")]
+  for k in range(spatial):
+    d = str(k)
+    macs *= _valid_taps(lhs[l_lab.index(d)], out[o_lab.index(d)], size[k], pads[k][0], stride[k], ldil[k], rdil[k])
+  return macs
+
+
+def hlo_matmul_flops(hlo_text: str) -> float:
+  """FLOPs of the dots and convolutions one execution of a compiled HLO module runs (per device), trip
+  counts included: 2 x the multiply-adds (a dot: output elements x contracted size; a convolution:
+  output elements x input features x the window taps on real input, `_valid_taps`). XLA's cost analysis
+  counts each while-loop body once (scanned layers, XLA:TPU's collective-matmul loops): this does not."""
+  comps, entry = parse_hlo(hlo_text)
+  shapes = {(c, name): shape for c, ins in comps.items() for name, shape, _, _ in ins}
+  total = 0.0
+  for comp, (_, shape, op, rest), times in _executed(comps, entry):
+    if op not in ("dot", "convolution"):
+      continue
+    operands = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
+    if len(operands) < 2:
+      continue
+    lhs, rhs = (_dims(shapes.get((comp, o), "")) for o in operands[:2])
+    out = _dims(_tuple_elements(shape)[0])
+    if op == "dot":
+      m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
+      macs = math.prod(out) * (math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if m and lhs else 0)
+    else:
+      macs = _conv_macs(lhs, rhs, out, rest)
+    total += 2.0 * macs * times
+  return total
 
 
 # -- the compile ------------------------------------------------------------------------------------------
@@ -275,16 +395,15 @@ def _hbm_figure(text: str, pattern: str) -> int | None:
 
 def formula_flops(m: Any, batch: int, seq: int) -> dict[str, Any]:
   """bench/flops.py's step FLOPs (6*N_matmul*T + 12*n*h*hd*S*T: the attention scores over all S keys, as
-  the 'xla' attention computes them), and the same formula counted the way XLA's cost analysis counts
-  the compiled step: a scanned stack's loop body once (the layers outside it plus one layer), and a
-  'full' remat's recomputed forward (x 4/3 on the layers: forward 2 + recompute 2 + backward 4)."""
+  the 'xla' attention computes them), and `with_recompute`: a 'full' remat runs each layer's forward
+  twice (x 4/3 on the layers: forward 2 + recompute 2 + backward 4), what the compiled step executes."""
   out = dict(flops_lib.flops_per_step(m, batch, seq, "full"))
   one, two = (flops_lib.flops_per_step(dataclasses.replace(m, num_layers=k), batch, seq, "full")["flops_per_step"]
               for k in (1, 2))
-  per_layer, rest = two - one, 2 * one - two
+  per_layer = two - one
   recompute = 4 / 3 if m.remat == "full" else 1.0
-  out["as_xla_counts"] = rest + per_layer * recompute * (1 if m.scan_layers else m.num_layers)
-  out["scan_layers"], out["remat"] = bool(m.scan_layers), m.remat
+  out["with_recompute"] = out["flops_per_step"] + (recompute - 1) * per_layer * m.num_layers
+  out["remat"] = m.remat
   return out
 
 
@@ -304,7 +423,8 @@ class Report:
   memory: dict[str, int] = dataclasses.field(default_factory=dict)   # XLA memory_analysis, per device
   per_device_bytes: int | None = None
   compiler_error: str = ""
-  flops_xla: float | None = None           # per device
+  flops_xla: float | None = None           # per device: XLA's cost analysis (a while-loop body counted once)
+  flops_hlo: float | None = None           # per device: dots and convolutions of the HLO, trip-counted
   flops_formula: dict[str, Any] = dataclasses.field(default_factory=dict)
   collectives: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
   lower_s: float = 0.0
@@ -375,6 +495,7 @@ def compile_for_topology(cfg: ml_collections.ConfigDict, topology: str, num_slic
   report.flops_xla = float(cost["flops"]) if cost and "flops" in cost else None
   text = compiled.as_text()
   report.collectives = hlo_collectives(text)
+  report.flops_hlo = hlo_matmul_flops(text)
   if hlo_path:
     with open(hlo_path, "w") as f:
       f.write(text)
@@ -422,13 +543,17 @@ def format_report(r: Report) -> str:
   if f:
     n = r.devices
     lines += ["FLOPs per step per device:",
-              f"  formula                     {f['flops_per_step'] / n:.4g}   ({f['formula']}, / {n} devices)"]
+              f"  formula                     {f['flops_per_step'] / n:10.4g}   ({f['formula']}, / {n} devices)"]
+    if f["remat"] == "full":
+      lines.append(f"  formula with recompute      {f['with_recompute'] / n:10.4g}   (remat 'full': each layer's "
+                   "forward twice, x4/3 on the layers)")
+    if r.flops_hlo is not None:
+      which = "formula with recompute" if f["remat"] == "full" else "formula"
+      lines.append(f"  HLO dots and convolutions   {r.flops_hlo:10.4g}   (loops trip-counted; / {which}: "
+                   f"{r.flops_hlo / (f['with_recompute'] / n):.3f})")
     if r.flops_xla is not None:
-      how = ("one scanned layer + the rest" if f["scan_layers"] else "every layer") + (
-          ", x4/3 recompute (remat full)" if f["remat"] == "full" else "")
-      lines += [f"  formula as XLA counts it    {f['as_xla_counts'] / n:.4g}   ({how})",
-                f"  XLA cost analysis           {r.flops_xla:.4g}   (XLA / formula as XLA counts it: "
-                f"{r.flops_xla / (f['as_xla_counts'] / n):.3f})"]
+      lines.append(f"  XLA cost analysis           {r.flops_xla:10.4g}   (counts a while-loop body once: scanned "
+                   "layers, collective-matmul loops)")
   if r.collectives:
     lines.append("collectives per step per device (count, bytes of the full buffer):")
     for kind, c in r.collectives.items():
@@ -443,8 +568,9 @@ def summary(r: Report) -> dict[str, Any]:
           "memory": r.memory, "state_bytes": r.state_bytes, "batch_bytes": r.batch_bytes,
           "flops_xla_per_device": r.flops_xla,
           "flops_formula_per_device": (r.flops_formula["flops_per_step"] / r.devices) if r.flops_formula else None,
-          "flops_formula_as_xla_counts_per_device": (r.flops_formula["as_xla_counts"] / r.devices
-                                                     if r.flops_formula else None),
+          "flops_formula_with_recompute_per_device": (r.flops_formula["with_recompute"] / r.devices
+                                                      if r.flops_formula else None),
+          "flops_hlo_per_device": r.flops_hlo,
           "collectives": r.collectives, "compile_s": round(r.compile_s, 1), "compiler_error": r.compiler_error}
 
 

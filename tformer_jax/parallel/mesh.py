@@ -66,6 +66,12 @@ def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
     return jax.make_mesh(shape, axes, axis_types=types, devices=devices)
   except TypeError:  # older signature without devices=
     return Mesh(np.asarray(devices).reshape(shape), axes, axis_types=types)
+  except NotImplementedError:  # an axis no product of the TPU torus's axes (8 on a 4x4x4): split one
+    try:
+      grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    except (NotImplementedError, ValueError) as e:
+      raise ConfigError(f"mesh.shape: {shape} does not map onto these devices' physical layout: {e}") from None
+    return Mesh(grid, axes, axis_types=types)
 
 
 def num_slices(devices: Sequence[jax.Device]) -> int:

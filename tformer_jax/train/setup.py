@@ -85,12 +85,15 @@ def build(cfg: ml_collections.ConfigDict, mesh: Mesh, backend: backends.Backend,
   batch_sh = mesh_lib.batch_sharding(mesh)
   eval_fn = functools.partial(step_lib.eval_step, model=model)
   stats_step = None
+  options = step_options(cfg)
   if cfg.mesh.parallelism == "pmap":  # replicated state, batch split over local devices (parallel/pmap.py)
     train_step = pmap_lib.make_train_step(
-        step_lib.make_train_step(model, tx, schedule, cfg.optim, axis_name=pmap_lib.AXIS), mesh, shardings)
+        step_lib.make_train_step(model, tx, schedule, cfg.optim, axis_name=pmap_lib.AXIS, **options), mesh,
+        shardings)
     eval_step = pmap_lib.make_eval_step(eval_fn, mesh)
   else:  # traced under the rules, so the model's activation constraints take effect
-    train_step = jax.jit(mesh_lib.traced_under(step_lib.make_train_step(model, tx, schedule, cfg.optim), mesh, rules),
+    train_step = jax.jit(mesh_lib.traced_under(step_lib.make_train_step(model, tx, schedule, cfg.optim, **options),
+                                               mesh, rules),
                          in_shardings=(shardings, batch_sh), out_shardings=(shardings, None), donate_argnums=(0,))
     eval_step = jax.jit(mesh_lib.traced_under(eval_fn, mesh, rules), in_shardings=(shardings.params, batch_sh))
     if int(cfg.train.get("stats_every", 0)) > 0:  # layer statistics, train/stats.py
@@ -98,6 +101,12 @@ def build(cfg: ml_collections.ConfigDict, mesh: Mesh, backend: backends.Backend,
                            in_shardings=(shardings, batch_sh))
   return TrainProgram(m, model, mesh, rules, tx, schedule, init, abstract, shardings, batch_sh,
                       train_step, eval_step, stats_step)
+
+
+def step_options(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
+  """make_train_step's options from the config: train.loss_chunk > 0, the chunked loss (train/step.py)."""
+  chunk = int(cfg.train.get("loss_chunk", 0) or 0)
+  return {"loss_chunk": chunk} if chunk > 0 else {}
 
 
 def batch_spec(data_cfg: Any) -> dict[str, tuple[tuple[int, ...], Any]]:
