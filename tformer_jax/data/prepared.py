@@ -466,23 +466,33 @@ def _tokenizer_kind(spec: str) -> str:
 def sample_texts(srcs: Sequence[sources_lib.Source], fields: sources_lib.Fields, *, max_bytes: int,
                  txt_split: str = "file", on_bad_utf8: str = "skip", seed: int = 0) -> list[str]:
   """About `max_bytes` of document text spread evenly over all sources (deterministic for a seed): each
-  document is kept with probability p = max_bytes / (the sources' size). Only units kept with probability
-  min(1, 8p) are parsed (each of their documents then with p / that), so a small sample of a large corpus
-  reads a small part of it."""
+  document is kept with probability p = max_bytes / (the sources' text), the text estimated from their size
+  on disk times the text share of the units read so far (JSON syntax is not text). Only units kept with
+  probability min(1, 8p) are parsed (their documents then with p / that), so a small sample of a large
+  corpus reads a small part of it."""
   total = sum(s.bytes for s in srcs) or 1
-  p = min(1.0, max_bytes / total)
-  q = min(1.0, 8 * p)
   rng = np.random.default_rng(seed)
-  out, size = [], 0
+  out, size, seen_input, seen_text = [], 0, 0, 0
   for unit in sources_lib.iter_units(srcs, fields, txt_split=txt_split):
+    share = seen_text / seen_input if seen_input else 1.0
+    p = min(1.0, max_bytes / max(total * share, 1.0))
+    q = min(1.0, 8 * p)
     if q < 1.0 and rng.random() >= q:
       continue
+    unit_text = 0
     for doc in sources_lib.unit_documents(unit, fields, on_bad_utf8, txt_split):
-      if isinstance(doc, str) and (p >= 1.0 or rng.random() < p / q):
+      if not isinstance(doc, str):
+        continue
+      n = len(doc.encode("utf-8"))
+      unit_text += n
+      if p >= 1.0 or rng.random() < p / q:
         out.append(doc)
-        size += len(doc.encode("utf-8"))
+        size += n
         if size >= max_bytes:
           return out
+    if unit.input_bytes:
+      seen_input += unit.input_bytes
+      seen_text += unit_text
   return out
 
 
