@@ -1,5 +1,6 @@
 """The training loop end to end on real Shakespeare text: loss falls, overfitting, crash/resume bitwise,
 SIGTERM, checkpoint fallback, the non-finite guard, and bad input."""
+import json
 import os
 import signal
 import subprocess
@@ -202,10 +203,11 @@ def test_init_from_and_generate_cli_on_a_trained_workdir(tmp_path):
   train(tiny_config(steps=1), fresh)
   loss = lambda d: [r["loss"] for r in read_metrics(d) if "loss" in r][0]  # noqa: E731
   assert loss(ft) < loss(fresh) - 0.05
-  # A config whose shapes differ is refused with the tensor named.
-  from tformer_jax.checkpoint import CheckpointError
-  with pytest.raises(CheckpointError, match="embed"):
-    train(tiny_config(steps=1, **{"train.init_from": str(base), "model.d_model": 32}), tmp_path / "bad")
+  # The architecture comes from the source: a config with another width trains the source's.
+  other = tmp_path / "other"
+  train(tiny_config(steps=1, **{"train.init_from": str(base), "model.d_model": 32}), other)
+  assert json.loads((other / "config.json").read_text())["model"]["d_model"] == 64
+  assert loss(other) == pytest.approx(loss(ft), rel=1e-6)
   out = run([__import__("sys").executable, "scripts/generate.py", f"--workdir={base}", "--prompt=ROMEO:",
              "--max_new_tokens=20", "--temperature=0.8"], cwd=str(__import__("pathlib").Path(__file__).parents[1]))
   assert out.returncode == 0, out.stderr[-2000:]

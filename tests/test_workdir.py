@@ -5,6 +5,7 @@ file left by a dead process, a rerun with another architecture, SIGTERM during a
 """
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -137,7 +138,8 @@ def test_sigterm_during_a_nonfinite_streak_does_not_claim_a_save(tmp_path):
 
 def test_a_run_that_fails_before_saving_leaves_no_new_workdir(tmp_path):
   train(tiny_config(steps=2), tmp_path / "a")
-  other = tiny_config(steps=2, **{"model.d_model": 32, "model.num_heads": 2, "train.init_from": str(tmp_path / "a")})
-  with pytest.raises(CheckpointError, match="do not match this config"):
+  shutil.rmtree(tmp_path / "a" / "checkpoints")             # a fine-tuning source without weights
+  other = tiny_config(steps=2, **{"train.init_from": str(tmp_path / "a")})
+  with pytest.raises(CheckpointError):
     train(other, tmp_path / "b")   # fails after the lock and the checkpoint directory were made
   assert not (tmp_path / "b").exists()

@@ -47,6 +47,7 @@ TOKENIZER_PREFIXES = ("spm:", "hf:")
 SAMPLINGS = ("random", "packed")
 PACKINGS = ("packed", "document")
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
+LOGGERS = ("jsonl", "tensorboard", "wandb")
 SCHEDULES = ("cosine", "rsqrt", "constant")
 PRECISIONS = ("float32", "bf16", "fp16")
 PARALLELISMS = ("jit", "pmap")
@@ -279,6 +280,8 @@ def default_config() -> ml_collections.ConfigDict:
       sample_prompt="ROMEO:",        # the prompt of that sample
       stats_every=0,                 # 0 = off; training-time layer statistics
       init_from="",                  # fine-tune from: a workdir or hf:DIR (its architecture and tokenizer too)
+      loggers="jsonl,tensorboard",   # metric sinks: jsonl (the run's record, required) | tensorboard | wandb
+      wandb_project="tformer_jax",   # W&B project (wandb logger; offline unless WANDB_MODE=online)
       loss_chunk=0,                  # > 0: the loss holds ~this many tokens' logits at a time (ops/losses.py)
   ))
   c.mesh = ml_collections.ConfigDict(dict(
@@ -681,6 +684,14 @@ def _validate_train(t: Any, check_paths: bool) -> None:
       _fail("train." + name, f"must be >= 0 (0 = off), got {t[name]}")
   if t.get("loss_chunk", 0) < 0:
     _fail("train.loss_chunk", f"must be >= 0 (tokens of logits per chunk; 0 = the full logits), got {t.loss_chunk}")
+  loggers = parse_loggers(t.get("loggers", "jsonl,tensorboard"))
+  for name in loggers:
+    _check_choice("train.loggers", name, LOGGERS)
+  if "jsonl" not in loggers:
+    _fail("train.loggers", f"{','.join(loggers)!r} lacks jsonl: metrics.jsonl is the run's record (resume, "
+          "tformer-eval and the plots read it)")
+  if "wandb" in loggers and importlib.util.find_spec("wandb") is None:
+    _fail("train.loggers", "'wandb' needs the wandb package (pip install wandb); it is not installed")
   init_from = str(t.get("init_from", "") or "")
   if check_paths and init_from.startswith("hf:"):
     src = pathlib.Path(init_from[3:]).expanduser()
@@ -693,6 +704,12 @@ def _validate_train(t: Any, check_paths: bool) -> None:
             "training workdir (config.json + checkpoints/), e.g. one written by scripts/convert.py --from-hf")
     if src.is_dir() and not (src / "config.json").is_file():
       _fail("train.init_from", f"{init_from}: not a training workdir (no config.json in {src.resolve()})")
+
+
+def parse_loggers(value: Any) -> list[str]:
+  """train.loggers ('jsonl,tensorboard' or a sequence) as a list of names."""
+  items = value.split(",") if isinstance(value, str) else list(value)
+  return [str(x).strip() for x in items if str(x).strip()]
 
 
 def _validate_mesh(mh: Any) -> None:

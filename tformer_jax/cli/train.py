@@ -12,6 +12,7 @@ import logging
 from typing import Sequence
 
 from absl import flags
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from tformer_jax import cli_common
 from tformer_jax.config import validate
@@ -36,12 +37,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     cli_common.fail("pass --workdir=RUN (the run directory)")
   validate(args.config)  # every rule, before jax is imported, anything compiles or the workdir changes
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-  logging.getLogger("absl").setLevel(logging.WARNING)
+  for name in ("absl", "jax"):   # their INFO lines (e.g. "Unable to initialize backend 'tpu'") are noise here
+    logging.getLogger(name).setLevel(logging.WARNING)
   if args.distributed or args.coordinator_address:
     from tformer_jax.parallel.distributed import initialize  # noqa: PLC0415 (jax: only after maybe_reexec)
     initialize(args.coordinator_address, args.num_processes, args.process_id)
   from tformer_jax.train.loop import train  # noqa: PLC0415 (jax: only after maybe_reexec)
-  train(args.config, args.workdir)
+  with logging_redirect_tqdm():            # log lines and the progress bar do not interleave
+    train(args.config, args.workdir)
   return 0
 
 

@@ -23,11 +23,11 @@ from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from tformer_jax import backends, config as config_lib, decode
-from tformer_jax.checkpoint import Checkpointer, CheckpointError, restore_params
+from tformer_jax.checkpoint import Checkpointer
 from tformer_jax.data import pipeline
 from tformer_jax.parallel import mesh as mesh_lib, pmap as pmap_lib
-from tformer_jax.train import setup as setup_lib, state as state_lib, workdir as workdir_lib
-from tformer_jax.train.metrics import MetricWriter
+from tformer_jax.train import init_from, setup as setup_lib, state as state_lib, workdir as workdir_lib
+from tformer_jax.train.metrics import MetricWriter, bytes_per_token, eval_summary
 from tformer_jax.train.setup import resolve_model_config as resolve_model_config  # re-exported (bench, tests)
 
 log = logging.getLogger("tformer_jax")
@@ -63,16 +63,10 @@ def _install_stop_handlers() -> dict[str, Any]:
   return flag
 
 
-def bytes_per_token(ds) -> float:
-  if getattr(ds.tokenizer, "name", "") == "byte" or ds.val_tokens is None:
-    return 1.0
-  sample = ds.val_tokens[: 200_000]
-  return max(1e-9, len(ds.tokenizer.decode(sample).encode("utf-8")) / max(1, len(sample)))
-
-
 def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[str, float]:
   """Train (or resume) the experiment `cfg` in `workdir`. Returns the final metrics."""
   config_lib.validate(cfg)  # fail on config errors before touching data or compiling
+  cfg = init_from.with_source_architecture(cfg)   # fine-tuning: the source's architecture and tokenizer
   if not cfg.model.causal:
     raise config_lib.ConfigError("model.causal: train.py trains causal language models; an encoder "
                                  "(causal=False) has no next-token objective here")
@@ -137,7 +131,8 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
       state = state_lib.create_state(program.init, rng, shardings)
     start = 0
     if cfg.train.init_from:
-      state = state.replace(params=load_init_params(cfg.train.init_from, abstract.params))
+      state = state.replace(params=init_from.load_params(cfg.train.init_from, abstract.params,
+                                                         model.cfg.num_layers))
       log.info("initialised parameters from %s", cfg.train.init_from)
   n_params = state_lib.param_count(state.params)
   if is_main:  # only now: a config that cannot restore this workdir has changed nothing in it
@@ -161,12 +156,11 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
 
   def evaluate(params) -> dict[str, float]:
     sums = [jeval(params, b) for b in eval_set]
-    tot = {k: float(sum(float(s[k]) for s in sums)) for k in sums[0]}
-    loss = tot["nll_sum"] / max(tot["count"], 1.0)
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
-            "val_bpb": loss / math.log(2) / bpt, "val_accuracy": tot["correct"] / max(tot["count"], 1.0)}
+    return eval_summary({k: float(sum(float(s[k]) for s in sums)) for k in sums[0]}, bpt)
 
-  writer = MetricWriter(work, enabled=is_main, truncate_after=start)
+  loggers = config_lib.parse_loggers(cfg.train.get("loggers", "jsonl,tensorboard"))
+  writer = MetricWriter(work, enabled=is_main, truncate_after=start, loggers=loggers,
+                        run_config=cfg.to_dict(), project=str(cfg.train.get("wandb_project", "tformer_jax")))
   if is_main:
     log.info("model: %s parameters; mesh %s; rules %s", f"{n_params:,}", dict(mesh.shape), cfg.mesh.rules)
   tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
@@ -259,21 +253,6 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
   final["params"] = n_params
   final["step"] = int(state.step)
   return final
-
-
-def load_init_params(source: str, abstract_params: Any) -> Any:
-  """Parameters of another run (or a converted HF model) to fine-tune from, checked against ours."""
-  _, params = restore_params(source)
-  flat = lambda t: {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(t)[0]}  # noqa: E731
-  ours, theirs = flat(abstract_params), flat(params)
-  diffs = [f"{k}: ours {a.shape} vs {theirs[k].shape if k in theirs else 'missing'}"
-           for k, a in ours.items() if k not in theirs or tuple(theirs[k].shape) != tuple(a.shape)]
-  diffs += [f"{k}: not in this model" for k in theirs if k not in ours]
-  if diffs:
-    raise CheckpointError(f"train.init_from={source}: parameters do not match this config:\n  "
-                          + "\n  ".join(diffs[:20]))
-  leaves = [jax.device_put(np.asarray(theirs[k], a.dtype), a.sharding) for k, a in ours.items()]
-  return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract_params), leaves)
 
 
 def sample_text(model, params, tokenizer, cfg, seed: int = 0) -> str:

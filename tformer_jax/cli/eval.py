@@ -1,0 +1,124 @@
+"""Score a model on a corpus: loss (nats/token), perplexity, bits per byte and token accuracy.
+
+  tformer-eval --workdir=runs/x                          # the run's own validation batches (its config)
+  tformer-eval --workdir=runs/x --config.data.corpus=kjv --batches=50
+  tformer-eval --workdir=runs/x --split=train
+  tformer-eval --hf=path/to/hf_model --corpus=shakespeare --seq_len=512 --batch_size=8
+
+A workdir is scored with its config.json (any --config.a.b=v override applies: another corpus,
+tokenizer, seq_len or batch size) and its latest checkpoint (--step for another); by default on the
+batches the training loop evaluates (train.eval_batches evenly spaced windows of the validation
+split), so the result is the loop's final val_loss. An HF directory is scored with its own
+tokenizer.json on --corpus. Prints a progress bar, a summary line and, last, one JSON line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+from typing import Any, Sequence
+
+import jax
+from absl import flags
+from tqdm.auto import tqdm
+
+from tformer_jax import backends, cli_common, config as config_lib, decode_io
+from tformer_jax.checkpoint import restore_params
+from tformer_jax.data import pipeline
+from tformer_jax.nn import Transformer
+from tformer_jax.train import metrics as metrics_lib, setup as setup_lib, step as step_lib
+
+
+def define_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_string("workdir", None, "a training workdir (config.json + checkpoints/)", flag_values=fv)
+  flags.DEFINE_string("hf", None, "a Hugging Face model directory (with its tokenizer.json)", flag_values=fv)
+  flags.DEFINE_integer("step", None, "checkpoint step of --workdir (default: the latest)", flag_values=fv)
+  flags.DEFINE_enum("split", "val", ["val", "train"], "which split of the corpus", flag_values=fv)
+  flags.DEFINE_integer("batches", 0, "batches to score (evenly spaced windows over the split); 0 = the "
+                       "config's train.eval_batches", flag_values=fv)
+  flags.DEFINE_string("corpus", None, "corpus spec (shakespeare, kjv, text:PATH, prepared:DIR); = "
+                      "--config.data.corpus", flag_values=fv)
+  flags.DEFINE_integer("seq_len", None, "tokens per window; = --config.data.seq_len", flag_values=fv)
+  flags.DEFINE_integer("batch_size", None, "windows per batch; = --config.data.batch_size", flag_values=fv)
+  flags.DEFINE_string("json", None, "also write the result to this file", flag_values=fv)
+
+
+def parse_args(argv: Sequence[str] | None) -> Any:
+  args = cli_common.parse(argv, define_flags, doc=__doc__, prog="tformer-eval", config=True, from_workdir=True)
+  if bool(args.workdir) == bool(args.hf):
+    cli_common.fail("pass exactly one of --workdir=RUN, --hf=DIR")
+  if args.hf and args.config is not None:
+    cli_common.fail("--hf takes the model from its directory: set the data with --corpus/--seq_len/--batch_size")
+  return args
+
+
+def _data_config(args: Any) -> Any:
+  """The config whose data section is scored: the run's (overrides applied), or defaults for --hf."""
+  cfg = args.config if args.config is not None else config_lib.default_config()
+  for field in ("corpus", "seq_len", "batch_size"):
+    if getattr(args, field) is not None:
+      cfg.data[field] = getattr(args, field)
+  if args.hf:
+    cfg.data.tokenizer = f"hf:{args.hf}"
+  return cfg
+
+
+def load(args: Any, cfg: Any, vocab_size: int) -> tuple[Any, Any]:
+  """(model, params): the workdir's, computing in its training precision, or the HF model's."""
+  if args.hf:
+    model, params, _ = decode_io.load_hf(args.hf)
+    if vocab_size > model.cfg.vocab_size:
+      raise config_lib.ConfigError(f"{args.hf}: its tokenizer's vocabulary ({vocab_size}) is larger than the "
+                                   f"model's ({model.cfg.vocab_size})")
+    return model, params
+  _, params = restore_params(args.workdir, args.step)
+  model = Transformer(setup_lib.resolve_model_config(cfg, vocab_size))
+  return model, decode_io.check_params(model, params, str(args.workdir))
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  args = parse_args(argv)
+  cfg = _data_config(args)
+  config_lib.validate(cfg)
+  ds = pipeline.build_dataset(cfg.data)
+  if ds.task is not None:
+    raise config_lib.ConfigError("data.corpus: synthetic tasks are scored by training (exact match), not here")
+  model, params = load(args, cfg, ds.vocab_size)
+  if args.split == "train":
+    ds = dataclasses.replace(ds, val_tokens=ds.train_tokens, mixture=())
+  n = args.batches or int(cfg.train.eval_batches)
+  batches = pipeline.eval_batches(ds, cfg.data, n)
+  runtime = backends.resolve_runtime(cfg, model=model.cfg, quiet=True)
+  with backends.use(runtime.backend):
+    step = jax.jit(lambda p, b: step_lib.eval_step(p, b, model=model))
+    t0 = time.perf_counter()
+    totals: dict[str, float] = {}
+    for batch in tqdm(batches, desc="eval", unit="batch", disable=None, file=sys.stderr):
+      for k, v in step(params, batch).items():
+        totals[k] = totals.get(k, 0.0) + float(v)
+  seconds = time.perf_counter() - t0
+  prefix = "val_" if args.split == "val" else "train_"
+  res: dict[str, Any] = {
+      "source": str(args.workdir or args.hf), "corpus": str(cfg.data.corpus), "split": args.split,
+      "batches": n, "tokens": int(totals["count"]),
+      **metrics_lib.eval_summary(totals, metrics_lib.bytes_per_token(ds), prefix=prefix),
+      "seconds": round(seconds, 3)}
+  print(f"{res['source']} on {res['corpus']} ({args.split}, {res['tokens']:,} tokens): loss "
+        f"{res[prefix + 'loss']:.4f} nats/token, ppl {res[prefix + 'ppl']:.3f}, {res[prefix + 'bpb']:.4f} "
+        f"bits/byte, accuracy {res[prefix + 'accuracy']:.4f}")
+  line = json.dumps(res)
+  print(line)
+  if args.json:
+    pathlib.Path(args.json).write_text(line + "\n")
+  return res
+
+
+def entry() -> None:
+  """The `tformer-eval` console command."""
+  sys.exit(cli_common.run_main(main))
+
+
+if __name__ == "__main__":
+  entry()
