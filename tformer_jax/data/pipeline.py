@@ -35,6 +35,7 @@ import dataclasses
 import fcntl
 import functools
 import hashlib
+import json
 import logging
 import mmap
 import os
@@ -48,7 +49,7 @@ import numpy as np
 from absl import flags
 
 from tformer_jax.data import prepared as prepared_lib, synthetic
-from tformer_jax.data.corpora import DataError, cache_root, load_documents
+from tformer_jax.data.corpora import DataError, cache_root, load_documents, sha256_file, write_atomic
 from tformer_jax.data.tokenizers import Tokenizer, get_tokenizer
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,8 @@ class ArrayTokens(Tokens):
 
   def __init__(self, tokens: np.ndarray, doc_starts: np.ndarray | None = None):
     self.tokens = np.asarray(tokens)
-    self.doc_starts = np.zeros(1, np.int64) if doc_starts is None else np.asarray(doc_starts, np.int64)
+    self.doc_starts = np.unique(np.concatenate([[0], np.asarray([] if doc_starts is None else doc_starts)])
+                                ).astype(np.int64)
 
   def __len__(self) -> int:
     return len(self.tokens)
@@ -247,14 +249,18 @@ def _prepared(spec: str, data_cfg: Any) -> tuple[pathlib.Path, Tokenizer | None]
     return pathlib.Path(spec[len("prepared:"):].strip()).expanduser(), None
   cache_dir = _cfg(data_cfg, "cache_dir") or None
   docs = load_documents(spec, cache_dir)
+  tok_spec, vocab = str(_cfg(data_cfg, "tokenizer")).strip(), int(_cfg(data_cfg, "bpe_vocab_size"))
+  raw = False   # the byte tokenizer takes any bytes; the others need UTF-8 text
   for i, d in enumerate(docs):
     try:
       d.decode("utf-8")
     except UnicodeDecodeError as e:
+      if tok_spec == "byte":
+        raw = True
+        break
       raise DataError(f"{spec}: document {i} is not valid UTF-8 (invalid byte {d[e.start:e.start + 1]!r} at byte "
-                      f"offset {e.start}); corpora are prepared as UTF-8 text: re-encode it (e.g. `iconv -f latin1 "
-                      "-t utf-8`)") from None
-  tok_spec, vocab = str(_cfg(data_cfg, "tokenizer")).strip(), int(_cfg(data_cfg, "bpe_vocab_size"))
+                      f"offset {e.start}); tokenizer {tok_spec!r} reads UTF-8 text: re-encode it (e.g. `iconv -f "
+                      "latin1 -t utf-8`) or use tokenizer='byte', which takes any bytes") from None
   tok = get_tokenizer(tok_spec, corpus=b"".join(docs) if tok_spec == "bpe" else None, vocab_size=vocab,
                       cache_dir=cache_dir)
   h = hashlib.sha256(f"{PREPARED_KEY_VERSION} {prepared_lib.FORMAT} {tok.name}".encode())
@@ -269,7 +275,10 @@ def _prepared(spec: str, data_cfg: Any) -> tuple[pathlib.Path, Tokenizer | None]
     with open(root / f"{key}.lock", "w") as lock:
       fcntl.flock(lock, fcntl.LOCK_EX)        # concurrent runs (or the processes of one run) wait here
       if not (out / prepared_lib.MANIFEST).is_file():
-        _prepare_documents(docs, out, tok, tok_spec, spec)
+        if raw:
+          _write_byte_documents(docs, out, spec)
+        else:
+          _prepare_documents(docs, out, tok, tok_spec, spec)
   return out, tok
 
 
@@ -298,6 +307,34 @@ class _Opened:
   tokenizer: Tokenizer
   train: PreparedTokens
   val: PreparedTokens | None
+
+
+def _write_byte_documents(docs: list[bytes], out: pathlib.Path, spec: str) -> None:
+  """Byte-tokenized documents that are not all UTF-8, as a prepared dataset (the format of data/prepared.py:
+  one shard, tokens = the bytes, no EOS). prepare() reads UTF-8 text only; the byte tokenizer takes any bytes."""
+  log.info("data: %s is not UTF-8 text: writing its bytes as byte tokens into %s", spec, out)
+  tmp = out.parent / f".{out.name}.bytes"
+  shutil.rmtree(tmp, ignore_errors=True)
+  tmp.mkdir(parents=True)
+  tokens_name, offsets_name = prepared_lib.shard_files(0)
+  lengths = np.array([len(d) for d in docs if d], np.int64)
+  np.save(tmp / tokens_name, np.frombuffer(b"".join(docs), np.uint8).astype(prepared_lib.token_dtype(256)))
+  np.save(tmp / offsets_name, np.concatenate([[0], np.cumsum(lengths)]).astype("<i8"))
+  manifest = {
+      "format": prepared_lib.FORMAT, "dtype": prepared_lib.token_dtype(256).name,
+      "tokenizer": {"spec": "byte", "name": "byte", "vocab_size": 256,
+                    "sha256": hashlib.sha256(b"byte").hexdigest(), "file": None},
+      "eos_id": None, "bos_id": None,
+      "convention": "documents are concatenated with no separator (the tokenizer has no EOS id); "
+                    "boundaries are in the offsets; the bytes are not all UTF-8",
+      "num_documents": len(lengths), "num_tokens": int(lengths.sum()),
+      "skipped_documents": {"not_utf8": 0, "empty": len(docs) - len(lengths)}, "sources": [spec],
+      "text_field": None, "shard_tokens": int(lengths.sum()),
+      "shards": [{"tokens": tokens_name, "offsets": offsets_name, "num_documents": len(lengths),
+                  "num_tokens": int(lengths.sum()),
+                  "sha256": {"tokens": sha256_file(tmp / tokens_name), "offsets": sha256_file(tmp / offsets_name)}}]}
+  write_atomic(tmp / prepared_lib.MANIFEST, json.dumps(manifest, indent=1).encode())
+  os.replace(tmp, out)
 
 
 def _open_split(spec: str, data_cfg: Any, *, whole: bool = False) -> _Opened:
@@ -510,13 +547,13 @@ def _part_rows(part: MixPart, sampling: str, seq_len: int, seed: int, document: 
   raise DataError(f"unknown data.sampling {sampling!r}; expected 'random' or 'packed'")
 
 
-def mixture_quotas(weights: Sequence[float], block: int = MIX_BLOCK) -> tuple[int, ...]:
+def mixture_quotas(weights: Sequence[float], block: int = MIX_BLOCK, *, allow_zero: bool = False) -> tuple[int, ...]:
   """Rows per block of each dataset: weight * block, largest remainders rounded up (sum = block)."""
   w = np.asarray(weights, np.float64) / np.sum(weights)
   raw = w * block
   q = np.floor(raw).astype(np.int64)
   q[np.argsort(-(raw - q), kind="stable")[:block - int(q.sum())]] += 1
-  if (q == 0).any():
+  if (q == 0).any() and not allow_zero:
     i = int(np.argmin(q))
     raise DataError(f"data.mixture: weight {w[i]:.2g} is below 1/{block}, the mixture's resolution")
   return tuple(int(x) for x in q)
@@ -679,7 +716,7 @@ def eval_batches(ds: Dataset, data_cfg: Any, num_batches: int, *, process_index:
   seq_len = int(_cfg(data_cfg, "seq_len"))
   document = str(_cfg(data_cfg, "packing")) == "document"
   parts = ds.parts()
-  counts = mixture_quotas([p.weight for p in parts], total) if len(parts) > 1 else (total,)
+  counts = mixture_quotas([p.weight for p in parts], total, allow_zero=True) if len(parts) > 1 else (total,)
   windows = []   # (part, start) of every global eval row
   for p, n in zip(parts, counts):
     last = len(p.val) - (seq_len + 1)
