@@ -65,3 +65,27 @@ def test_gradients_match_quadratic():
   want = f(lambda q, k, v: linear_attention_quadratic(q, k, v, causal=True))
   for g, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), **TOL)
+
+
+def test_masked_quadratic_form():
+  """A visibility mask (padding + causal) zeroes A outside it; weights rows sum to 1; a query that sees
+  no key gets 0; with only the causal mask it equals the causal O(L) form."""
+  from tformer_jax.ops import masks
+  q, k, v = _qkv(2, 11, 11, 4, 2, 8, 6)
+  valid = jnp.arange(11)[None, :] >= jnp.asarray([[0], [3]])    # row 1: three left-padding keys
+  mask = masks.combine_masks(masks.causal_mask(11), masks.padding_mask(valid))
+  out, w = linear_attention_quadratic(q, k, v, causal=False, mask=mask, return_weights=True)
+  phi = lambda x: np.where(x > 0, x + 1.0, np.exp(x))  # noqa: E731
+  pq, pk, vv = (np.asarray(x, np.float64) for x in (phi(np.asarray(q)), phi(np.asarray(k)), v))
+  m = np.asarray(mask)
+  for b in range(2):
+    for hh in range(4):
+      a = (pq[b, :, hh] @ pk[b, :, hh // 2].T) * m[b, 0]
+      den = a.sum(-1, keepdims=True)
+      want = np.where(den > 0, (a @ vv[b, :, hh // 2]) / np.where(den > 0, den, 1.0), 0.0)
+      np.testing.assert_allclose(np.asarray(out)[b, :, hh], want, **TOL)
+  np.testing.assert_array_equal(np.asarray(out)[1, :3], 0.0)    # padding queries see nothing
+  np.testing.assert_allclose(np.asarray(w).sum(-1)[0], 1.0, rtol=1e-6)
+  assert np.all(np.asarray(w)[np.broadcast_to(~m, w.shape)] == 0.0)
+  np.testing.assert_allclose(np.asarray(linear_attention_quadratic(q, k, v, causal=False, mask=masks.causal_mask(11))),
+                             np.asarray(linear_attention(q, k, v, causal=True, chunk_size=4)), **TOL)

@@ -121,3 +121,23 @@ def test_random_and_global_masks_through_attention():
   assert np.all(w[~m] == 0.0) and np.all(w[m] > 0.0)
   np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-6)
   assert jnp.all(jnp.isfinite(w))
+
+
+@pytest.mark.parametrize("causal,num_global", [(False, 0), (False, 2), (True, 1)])
+def test_visibility_random_blocks_equal_the_op(causal, num_global):
+  """Visibility(random=RandomBlocks) = window | global | random_block_mask of the whole context (& causal),
+  for a full window and for single decoding queries at traced cache slots."""
+  n, block, r, seed, window = 24, 4, 2, 5, 3
+  rb = masks.RandomBlocks(num=r, size=block, seed=seed, length=n)
+  vis = masks.Visibility(causal=causal, window=window, num_global=num_global, random=rb)
+  want = (np.asarray(masks.random_block_mask(n, n, block_size=block, num_random_blocks=r, seed=seed))
+          | np.asarray(masks.local_window_mask(n, window=window)))
+  if num_global:
+    want = want | np.asarray(masks.global_token_mask(n, num_global=num_global))
+  if causal:
+    want = want & np.asarray(masks.causal_mask(n))
+  np.testing.assert_array_equal(np.asarray(vis.mask(n, n)), want)
+  row = jax.jit(lambda p: masks.Visibility(causal=causal, window=window, num_global=num_global, random=rb,
+                                           q_offset=p).mask(1, n))
+  for p in (0, 7, n - 1):
+    np.testing.assert_array_equal(np.asarray(row(jnp.int32(p)))[0, 0, 0], want[0, 0, p])

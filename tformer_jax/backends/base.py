@@ -3,7 +3,7 @@
 A backend is the one door between the model and execution choices. `nn/` calls:
   dense(spec, x, w)                      a projection, `jnp.einsum(spec, x, w)`
   norm(x, scale, bias, eps, center)      LayerNorm (center) / RMSNorm, `ops.norms.normalize`
-  attention(q, k, v, vis, ...)           softmax attention under a `ops.masks.Visibility`
+  attention(q, k, v, vis, ...)           softmax (or linear) attention under a `ops.masks.Visibility`
   residual(x)                            the residual stream entering a block (identity here)
 and the train step's optimizer comes from wrap_optimizer(tx, spec) (it calls `tx.update`).
 Subclasses (backends/xla_cpu.py) change how these run, never what they compute.
@@ -20,6 +20,7 @@ import optax
 from tformer_jax.ops import attention as attn_ops, norms as norm_ops, positions as pos_ops
 from tformer_jax.ops.blockwise import blockwise_attention
 from tformer_jax.ops.chunked_attention import chunked_attention
+from tformer_jax.ops.linear_attention import linear_attention, linear_attention_quadratic
 from tformer_jax.ops.masks import Visibility
 
 Array = jax.Array
@@ -46,7 +47,8 @@ class AdamWSpec:
 class Backend:
   """attention_impl: one of ATTENTION_IMPLS; block_q / block_k: the blockwise tiles (block_q is also
   the chunked query chunk). The tiled and fused paths serve what they support (a static offset, no
-  dense bias, no dropout, no global tokens); anything else runs the dense path, which supports all."""
+  dense bias, no dropout, no global tokens or random blocks); anything else runs the dense path, which
+  supports all."""
   attention_impl: str = "reference"
   block_q: int = 128
   block_k: int = 128
@@ -77,11 +79,19 @@ class Backend:
   def attention(self, q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, vis: Visibility, *,
                 bias_BxHxLxS: Array | None = None, alibi_slopes_H: Array | None = None,
                 scale: float | None = None, dropout_rate: float = 0.0, dropout_rng: Array | None = None,
-                want_weights: bool = False) -> tuple[Array, Array | None]:
+                want_weights: bool = False, linear: bool = False) -> tuple[Array, Array | None]:
     """(out_BxLxHxD, weights_BxHxLxS or None): weights come back only from the dense reference
-    path, when `want_weights` (the other paths never materialise them)."""
+    path, when `want_weights` (the other paths never materialise them).
+
+    linear: phi(q) phi(k)^T in place of softmax (model.attention='linear', ops/linear_attention.py;
+    no bias, ALiBi, scale or dropout): the O(L) form for a plain causal or bidirectional visibility,
+    else the masked quadratic form (padding, packed documents, decoding into a KV cache)."""
+    if linear:
+      if bias_BxHxLxS is not None or alibi_slopes_H is not None or scale is not None or dropout_rate > 0.0:
+        raise ValueError("linear attention takes no bias, ALiBi slopes, scale or dropout")
+      return self.linear_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, vis, want_weights=want_weights)
     impl = self.attention_impl
-    tiled = (vis.static_offset and bias_BxHxLxS is None and not vis.num_global
+    tiled = (vis.static_offset and bias_BxHxLxS is None and not vis.num_global and vis.random is None
              and dropout_rate == 0.0)
     if impl in ("chunked", "blockwise") and tiled:
       kw = dict(causal=vis.causal, window=vis.window, q_offset=int(vis.q_offset),
@@ -100,6 +110,19 @@ class Backend:
 
   def chunked_attention(self, q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, **kw) -> Array:
     return chunked_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, **kw)
+
+  def linear_attention(self, q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, vis: Visibility, *,
+                       want_weights: bool = False) -> tuple[Array, Array | None]:
+    """`attention(..., linear=True)`: the chunked O(L) form when only causality (or nothing) hides
+    keys, else phi(q) phi(k)^T under the dense mask (weights, when asked, from that form)."""
+    plain = (vis.static_offset and vis.q_offset == 0 and not vis.window and not vis.num_global
+             and vis.random is None and vis.kv_valid_BxS is None and vis.q_segment_ids_BxL is None)
+    if plain and not want_weights:
+      return linear_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal=vis.causal), None
+    out = linear_attention_quadratic(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, causal=False,
+                                     mask=vis.mask(q_BxLxHxD.shape[1], k_BxSxKxD.shape[1]),
+                                     return_weights=want_weights)
+    return out if want_weights else (out, None)
 
 
 def dense_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, vis: Visibility, *,

@@ -5,6 +5,8 @@ all keys (bidirectional) or j <= i (causal). The bidirectional form costs O(L D^
 chunked: exact quadratic attention inside each chunk plus a running (D x Dv) state and a (D,) normaliser
 carried across chunks by `lax.scan`. Layout: q (B, L, H, D), k (B, S, K, D), v (B, S, K, Dv), K | H (GQA
 without repeating K/V). Everything is computed in float32 and cast back to v's dtype.
+`linear_attention_quadratic` also takes any visibility mask (padding, packed documents, decoding into
+a KV cache): the model's `attention='linear'` runs it where the O(L) forms do not apply.
 """
 from __future__ import annotations
 
@@ -29,8 +31,13 @@ def _grouped(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxE: Array) -> tuple[Arra
 
 
 def linear_attention_quadratic(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxE: Array, *,
-                               causal: bool) -> Array:
-  """Reference O(L S) form: A = phi(Q) phi(K)^T (lower-triangular if causal), out = A V / A 1."""
+                               causal: bool, mask: Array | None = None, return_weights: bool = False
+                               ) -> Array | tuple[Array, Array]:
+  """Reference O(L S) form: A = phi(Q) phi(K)^T (lower-triangular if causal), out = A V / A 1.
+
+  mask: bool (B|1, 1, L, S), True = visible (an `ops.masks.Visibility.mask`: padding, segments, a
+  query decoding at a cache slot): A is zero elsewhere. A query that sees no key gets 0.
+  return_weights: also the normalised A as (B, H, L, S) float32 (rows sum to 1, as softmax weights)."""
   b, l, h, _ = q_BxLxHxD.shape
   s = k_BxSxKxD.shape[1]
   phq, phk, v = _grouped(q_BxLxHxD, k_BxSxKxD, v_BxSxKxE)
@@ -39,10 +46,18 @@ def linear_attention_quadratic(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxE: Ar
     if l != s:
       raise ValueError(f"causal linear attention needs L == S, got {l} and {s}")
     a_BxKxGxLxS = jnp.where(jnp.tril(jnp.ones((l, s), bool)), a_BxKxGxLxS, 0.0)
+  if mask is not None:
+    if mask.ndim != 4 or mask.shape[1] != 1:
+      raise ValueError(f"mask must be (B|1, 1, L, S), got {mask.shape}")
+    a_BxKxGxLxS = jnp.where(mask[:, :, None], a_BxKxGxLxS, 0.0)
   num_BxLxKxGxE = jnp.einsum("bkgls,bske->blkge", a_BxKxGxLxS, v)
-  den_BxLxKxG = jnp.transpose(jnp.sum(a_BxKxGxLxS, axis=-1), (0, 3, 1, 2))
-  out = num_BxLxKxGxE / den_BxLxKxG[..., None]
-  return out.reshape(b, l, h, -1).astype(v_BxSxKxE.dtype)
+  den_BxKxGxL = jnp.sum(a_BxKxGxLxS, axis=-1)
+  den_BxKxGxL = jnp.where(den_BxKxGxL > 0, den_BxKxGxL, 1.0)
+  out = num_BxLxKxGxE / jnp.transpose(den_BxKxGxL, (0, 3, 1, 2))[..., None]
+  out = out.reshape(b, l, h, -1).astype(v_BxSxKxE.dtype)
+  if return_weights:
+    return out, (a_BxKxGxLxS / den_BxKxGxL[..., None]).reshape(b, h, l, s)
+  return out
 
 
 def linear_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxE: Array, *, causal: bool,

@@ -1,7 +1,7 @@
 """Boolean attention masks, True = "may attend". Shapes broadcast to (B, H, L, S).
 
 `Visibility` is the one description of which keys a query sees (causal, sliding window, global
-tokens, padding, segments) and `band` its one rule on query-key distances: every attention
+tokens, BigBird random blocks, padding, segments) and `band` its one rule on query-key distances: every attention
 implementation (the dense reference, `ops.blockwise`, `ops.chunked_attention`, the C++ CPU kernel
 through `chunked_attention.chunk_table`) consumes these. The builders below are the same rule
 spelled as dense masks, for users who want one. Pure jax.numpy; no Flax.
@@ -9,6 +9,7 @@ spelled as dense masks, for users who want one. Pure jax.numpy; no Flax.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -30,18 +31,51 @@ def band(dist_QxS, *, causal: bool, window: int, xp=jnp):
   return mask
 
 
+@functools.lru_cache(maxsize=32)
+def random_block_table(num_q_blocks: int, num_k_blocks: int, num_random_blocks: int, seed: int) -> np.ndarray:
+  """(Q blocks, K blocks) bool: query block i sees `num_random_blocks` key blocks, drawn without
+  replacement by numpy's default_rng(seed), one block row after another (a static constant)."""
+  rng = np.random.default_rng(seed)
+  blocks = np.zeros((num_q_blocks, num_k_blocks), dtype=bool)
+  for i in range(num_q_blocks):
+    blocks[i, rng.choice(num_k_blocks, size=min(num_random_blocks, num_k_blocks), replace=False)] = True
+  blocks.setflags(write=False)
+  return blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomBlocks:
+  """BigBird's random attention as a rule on positions: `random_block_mask(length, length)` of the
+  whole context, so every call (training windows, a query decoding at any cache slot) sees the same
+  pattern. Position p lies in block p // size; positions past `length` share the last block."""
+  num: int
+  size: int
+  seed: int
+  length: int
+
+  def visible(self, q_pos: Array, k_pos: Array) -> Array:
+    """Broadcast bool: key position k_pos lies in one of q_pos's random key blocks."""
+    n = -(-self.length // self.size)
+    table = jnp.asarray(random_block_table(n, n, self.num, self.seed))
+    last = n - 1
+    return table[jnp.minimum(q_pos // self.size, last), jnp.minimum(k_pos // self.size, last)]
+
+
 @dataclasses.dataclass(frozen=True)
 class Visibility:
   """Which keys each query may see. Query i of a call sits at position q_offset + i, key j at j.
 
   causal: j <= p; window w > 0 adds j > p - w (|p - j| < w when not causal); the first
   `num_global` positions see and are seen by every token (with a window; dense paths only);
+  `random` (with a window; dense paths only): each query block also sees its random key blocks
+  (BigBird = window + global + random; causal still hides the later keys of those blocks);
   kv_valid_BxS: False = padding, never seen; with segment ids a query sees only keys of its own
   segment, segment 0 being padding. q_offset is a Python int, or a traced scalar when decoding
   into a cache."""
   causal: bool = True
   window: int = 0
   num_global: int = 0
+  random: RandomBlocks | None = None
   q_offset: int | Array = 0
   kv_valid_BxS: Array | None = None
   q_segment_ids_BxL: Array | None = None
@@ -54,17 +88,23 @@ class Visibility:
   @property
   def is_plain_causal(self) -> bool:
     """Causal with nothing else (kernels with a causal mode need no mask tensor)."""
-    return (self.causal and not self.window and self.kv_valid_BxS is None
+    return (self.causal and not self.window and self.random is None and self.kv_valid_BxS is None
             and self.q_segment_ids_BxL is None and self.static_offset and self.q_offset == 0)
 
   def structural(self, l: int, s: int) -> Array | None:
-    """(L, S) mask from causality, window and global tokens; None if everything is visible."""
+    """(L, S) mask from causality, window, global tokens and random blocks; None if everything is
+    visible."""
     q = self.q_offset + jnp.arange(l)[:, None]
     k = jnp.arange(s)[None, :]
-    if not (self.window and self.num_global):
+    if not (self.window and (self.num_global or self.random is not None)):
       return band(q - k, causal=self.causal, window=self.window)
-    # global tokens widen the window: inside it, or a global query or key (still causal if causal)
-    mask = band(q - k, causal=False, window=self.window) | (q < self.num_global) | (k < self.num_global)
+    # global tokens and random blocks widen the window: inside it, or a global query or key, or a key
+    # in one of the query's random blocks (still causal if causal)
+    mask = band(q - k, causal=False, window=self.window)
+    if self.num_global:
+      mask = mask | (q < self.num_global) | (k < self.num_global)
+    if self.random is not None:
+      mask = mask | self.random.visible(q, k)
     return mask & (q >= k) if self.causal else mask
 
   def mask(self, l: int, s: int) -> Array | None:
@@ -137,13 +177,7 @@ def random_block_mask(q_len: int, kv_len: int | None = None, *, block_size: int,
   """(1, 1, L, S): BigBird-style random attention. Each query block sees `num_random_blocks` key blocks,
   chosen without replacement by a seeded numpy RNG (static, so it is a compile-time constant)."""
   kv_len = q_len if kv_len is None else kv_len
-  nq = -(-q_len // block_size)
-  nk = -(-kv_len // block_size)
-  rng = np.random.default_rng(seed)
-  blocks = np.zeros((nq, nk), dtype=bool)
-  for i in range(nq):
-    chosen = rng.choice(nk, size=min(num_random_blocks, nk), replace=False)
-    blocks[i, chosen] = True
+  blocks = random_block_table(-(-q_len // block_size), -(-kv_len // block_size), num_random_blocks, seed)
   dense = np.repeat(np.repeat(blocks, block_size, 0), block_size, 1)[:q_len, :kv_len]
   return jnp.asarray(dense)[None, None]
 
