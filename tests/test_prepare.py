@@ -249,3 +249,7 @@ def test_bad_input_errors(tmp_path, paragraphs, capsys):
   assert prepare_cli.main([f"--source={books}", f"--out={tmp_path / 'o11'}", "--tokenizer=byte",
                            "--noprogress"]) == 0
   assert '"documents": 1' in capsys.readouterr().out
+  # an output inside its source directory: its own files are not read as sources when it is rerun
+  for _ in range(2):
+    again = prepare([str(books)], books / "prepared", tokenizer="byte", progress=False)
+  assert again["already_prepared"] and again["documents"] == 1

@@ -628,6 +628,10 @@ def prepare(sources: Sequence[str] | str, out_dir: str | os.PathLike, *, tokeniz
   srcs = sources_lib.resolve_sources(sources)
   sources_lib.check_fields(srcs, fields)
   root = pathlib.Path(out_dir).expanduser()
+  # an output inside a source directory: its own files (manifest.json, ...) are not sources
+  srcs = [s for s in srcs if not (root.absolute() in pathlib.Path(s.path).parents and _ours(pathlib.Path(s.path).name))]
+  if not srcs:
+    raise DataError(f"no sources besides the output {root}'s own files")
   args = _arguments(srcs, fields, tokenizer, shard_tokens=shard_tokens, on_bad_utf8=on_bad_utf8,
                     txt_split=txt_split, bpe_vocab_size=bpe_vocab_size, sample_bytes=train_tokenizer_sample_bytes)
   state = _check_out_dir(root, args, overwrite)
