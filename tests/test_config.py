@@ -29,7 +29,7 @@ def test_shipped_config_validates_inits_and_runs(path):
       "each config needs a docstring (launch command, result)"
   m = validate(cfg)
   # Shrink depth so the smoke test stays cheap; every other field is as shipped.
-  small = ModelConfig.from_config(cfg.model)
+  small = m
   small = dataclasses.replace(small, num_layers=min(small.num_layers, 2), dtype="float32")
   if small.moe.num_experts:
     small = dataclasses.replace(small, moe=dataclasses.replace(small.moe, every=1))
@@ -39,6 +39,10 @@ def test_shipped_config_validates_inits_and_runs(path):
   backend = backends.resolve_runtime(cfg, quiet=True).backend
   model = Transformer(small)
   tok = jnp.zeros((1, 16), jnp.int32)
+  if "scale" in path.relative_to(CONFIG_DIR).parts:   # pod-scale presets: shapes only (tformer-aot compiles them)
+    shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), tok)
+    assert jax.eval_shape(model.apply, shapes, tok).shape == (1, 16, m.vocab_size)
+    return
   with backends.use(backend):
     out, variables = model.init_with_output(jax.random.PRNGKey(0), tok)
     out = model.apply(variables, tok + 1)
@@ -119,3 +123,27 @@ def test_defaults_validate_and_derived_sizes():
   m = validate(default_config())
   assert m.hd == m.d_model // m.num_heads and m.kv_heads == m.num_heads
   assert ModelConfig(activation="swiglu", d_model=256).ff == 688  # 2/3 * 4 * 256 rounded up to 8
+
+
+def test_vocab_size_follows_the_tokenizer_unless_set_by_hand(tmp_path):
+  from tokenizers import Tokenizer, models
+
+  from tformer_jax.config import resolved
+  from tformer_jax.train.setup import resolve_model_config
+  cfg = default_config()
+  assert cfg.model.vocab_size == 0 and resolved(cfg).model.vocab_size == 256          # byte
+  cfg.data.tokenizer, cfg.data.bpe_vocab_size = "bpe", 1000
+  assert validate(cfg).vocab_size == 1000                                               # the BPE it trains
+  tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+  tok.add_special_tokens(["<eos>"])
+  tok.save(str(tmp_path / "tokenizer.json"))
+  cfg.data.tokenizer = f"hf:{tmp_path}"
+  assert resolved(cfg).model.vocab_size == tok.get_vocab_size(with_added_tokens=True) == 4
+  cfg.model.vocab_size = 512                                                             # by hand: kept
+  assert resolved(cfg).model.vocab_size == 512
+  cfg.model.vocab_size = 3                                                               # too small: an error
+  with pytest.raises(ConfigError, match=r"^model.vocab_size: 3 is smaller than the tokenizer's vocabulary \(4\)"):
+    resolve_model_config(cfg, vocab_size=4)
+  with pytest.raises(ConfigError, match="^model.vocab_size: is 0"):
+    from tformer_jax.config import validate_model
+    validate_model(ModelConfig(vocab_size=0))

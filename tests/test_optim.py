@@ -248,17 +248,18 @@ def test_optax_schedules_match_the_hand_written_curves(kind, warm):
 def _preset_params(path):
   import importlib.util
 
-  from tformer_jax.config import ModelConfig
+  from tformer_jax.config import ModelConfig, resolved
   from tformer_jax.nn import Transformer
   spec = importlib.util.spec_from_file_location("preset", path)
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
-  m = ModelConfig.from_config(mod.get_config().model)
+  m = ModelConfig.from_config(resolved(mod.get_config()).model)
   shapes = jax.eval_shape(Transformer(m).init, jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
   return nn.unbox(shapes)
 
 
-PRESETS = sorted(str(p) for p in __import__("pathlib").Path(__file__).resolve().parents[1].glob("configs/**/*.py"))
+PRESETS = sorted(str(p) for p in __import__("pathlib").Path(__file__).resolve().parents[1].glob("configs/**/*.py")
+                 if p.name != "__init__.py")
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.split("configs/")[1])

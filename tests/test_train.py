@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tformer_jax.checkpoint import restore_params
-from tformer_jax.config import ConfigError, ModelConfig
+from tformer_jax.config import ConfigError, ModelConfig, resolved
 from tformer_jax.nn import Transformer
 from tformer_jax.train import optim, precision, state as state_lib, step as step_lib
 from tformer_jax.train.loop import TrainingError, train
@@ -50,7 +50,7 @@ def _tiny_state(cfg_model: ModelConfig, optim_cfg, steps, precision_name="float3
 
 def test_overfit_one_batch():
   cfg = tiny_config(steps=150, **{"optim.warmup_steps": 10, "optim.weight_decay": 0.0, "optim.peak_lr": 1e-2})
-  m = ModelConfig.from_config(cfg.model)
+  m = ModelConfig.from_config(resolved(cfg).model)
   state, step = _tiny_state(m, cfg.optim, 150)
   tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(1), (4, 17), 0, 256))
   batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
@@ -61,7 +61,7 @@ def test_overfit_one_batch():
 
 def test_nonfinite_step_is_skipped_and_counted():
   cfg = tiny_config()
-  m = ModelConfig.from_config(cfg.model)
+  m = ModelConfig.from_config(resolved(cfg).model)
   state, step = _tiny_state(m, cfg.optim, 20)
   tok = jnp.zeros((2, 16), jnp.int32)
   bad = {"inputs": tok, "targets": tok, "loss_mask": jnp.full((2, 16), jnp.nan)}
@@ -77,7 +77,7 @@ def test_nonfinite_step_is_skipped_and_counted():
 
 def test_fp16_overflow_halves_scale_and_bf16_runs():
   cfg = tiny_config()
-  m = ModelConfig.from_config(cfg.model)
+  m = ModelConfig.from_config(resolved(cfg).model)
   import dataclasses
   state, step = _tiny_state(dataclasses.replace(m, dtype="float16"), cfg.optim, 20, "fp16")
   tok = jnp.zeros((2, 16), jnp.int32)

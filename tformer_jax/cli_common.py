@@ -437,6 +437,7 @@ def parse(argv: Sequence[str] | None, define: Callable[[flags.FlagValues], None]
     args.config, args.overrides, positional = _apply(cfg, [prog] + rest[1:], lock=True)
     if positional:
       raise UsageError(f"unexpected arguments: {' '.join(positional)}")
+    args.config = config_lib.resolved(args.config)     # model.vocab_size 0: the tokenizer's
     if print_config:
       print(describe_config(args.config))
       raise SystemExit(0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import json
 import math
 import numbers
 import os
@@ -232,6 +233,7 @@ def default_config() -> ml_collections.ConfigDict:
   """The whole schema with defaults. Experiment files override fields of this."""
   c = ml_collections.ConfigDict()
   c.model = to_configdict(ModelConfig())
+  c.model.vocab_size = 0               # 0 = the data tokenizer's vocabulary (`resolved`)
 
   c.data = ml_collections.ConfigDict(dict(
       corpus="shakespeare",          # shakespeare | kjv | text:PATH | prepared:DIR (tformer-prepare) | synthetic:TASK
@@ -445,6 +447,9 @@ def _check_path(field: str, spec: str, path: str, what: str) -> None:
 def validate_model(m: ModelConfig, prefix: str = "model") -> None:
   """Every model rule, on a ModelConfig. Raises ConfigError('<field>: <rule>')."""
   p = prefix + "."
+  if m.vocab_size == 0:
+    _fail(p + "vocab_size", "is 0 (= the data tokenizer's vocabulary) and nothing resolved it: set it, or pass the "
+          "whole config through tformer_jax.config.resolved(cfg)")
   for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_len"):
     if getattr(m, name) <= 0:
       _fail(p + name, f"must be a positive integer, got {getattr(m, name)}")
@@ -539,6 +544,57 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
     _fail(p + "moe.every", "scan_layers needs identical layers: use moe.every=1 or scan_layers=False")
 
 
+def tokenizer_vocab_size(data: Any) -> int | None:
+  """The vocabulary of data.tokenizer (of data.corpus when it is a prepared dataset, of the first
+  dataset of a mixture), read from the tokenizer's files without loading any text; None when it
+  cannot be known here (a synthetic task's, a file that does not exist yet)."""
+  corpus = str(data.get("corpus", "") or "")
+  mixture = str(data.get("mixture", "") or "").strip()
+  if mixture:
+    corpus = mixture.split(",")[0].rsplit("=", 1)[0].strip()
+  if corpus.startswith("synthetic:"):
+    return None
+  try:
+    if corpus.startswith("prepared:"):
+      manifest = json.loads((pathlib.Path(corpus[len("prepared:"):]).expanduser() / "manifest.json").read_text())
+      return int(manifest["tokenizer"]["vocab_size"])
+    spec = str(data.get("tokenizer", "byte")).strip()
+    if spec == "byte":
+      return 256
+    if spec == "bpe":
+      return int(data.get("bpe_vocab_size", 2048))
+    if spec.startswith("hf:"):
+      path = pathlib.Path(spec[3:]).expanduser()
+      path = path / "tokenizer.json" if path.is_dir() else path
+      tok = json.loads(path.read_text(encoding="utf-8"))
+      vocab = tok.get("model", {}).get("vocab", {})
+      ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+      ids += [int(t["id"]) for t in tok.get("added_tokens", [])]
+      return max(ids) + 1 if ids else None
+    if spec.startswith("spm:"):
+      import sentencepiece  # noqa: PLC0415 (only for an spm: tokenizer)
+      return int(sentencepiece.SentencePieceProcessor(model_file=str(pathlib.Path(spec[4:]).expanduser()))
+                 .get_piece_size())
+  except (OSError, ValueError, KeyError, TypeError, RuntimeError):
+    return None      # validate() and the data pipeline name the missing or broken file
+  return None
+
+
+def resolved(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """cfg with model.vocab_size = 0 replaced by the data tokenizer's vocabulary (a copy; cfg itself if
+  there is nothing to resolve). A vocab_size set by hand stays: smaller than the tokenizer's is an
+  error where the data is loaded; larger (padding to a multiple of 64, say) is allowed."""
+  if "model" not in cfg or cfg.model.get("vocab_size", 0) != 0 or "data" not in cfg:
+    return cfg
+  n = tokenizer_vocab_size(cfg.data)
+  if n is None:
+    return cfg
+  out = cfg.copy_and_resolve_references()
+  with out.unlocked():
+    out.model.vocab_size = n
+  return out
+
+
 def validate(cfg: ml_collections.ConfigDict, *, check_paths: bool = True) -> ModelConfig:
   """Check a whole experiment config; returns the ModelConfig. Raises ConfigError('<field>: <rule>').
 
@@ -546,11 +602,15 @@ def validate(cfg: ml_collections.ConfigDict, *, check_paths: bool = True) -> Mod
   and the rules between fields. With `check_paths`, the files a run reads must exist (data.corpus
   text:PATH, data.tokenizer spm:/hf:PATH, train.init_from). Nothing is compiled or written."""
   check_fields(cfg)
+  cfg = resolved(cfg)
   try:
     m = ModelConfig.from_config(cfg.model)
   except TypeError as e:
     raise ConfigError(f"model: {e}") from None
-  validate_model(m)
+  if m.vocab_size == 0:     # a synthetic task's vocabulary: the training loop takes it from the dataset
+    validate_model(dataclasses.replace(m, vocab_size=1))
+  else:
+    validate_model(m)
   train = cfg.get("train")
   if "data" in cfg:
     _validate_data(cfg.data, m, check_paths)

@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from tformer_jax import config as config_lib
 from tformer_jax.checkpoint import CheckpointError, restore_params
 from tformer_jax.config import ModelConfig, load_config_file, validate_model  # noqa: F401 (re-exported)
 from tformer_jax.data.corpora import load_corpus
@@ -22,7 +23,7 @@ from tformer_jax.nn import Transformer
 
 def model_from_config(cfg: Any) -> Transformer:
   """The Transformer of a config (ConfigDict or dict with a 'model' entry), validated."""
-  m = ModelConfig.from_config(cfg["model"])
+  m = ModelConfig.from_config(config_lib.resolved(cfg)["model"])   # vocab_size 0: the tokenizer's
   validate_model(m)
   return Transformer(m)
 

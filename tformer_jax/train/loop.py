@@ -67,6 +67,11 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[st
   """Train (or resume) the experiment `cfg` in `workdir`. Returns the final metrics."""
   config_lib.validate(cfg)  # fail on config errors before touching data or compiling
   cfg = init_from.with_source_architecture(cfg)   # fine-tuning: the source's architecture and tokenizer
+  cfg = config_lib.resolved(cfg)                  # model.vocab_size 0: the tokenizer's
+  if cfg.model.vocab_size == 0:                   # ... known once the data is (a synthetic task's)
+    cfg = cfg.copy_and_resolve_references()
+    with cfg.unlocked():
+      cfg.model.vocab_size = pipeline.tokenizer_for(cfg.data).vocab_size
   if not cfg.model.causal:
     raise config_lib.ConfigError("model.causal: train.py trains causal language models; an encoder "
                                  "(causal=False) has no next-token objective here")

@@ -56,6 +56,9 @@ def resolve_model_config(cfg: ml_collections.ConfigDict, vocab_size: int | None 
   """Validated ModelConfig, with the precision policy's compute dtype applied. check_paths=False: the
   run's files (corpus, tokenizer, init_from) need not exist here (ahead-of-time compilation)."""
   m = config_lib.validate(cfg, check_paths=check_paths)
+  if m.vocab_size == 0 and vocab_size is not None:   # model.vocab_size left to the tokenizer (a synthetic task)
+    m = dataclasses.replace(m, vocab_size=vocab_size)
+  config_lib.validate_model(m)
   policy = precision.get_policy(cfg.train.precision)
   m = dataclasses.replace(m, **policy.model_overrides())
   if vocab_size is not None and m.vocab_size < vocab_size:
