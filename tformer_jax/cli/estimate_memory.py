@@ -1,30 +1,38 @@
 #!/usr/bin/env python
 r"""Memory and FLOPs of a training step, from the config (formulas) and from XLA (compiled), side by side.
 
+  tformer-estimate --config=mixtral_tiny
   python scripts/estimate_memory.py --config=configs/gpt2_tiny.py --batch 8 --seq 128
   python scripts/estimate_memory.py --config=configs/llama_tiny.py --batch 8 --seq 256 --remat \
       --kv-batch 1 --kv-len 4096
-  python scripts/estimate_memory.py --config=configs/gpt2_tiny.py --batch 8 --seq 128 --no-compile \
-      --config.model.num_layers=12
+  python scripts/estimate_memory.py --config=configs/scale/llama_8b.py --platform=tpu   # estimate only
+  python scripts/estimate_memory.py --config=configs/gpt2_tiny.py --no-compile --config.model.num_layers=12
 
-Parameters are counted exactly with jax.eval_shape (nothing materialised); gradients, AdamW state
-(2 x params float32), activations (per-layer formula, with or without remat), the loss working set and
-FLOPs/token follow the formulas in tformer_jax/diagnostics/estimate.py. The compiled side lowers the real
-train step: memory_analysis() (arguments + temporaries) and cost_analysis() (flops). --remat uses
-remat='full' with scan_layers=True (XLA:CPU only saves memory with remat under scan).
+The estimate is a pure function of the config (tformer_jax/diagnostics/estimate.py: exact parameter and
+optimizer-state sizes from jax.eval_shape, formulas for what the compiled step keeps), for the runtime
+the run resolves from cfg.runtime on --platform (default this machine's): backend, attention
+implementation, C++ kernels, train.loss_chunk, train.precision, optim.name/grad_accum, remat and
+scan_layers. The compiled side builds the very same train step (train/setup.py, one device) and reads
+XLA's memory_analysis(): arguments + temporaries, printed with the ratio estimate/XLA. FLOPs come from a
+second compile with the reference backend, dense attention and unrolled layers (XLA's cost analysis
+counts no custom call, e.g. the C++ kernels, and a loop body once); --no-flops skips it.
+--remat: remat='full' with scan_layers=True (on CPU remat saves memory only under scan).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from typing import Sequence
 
+import jax
 from absl import flags
 
-from tformer_jax import backends, cli_common
-from tformer_jax.config import ConfigError, validate
+from tformer_jax import cli_common
+from tformer_jax.config import ConfigError
 from tformer_jax.diagnostics import estimate as est_lib
+from tformer_jax.train import setup as setup_lib
+
+PLATFORMS = ("cpu", "gpu", "tpu")
 
 
 def define_flags(fv: flags.FlagValues) -> None:
@@ -33,42 +41,58 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_bool("remat", False, "per-layer rematerialisation (remat='full', scan_layers)", flag_values=fv)
   flags.DEFINE_integer("kv-batch", None, "KV cache: batch", flag_values=fv)
   flags.DEFINE_integer("kv-len", None, "KV cache: length", flag_values=fv)
+  flags.DEFINE_enum("platform", None, list(PLATFORMS), "estimate for this platform's runtime (default this "
+                    "machine's); XLA compiles only for this machine's", flag_values=fv)
   flags.DEFINE_bool("no-compile", False, "skip the XLA side", flag_values=fv)
+  flags.DEFINE_bool("no-flops", False, "skip the second (FLOPs) compile", flag_values=fv)
   flags.DEFINE_string("json", None, "also write the numbers to this file", flag_values=fv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  args = cli_common.parse(argv, define_flags, doc=__doc__, prog="tformer-estimate",
-                          config="required")
+  args = cli_common.parse(argv, define_flags, doc=__doc__, prog="tformer-estimate", config="required")
   cfg = args.config
-  try:
-    m = validate(cfg, check_paths=False)   # the architecture only: a run's files need not exist here
-    backend = None if args.no_compile else backends.resolve_runtime(cfg, quiet=True).backend
-  except ConfigError as e:
-    cli_common.fail(str(e))
-  batch = args.batch or int(cfg.data.batch_size)
-  seq = args.seq or int(cfg.data.seq_len)
+  for name, value in (("batch", args.batch), ("seq", args.seq)):
+    if value is not None and value <= 0:
+      raise cli_common.UsageError(f"--{name}: must be > 0, got {value}")
+  if args.batch:
+    cfg.data.batch_size = args.batch
+  if args.seq:
+    cfg.data.seq_len = args.seq
   if args.remat:
-    m = dataclasses.replace(m, remat="full", scan_layers=True)
-  est = est_lib.estimate(m, batch, seq, remat=args.remat)
-  xla = None
-  if backend is not None:          # the step as the run would compile it: under cfg.runtime's backend
-    with backends.use(backend):
-      xla = est_lib.compiled_analysis(m, batch, seq, cfg.optim)
+    cfg.model.remat, cfg.model.scan_layers = "full", True
+  here = jax.default_backend()
+  platform = args.platform or here
+  try:
+    m = setup_lib.resolve_model_config(cfg, check_paths=False)   # the run's files need not exist here
+    est = est_lib.estimate_config(cfg, platform=platform)
+  except ConfigError as e:
+    hint = "" if args.platform else " (--platform=gpu|tpu estimates for another platform's runtime)"
+    raise ConfigError(f"{cli_common.one_line(e)}{hint}") from None
+  batch, seq = int(cfg.data.batch_size), int(cfg.data.seq_len)
+  xla, skipped = None, ""
+  if args.no_compile:
+    skipped = "--no-compile"
+  elif platform != here:
+    skipped = (f"--platform={platform}: XLA compiles for this machine's platform ({here}) only; "
+               "tformer-aot compiles for TPU topologies")
+  else:
+    xla = est_lib.compiled_analysis_config(cfg, flops=not args.no_flops)
   kv = None
   if args.kv_batch or args.kv_len:
     kv = (args.kv_batch or 1, args.kv_len or m.max_len)
   print(est_lib.format_report(m, est, batch, seq, xla, kv))
+  if skipped:
+    print(f"\nXLA side skipped: {skipped}")
   if args.json:
-    out = {"params": est.params, "estimate": est.bytes, "estimate_total": est.total,
-           "activation_per_layer": est.activation_per_layer, "flops_per_token": est.flops_per_token,
-           "xla": xla}
+    out = {"params": est.params, "estimate": est.bytes, "estimate_total": est.total, "phases": est.phases,
+           "execution": est.execution, "notes": est.notes, "activation_per_layer": est.activation_per_layer,
+           "flops_per_token": est.flops_per_token, "executed_flops_per_token": est.executed_flops_per_token,
+           "xla": xla, "ratio": (est.total / xla["total"]) if xla else None}
     if kv:
       out["kv_cache_bytes_fp16"] = est_lib.kv_cache_bytes(m.num_layers, kv[0], kv[1], m.kv_heads, m.hd, 2)
     with open(args.json, "w") as f:
       json.dump(out, f, indent=2)
   return 0
-
 
 
 def entry() -> None:

@@ -1,38 +1,63 @@
 """Memory and FLOPs of a training step from the config alone, next to what XLA compiles.
 
-Estimate (bytes; T = B*L tokens, d = d_model, f = FFN width, h/kh = query/KV heads, hd = head_dim,
-V = vocab, n = num_layers, w = compute dtype bytes, 4 = float32):
-  params       exact count from `jax.eval_shape(model.init)` (nothing materialised) x param bytes
-  grads        = params (same dtype)
-  optimizer    AdamW mu + nu = 2 x params in float32 (+ scalar counts)
-  batch        inputs + targets (+ loss_mask): int32
-  activations  per layer, what the backward pass keeps (no remat):
-                 w * T * (c_norm*2*d + 2*d + (2h + 2kh)*hd + c_act*f)  +  3*4*B*h*L*S  +  2*B*h*L*S
-               c_norm = 2 (ops.norms saves the normalised input and the output feeds the next matmul);
-               the two residual sums 2*d; q, k, v and the attention output (2h + 2kh)*hd;
-               c_act = FFN hidden copies: relu 1, gelu_tanh/silu 2, gelu (exact) 3, swiglu 4, geglu 5;
-               attention: masked scores, probabilities and their gradient (3 float32 L x S per head)
-               plus two boolean masks.
-               With remat (per layer, 'full'): n * w*T*d saved block inputs + one layer as above
-               (recomputed inside the backward) + one layer's parameter gradients (the scan's
-               per-layer slice).
-  loss         4 * T * (4*V + 2*d): logits, log-softmax and two gradients of (B, L, V) in float32,
-               the embedding output and the final norm.
-  total        params + grads + optimizer + batch + activations + loss
+  est = estimate_config(cfg)                 # cfg's train step, runtime resolved as the run resolves it
+  est = estimate(m, batch, seq, execution=Execution(backend="xla_cpu", attention="chunked", ...))
+  xla = compiled_analysis_config(cfg)        # XLA's figures for the very same step (train/setup.py)
+
+The estimate is a pure function of the config (nothing compiled, nothing allocated): parameter and
+optimizer-state sizes are exact (`jax.eval_shape`), everything else is a formula over the arrays the
+compiled step keeps. The peak is one of two phases:
+  backward  params + optimizer + batch + compute_params + activations + working + grads
+  update    params + optimizer + batch + compute_params + update
+Terms (bytes; T = micro-batch tokens, D = d_model, F = FFN width, V = vocab, E = experts, w = compute dtype):
+  params          parameter count (exact) x param dtype
+  optimizer       the optimizer state (exact: eval_shape of its init)
+  batch           the batch arrays the pipeline yields (inputs, targets; loss_mask, segment_ids, positions)
+  compute_params  the matmul weights cast to the compute dtype once per step (bf16/fp16 only)
+  activations     what the backward keeps from the forward: every block (`layer_kept_bytes`), final norm
+  working         the largest transient on top: the loss's logits, a MoE layer's backward, a remat'd layer
+  grads           gradient buffers held while the layers run (accumulation's running sum, a scan's stacks)
+  update          every gradient in float32 + optax's temporaries (the fused C++ AdamW updates in place)
+Per block (each array counted from XLA's buffer assignment; see "Calibration" below):
+  norms       NORM_KEPT (T, D) float32 arrays for the two norms and the residual stream
+  attention   q, k, v and the output (x ATTENTION_KEPT) + the probabilities the implementation keeps:
+              dense (B, H, L, S) float32 x3; chunked: the chunk table's rows x visible keys (C++ kernel
+              x1, XLA's version x2: p and p transposed); blockwise and cuDNN: none
+  ffn         FFN_KEPT[activation] (T, F) arrays (FFN_KEPT_SCAN under scan_layers)
+  moe         router (T, E) float32 x3; dropless: the T*top_k sorted rows through the FFN; off TPU
+              jax.lax.ragged_dot lowers to a dense expansion: (E, N, D) and (E, N, F) (+ bool masks) kept,
+              3 (E, N, F) more while its backward runs; capacity: CAPACITY_KEPT (T, E, C) float32
+              one-hot dispatch/combine tensors, the experts' FFN on (E, C) slots
+  remat       'full' (effective under scan_layers, or off CPU): the block inputs (n x T x D) + one
+              block recomputed in the backward; 'dots': every matmul output + the rest of one block
+  loss        full logits: LOGITS_KEPT (+1 tied) (T, V) float32; loss_chunk: one chunk's logits, two
+              (T, D) copies of the hidden states and the (D, V) float32 gradient accumulator
+XLA:CPU specifics (platform 'cpu'): half-precision matmuls run in float32 (their float32 result is kept
+next to the half copy), a scanned half-precision stack keeps float32 residuals, an unrolled
+rematerialised graph keeps its activations, ragged_dot expands in float32. GPU and TPU estimates use
+the same arrays without these (ragged_dot native on TPU only); they are not checked against a compile
+here (tformer-aot compiles for TPU topologies). The estimate is for one device (no sharding).
+
 FLOPs per token (training = forward + backward = 3 x forward):
-  6 * N_matmul + 12 * n * L * h * hd          (remat: 8 * N_matmul + 16 * n * L * h * hd)
-  N_matmul = parameters used in a matmul per token (all layer weights + the LM head; the embedding
-  and position lookups are not matmuls); the second term is QK^T and AV over all L keys (the causal
-  mask is applied after computing the full L x S scores).
+  6 * N_matmul + 12 * n * L * h * hd          (remat 'full': 8 * N_matmul + 16 * n * L * h * hd)
+  N_matmul = parameters in a matmul per token (layer weights with top_k of the experts, the LM head); the
+  second term is QK^T and AV over all L keys (dense attention computes every score). The executed FLOPs
+  add what the step runs beyond that: the MoE dispatch (ragged_dot's expansion off TPU runs every
+  expert on every row; capacity: the empty slots and the one-hot einsums) and the chunked loss's
+  recomputed logits.
 KV cache: 2 (K and V) * n * batch * len * kh * hd * bytes.
 
-`compiled_analysis` lowers and compiles the real `train_step` (jax.jit(...).lower(...).compile()) and
-reads memory_analysis() and cost_analysis(): the comparable total is arguments + temporaries
-(the donated state aliases the outputs). XLA's cost_analysis counts a loop body once, so its FLOPs
-are per layer, not per model, under scan_layers. The activation constants above were read off XLA's CPU
-buffer assignment (see docs/experiments.md); on CPU, remat only saves memory under scan_layers
-(XLA:CPU does not schedule an unrolled remat'd graph for memory), so `--remat` compiles with
-scan_layers=True.
+`compiled_analysis_config` compiles cfg's train step exactly as a run builds it (train/setup.py, one
+device, cfg.runtime resolved on this platform) and reads memory_analysis(): arguments + temporaries (the
+donated state aliases the outputs). FLOPs come from a second compile with the reference backend, dense
+attention and unrolled layers: XLA's cost analysis counts no custom call (the xla_cpu backend's C++
+kernels) and a loop body once (scan_layers).
+
+Calibration: every constant below was read off XLA:CPU's buffer assignment of the compiled step
+(XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text: the *-live-range.txt file lists the buffers live
+at the peak, each with the op that made it) and checked on the shipped presets and ~20 random tiny
+configs: the presets within 6%, the random configs within 15% except small loss-dominated ones, where
+XLA's heap packs the (T, V) logits buffers loosely (up to 2 more such arrays).
 """
 from __future__ import annotations
 
@@ -44,19 +69,96 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tformer_jax.config import ModelConfig, default_config
+from tformer_jax import backends
+from tformer_jax.config import GLU_ACTIVATIONS, ModelConfig, default_config
 from tformer_jax.nn import Transformer
-from tformer_jax.train import optim, precision, state as state_lib, step as step_lib
+from tformer_jax.ops.chunked_attention import chunk_table
+from tformer_jax.ops.moe import capacity as moe_capacity
+from tformer_jax.parallel import mesh as mesh_lib
+from tformer_jax.train import optim, precision, setup as setup_lib, state as state_lib, step as step_lib
 
-ACT_COPIES = {"relu": 1, "gelu_tanh": 2, "silu": 2, "gelu": 3, "swiglu": 4, "geglu": 5}
-NORM_COPIES = {"layernorm": 2, "rmsnorm": 2}  # ops.norms keeps xhat (+ 1/std per row); y feeds a dot
-LOSS_COPIES_V = 4
 MiB = 1024 * 1024
+F32 = 4
+
+# (T, D) float32 arrays a block's two norms and residual stream keep: input, normalised input, output and
+# a row statistic per norm (xla_cpu's closed-form VJP), 3 per norm (autodiff), 4 in all under scan_layers.
+NORM_KEPT = {"xla_cpu": 8, "reference": 6, "scan": 4}
+# (T, F) arrays the FFN keeps: the matmul output(s), the activation's intermediates (silu's sigmoid,
+# gelu_tanh's tanh, exact gelu's erfc x2) and the product feeding W_out; under scan_layers every
+# residual of JAX's linearisation (XLA cannot fuse across the loop boundary).
+FFN_KEPT = {"relu": 2, "gelu_tanh": 3, "silu": 3, "gelu": 4, "swiglu": 5, "geglu": 6}
+FFN_KEPT_SCAN = {"relu": 3, "gelu_tanh": 7, "silu": 4, "gelu": 4, "swiglu": 6, "geglu": 6}
+# Per attention path: (copies of q + k + v + output, copies of the probabilities); scan_layers adds one
+# query-sized array.
+ATTENTION_KEPT = {"dense": (1.0, 3), "chunked_cpu": (1.0, 1), "chunked": (1.5, 2), "blockwise": (2.0, 0),
+                  "flash": (1.0, 0)}
+# (T, E, C) float32 one-hot tensors a capacity-dispatch layer keeps: dispatch, its transpose, combine
+# (XLA frees part of the last layer's before the peak).
+CAPACITY_KEPT = 2.5
+# float32 copies of the stacked layer weights a scan_layers backward holds: the stacked gradients and the
+# weights transposed for the backward matmuls, hoisted out of the loop (a one-layer scan: the gradients).
+SCAN_WEIGHT_COPIES = 2
+# (T, V) float32 arrays of the full-logits loss: logits, log-softmax and its gradient (tied embeddings:
+# + the gradient transposed for the embedding's).
+LOGITS_KEPT = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+  """How the train step runs the model: what, besides the architecture, changes its memory.
+  `execution_of(cfg)` resolves it from a config as a run does (backends.resolve_runtime)."""
+  backend: str = "reference"        # reference | xla_cpu
+  attention: str = "reference"      # runtime.attention resolved: reference | chunked | blockwise | xla | cudnn
+  block_q: int = 128                # the chunked query chunk / blockwise query tile
+  block_k: int = 128                # the blockwise key tile
+  cpu_kernels: bool = False         # xla_cpu: the C++ kernels (chunked attention, fused AdamW)
+  platform: str = "cpu"             # cpu | gpu | tpu (XLA lowers ragged_dot, remat and bf16 differently)
+  loss_chunk: int = 0               # train.loss_chunk
+  grad_accum: int = 1               # optim.grad_accum: micro-batches per step
+  optim: Any = None                 # the optim config section (None: the defaults, AdamW)
+  batch_arrays: tuple[tuple[str, int], ...] = (("inputs", 4), ("targets", 4))   # (name, bytes per token)
+
+  def attention_path(self, m: ModelConfig) -> str:
+    """What the layers run (backends/base.py Backend.attention): 'dense', 'chunked_cpu' (the C++
+    kernel), 'chunked' (XLA), 'blockwise' or 'flash' (cuDNN)."""
+    if m.attn_dropout > 0 or m.position == "t5" or m.num_global_tokens:
+      return "dense"                       # the tiled paths need a static mask and no dense bias
+    if self.attention == "chunked":
+      kernel = self.backend == "xla_cpu" and self.cpu_kernels and m.dtype == "float32"
+      return "chunked_cpu" if kernel else "chunked"
+    return {"blockwise": "blockwise", "cudnn": "flash"}.get(self.attention, "dense")   # reference, xla
+
+  def optim_name(self) -> str:
+    return str((self.optim if self.optim is not None else default_config().optim).name)
+
+  def describe(self, m: ModelConfig) -> str:
+    kernels = f", C++ kernels {'on' if self.cpu_kernels else 'off'}" if self.backend == "xla_cpu" else ""
+    return (f"{self.backend} (attention {self.attention} -> {self.attention_path(m)}{kernels}) on {self.platform}; "
+            f"{m.dtype} compute, loss_chunk {self.loss_chunk}, {self.optim_name()}, grad_accum {self.grad_accum}")
+
+
+@dataclasses.dataclass
+class Estimate:
+  params: int                          # parameter count (exact)
+  bytes: dict[str, int]                # the terms of the peak phase (module docstring)
+  activation_per_layer: int            # what the largest block keeps (no remat)
+  flops_per_token: float               # model FLOPs: 6 N_matmul + attention (remat 'full': 8 and 16)
+  remat: bool
+  executed_flops_per_token: float = 0.0   # + the MoE dispatch and the chunked loss's recompute
+  phases: dict[str, int] = dataclasses.field(default_factory=dict)   # {'backward', 'update'}: their totals
+  notes: list[str] = dataclasses.field(default_factory=list)         # what is modelled coarsely, and why
+  execution: str = ""                  # Execution.describe()
+
+  @property
+  def total(self) -> int:
+    return int(sum(self.bytes.values()))
 
 
 def _bytes(dtype: str) -> int:
   return jnp.dtype(dtype).itemsize
 
+
+# -- parameters and state -----------------------------------------------------------------------------------
 
 def param_shapes(m: ModelConfig) -> Any:
   """The parameter tree as ShapeDtypeStructs (jax.eval_shape: nothing is allocated)."""
@@ -65,19 +167,23 @@ def param_shapes(m: ModelConfig) -> Any:
   return nn.unbox(shapes)
 
 
+def _leaves(m: ModelConfig) -> list[tuple[list[str], Any]]:
+  return [([str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)], x)
+          for path, x in jax.tree_util.tree_flatten_with_path(param_shapes(m))[0]]
+
+
 def param_count(m: ModelConfig) -> int:
   """Exact number of parameters of the model."""
   return int(sum(math.prod(x.shape) for x in jax.tree.leaves(param_shapes(m))))
 
 
 def matmul_params(m: ModelConfig) -> int:
-  """Parameters that take part in a matmul per token (layer weights and the LM head)."""
+  """Parameters in a matmul per token: layer weights (top_k of the E experts) and the LM head."""
   total = 0
-  for path, x in jax.tree_util.tree_flatten_with_path(param_shapes(m))[0]:
-    keys = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+  for keys, x in _leaves(m):
     if keys[0].startswith("layers") and len(x.shape) >= 2 and keys[-1] not in ("scale", "bias"):
       size = math.prod(x.shape)
-      if m.moe.num_experts and "experts" in "/".join(keys):
+      if m.moe.num_experts and "moe" in keys and keys[-1] != "router" and not keys[-1].startswith("shared_"):
         size = size * m.moe.top_k // m.moe.num_experts
       total += size
     elif keys[0] == "head":
@@ -87,21 +193,127 @@ def matmul_params(m: ModelConfig) -> int:
   return total
 
 
+def compute_cast_params(m: ModelConfig) -> int:
+  """Parameters the train step casts to the compute dtype once per step (precision.cast_for_compute)."""
+  return sum(math.prod(x.shape) for keys, x in _leaves(m) if keys[-1] in precision.COMPUTE_CAST_NAMES)
+
+
+def _layer_params(m: ModelConfig) -> int:
+  return sum(math.prod(x.shape) for keys, x in _leaves(m) if keys[0].startswith("layers"))
+
+
+def optimizer_state_bytes(m: ModelConfig, optim_cfg: Any = None) -> int:
+  """Bytes of the optimizer state of m's parameters (exact: jax.eval_shape of the optimizer's init)."""
+  tx, _ = optim.make_optimizer(optim_cfg if optim_cfg is not None else default_config().optim, 1000)
+  state = jax.eval_shape(tx.init, param_shapes(m))
+  return int(sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state)))
+
+
 def kv_cache_bytes(num_layers: int, batch: int, length: int, kv_heads: int, head_dim: int,
                    bytes_per_elem: int = 2) -> int:
   """2 (K, V) * layers * batch * length * kv_heads * head_dim * bytes."""
   return 2 * num_layers * batch * length * kv_heads * head_dim * bytes_per_elem
 
 
-def activation_bytes_per_layer(m: ModelConfig, batch: int, seq: int) -> int:
-  """What one layer keeps for the backward pass (see the module docstring)."""
-  t, w = batch * seq, _bytes(m.dtype)
-  c_act = ACT_COPIES.get(m.activation, 3)
-  per_token = (NORM_COPIES[m.norm] * 2 * m.d_model + 2 * m.d_model
-               + (2 * m.num_heads + 2 * m.kv_heads) * m.hd + c_act * m.ff)
-  scores = batch * m.num_heads * seq * seq
-  return w * t * per_token + 3 * 4 * scores + 2 * scores
+# -- what a block keeps -------------------------------------------------------------------------------------
 
+def _act_bytes(m: ModelConfig, ex: Execution) -> int:
+  """Bytes of a kept activation element: the compute dtype's; float32 for a scanned stack on CPU (XLA:CPU's
+  bf16 normalisation widens the loop's buffers)."""
+  return F32 if ex.platform == "cpu" and m.scan_layers else _bytes(m.dtype)
+
+
+def _matmul_out_bytes(m: ModelConfig, ex: Execution) -> int:
+  """Bytes of a kept matmul output element: XLA:CPU computes half-precision matmuls in float32 and keeps
+  that result next to the half copy."""
+  w = _act_bytes(m, ex)
+  return w + F32 if ex.platform == "cpu" and w < F32 else w
+
+
+def _probs_elems(m: ModelConfig, ex: Execution, path: str, seq: int) -> int:
+  """Probabilities per (sequence, query head) the attention path keeps: L x S dense, the chunk table's
+  rows x visible keys when chunked, none for the online-softmax paths."""
+  if path == "dense":
+    return seq * seq
+  if path in ("chunked_cpu", "chunked"):
+    table = chunk_table(seq, seq, causal=m.causal, window=m.window, q_offset=0, chunk=ex.block_q)
+    return int(sum((r1 - r0) * (hi - lo) for r0, r1, lo, hi in table.tolist()))
+  return 0
+
+
+def attention_kept_bytes(m: ModelConfig, ex: Execution, batch: int, seq: int) -> int:
+  """One attention layer: q, k, v and the output (ATTENTION_KEPT copies; scan_layers: + a query) and
+  the float32 probabilities."""
+  t, w = batch * seq, _act_bytes(m, ex)
+  path = ex.attention_path(m)
+  copies, prob_copies = ATTENTION_KEPT[path]
+  qkvo = t * w * (2 * m.num_heads + 2 * m.kv_heads) * m.hd
+  scan = t * w * m.num_heads * m.hd if m.scan_layers else 0
+  return int(copies * qkvo) + scan + prob_copies * F32 * batch * m.num_heads * _probs_elems(m, ex, path, seq)
+
+
+def ffn_kept_bytes(m: ModelConfig, ex: Execution, batch: int, seq: int, width: int | None = None) -> int:
+  """A dense FFN of `width` (default m.ff): FFN_KEPT[activation] (T, F) arrays, one a matmul output."""
+  arrays = (FFN_KEPT_SCAN if m.scan_layers else FFN_KEPT)[m.activation]
+  return batch * seq * (width or m.ff) * ((arrays - 1) * _act_bytes(m, ex) + _matmul_out_bytes(m, ex))
+
+
+def moe_kept_bytes(m: ModelConfig, ex: Execution, batch: int, seq: int) -> tuple[int, int]:
+  """One MoE FFN: (kept, transient while its backward runs), as in the module docstring."""
+  t, w, mo = batch * seq, _act_bytes(m, ex), m.moe
+  e, k, d, f = mo.num_experts, mo.top_k, m.d_model, mo.d_ff or m.ff
+  router = 3 * t * e * F32                                   # logits, probabilities, the aux losses' inputs
+  shared = ffn_kept_bytes(m, ex, batch, seq, f) if mo.shared_expert else 0
+  if mo.dispatch == "capacity":
+    c = moe_capacity(t, e, k, mo.capacity_factor)
+    onehots = int(CAPACITY_KEPT * t * e * c * F32) + k * t * c * F32   # dispatch/combine, slot one-hots
+    experts = ffn_kept_bytes(m, ex, e * c, 1, f) + 2 * e * c * d * w     # the slots' FFN, their in/out
+    return router + onehots + experts + shared, 0
+  n = t * k                                                  # dropless: the sorted (token, expert) rows
+  rows = ffn_kept_bytes(m, ex, n, 1, f) - n * f * w + n * d * w          # the rows' FFN and their input
+  if ex.platform == "tpu":                                   # ragged_dot is a grouped matmul there
+    return router + rows + shared, 0
+  xw = F32 if ex.platform == "cpu" else w                    # the dense expansion (float32 on CPU) + masks
+  expanded = e * n * (d + f) * (xw + 1)
+  if m.scan_layers:                                          # recomputed in the backward, not kept
+    return router + rows + shared, expanded + 4 * e * n * f * xw
+  return router + rows + expanded + shared, 3 * e * n * f * xw
+
+
+def layer_kept_bytes(m: ModelConfig, ex: Execution, batch: int, seq: int, moe: bool) -> tuple[int, int]:
+  """One block without remat: (kept, transient while its backward runs): norms, attention, FFN or MoE."""
+  ffn, transient = moe_kept_bytes(m, ex, batch, seq) if moe else (ffn_kept_bytes(m, ex, batch, seq), 0)
+  norms = NORM_KEPT["scan" if m.scan_layers else ex.backend] * batch * seq * m.d_model * F32
+  return norms + attention_kept_bytes(m, ex, batch, seq) + ffn, transient
+
+
+def matmul_outputs_bytes(m: ModelConfig, ex: Execution, batch: int, seq: int) -> int:
+  """A block's matmul outputs (what remat 'dots' keeps): q, k, v, two output projections, the FFN input(s)."""
+  inputs = 2 if m.activation in GLU_ACTIVATIONS else 1
+  return batch * seq * _matmul_out_bytes(m, ex) * (2 * m.d_model + (m.num_heads + 2 * m.kv_heads) * m.hd
+                                                   + inputs * m.ff)
+
+
+def activation_bytes_per_layer(m: ModelConfig, batch: int, seq: int, execution: Execution | None = None) -> int:
+  """What the largest block keeps for the backward pass without remat."""
+  ex = execution or Execution()
+  return max(layer_kept_bytes(m, ex, batch, seq, m.is_moe_layer(i))[0] for i in range(m.num_layers))
+
+
+def loss_working_bytes(m: ModelConfig, ex: Execution, batch: int, seq: int) -> int:
+  """The loss's transient: LOGITS_KEPT (+1 tied) (T, V) float32 arrays, or with loss_chunk one chunk's
+  logits + two (T, D) hidden-state copies + the (D, V) float32 gradient accumulator; + the embedding's
+  (T, D) float32 gradient."""
+  t, v, d, w = batch * seq, m.vocab_size, m.d_model, _bytes(m.dtype)
+  if not m.lm_head:
+    return 2 * t * d * F32
+  if ex.loss_chunk > 0:
+    rows = batch * max(1, min(seq, ex.loss_chunk // batch))      # ops/losses.py: chunk // B positions
+    return rows * v * F32 + 2 * t * d * w + d * v * F32 + t * d * F32
+  return (LOGITS_KEPT + m.tie_embeddings) * t * v * F32 + t * d * F32
+
+
+# -- FLOPs --------------------------------------------------------------------------------------------------
 
 def flops_per_token(m: ModelConfig, seq: int, remat: bool = False) -> float:
   """Training FLOPs per token: 6 * N_matmul + 12 * n * L * h * hd (remat recomputes the layers'
@@ -110,53 +322,118 @@ def flops_per_token(m: ModelConfig, seq: int, remat: bool = False) -> float:
   return 2.0 * k * matmul_params(m) + 4.0 * k * m.num_layers * seq * m.num_heads * m.hd
 
 
-@dataclasses.dataclass
-class Estimate:
-  params: int
-  bytes: dict[str, int]
-  activation_per_layer: int
-  flops_per_token: float
-  remat: bool
-
-  @property
-  def total(self) -> int:
-    return int(sum(self.bytes.values()))
-
-
-def estimate(m: ModelConfig, batch: int, seq: int, *, remat: bool = False, loss_mask: bool = False
-             ) -> Estimate:
-  """The formula estimate for one AdamW training step of `m` on (batch, seq)."""
-  n = param_count(m)
-  pb = _bytes(m.param_dtype)
-  per_layer = activation_bytes_per_layer(m, batch, seq)
-  t, w = batch * seq, _bytes(m.dtype)
-  if remat:
-    layer_params = (n - _non_layer_params(m)) // max(m.num_layers, 1)
-    acts = m.num_layers * w * t * m.d_model + per_layer + layer_params * pb
+def extra_flops_per_token(m: ModelConfig, ex: Execution, batch: int, seq: int) -> float:
+  """Training FLOPs per token the step runs beyond `flops_per_token`: the MoE dispatch and the chunked
+  loss's recomputed logits (one more (T x D x V) matmul)."""
+  mo, t = m.moe, batch * seq
+  loss = 2.0 * m.d_model * m.vocab_size if ex.loss_chunk > 0 and m.lm_head else 0.0
+  if not mo.num_experts:
+    return loss
+  e, k, d, f = mo.num_experts, mo.top_k, m.d_model, mo.d_ff or m.ff
+  per_row = 2.0 * d * f * (3 if m.activation in GLU_ACTIVATIONS else 2)   # one row through one expert
+  if mo.dispatch == "capacity":
+    c = moe_capacity(t, e, k, mo.capacity_factor)
+    # every slot through its expert (forward + backward) and the one-hot einsums: building dispatch and
+    # combine (3 x 2 K E C) and applying them (5 x 2 E C D), per token
+    extra = 3.0 * (e * c / t - k) * per_row + 6.0 * k * e * c + 10.0 * e * c * d
+  elif ex.platform != "tpu":
+    extra = 3.0 * k * (e - 1) * per_row                             # ragged_dot's expansion: every expert
   else:
-    acts = m.num_layers * per_layer
-  parts = {
-      "params": n * pb,
-      "grads": n * pb,
-      "optimizer": 2 * n * 4,
-      "batch": (3 if loss_mask else 2) * t * 4,
-      "activations": acts,
-      "loss": 4 * t * (LOSS_COPIES_V * m.vocab_size + 2 * m.d_model),
-  }
-  return Estimate(n, parts, per_layer, flops_per_token(m, seq, remat), remat)
+    extra = 0.0
+  return loss + extra * sum(m.is_moe_layer(i) for i in range(m.num_layers))
 
 
-def _non_layer_params(m: ModelConfig) -> int:
-  total = 0
-  for path, x in jax.tree_util.tree_flatten_with_path(param_shapes(m))[0]:
-    first = str(path[0].key) if isinstance(path[0], jax.tree_util.DictKey) else ""
-    if not first.startswith("layers"):
-      total += math.prod(x.shape)
-  return total
+# -- the estimate -------------------------------------------------------------------------------------------
+
+def estimate(m: ModelConfig, batch: int, seq: int, *, remat: bool | None = None, loss_mask: bool = False,
+             execution: Execution | None = None) -> Estimate:
+  """The estimate for one training step of `m` on (batch, seq) run as `execution` (default: the
+  reference backend, dense attention, AdamW, on CPU). remat=True: remat 'full' with scan_layers."""
+  ex = execution or Execution()
+  if remat:
+    m = dataclasses.replace(m, remat="full", scan_layers=True)
+  if loss_mask and "loss_mask" not in dict(ex.batch_arrays):
+    ex = dataclasses.replace(ex, batch_arrays=ex.batch_arrays + (("loss_mask", 4),))
+  notes: list[str] = []
+  n, w = param_count(m), _bytes(m.dtype)
+  mb = batch // max(ex.grad_accum, 1)                       # the micro-batch the layers see
+  t = mb * seq
+  blocks = [layer_kept_bytes(m, ex, mb, seq, m.is_moe_layer(i)) for i in range(m.num_layers)]
+  outer_norms = (m.final_norm + m.embed_norm) * NORM_KEPT[ex.backend] // 2 * t * m.d_model * F32
+  loss = loss_working_bytes(m, ex, mb, seq)
+  remat_on = m.remat != "none" and (m.scan_layers or ex.platform != "cpu")
+  if m.remat != "none" and not remat_on:
+    notes.append("remat: XLA:CPU keeps an unrolled rematerialised graph's activations (set scan_layers)")
+  if remat_on:
+    kept, transient = max(blocks, key=sum)
+    if m.remat == "full":                                   # block inputs; one block recomputed
+      activations, recompute = m.num_layers * t * m.d_model * w, kept + transient
+    else:                                                   # every matmul output; the rest of one block
+      dots = matmul_outputs_bytes(m, ex, mb, seq)
+      activations, recompute = m.num_layers * dots, kept + transient - dots
+    activations, working = activations + outer_norms, max(loss, recompute)
+  else:
+    activations, working = sum(k for k, _ in blocks) + outer_norms, max([loss] + [tr for _, tr in blocks])
+  grads = n * F32 if ex.grad_accum > 1 else 0               # the running sum of micro-batch gradients
+  if m.scan_layers:
+    grads += (SCAN_WEIGHT_COPIES if m.num_layers > 1 else 1) * _layer_params(m) * F32
+  fused = ex.backend == "xla_cpu" and ex.cpu_kernels and ex.optim_name() == "adamw"
+  update = n * F32 * (1 if fused else 3)                    # gradients (+ optax's updates and new moments)
+  fixed = {"params": n * _bytes(m.param_dtype), "optimizer": optimizer_state_bytes(m, ex.optim),
+           "batch": sum(b for _, b in ex.batch_arrays) * batch * seq,
+           "compute_params": compute_cast_params(m) * w if m.dtype != m.param_dtype else 0}
+  phases = {"backward": activations + working + grads, "update": update}
+  if phases["backward"] >= update:
+    parts = dict(fixed, activations=activations, working=working, grads=grads)
+  else:
+    parts = dict(fixed, update=update)
+  if ex.platform == "cpu" and w < F32:
+    notes.append(f"{m.dtype} on CPU: XLA:CPU runs half-precision matmuls in float32 (kept next to the half "
+                 "copies); a GPU/TPU keeps less")
+  model_flops = flops_per_token(m, seq, m.remat == "full")
+  return Estimate(n, parts, max(k for k, _ in blocks), model_flops, m.remat != "none",
+                  model_flops + extra_flops_per_token(m, ex, mb, seq), phases, notes, ex.describe(m))
+
+
+# -- from a config ------------------------------------------------------------------------------------------
+
+def execution_of(cfg: Any, *, platform: str | None = None) -> Execution:
+  """The Execution of cfg's run: cfg.runtime resolved as backends.resolve_runtime does on `platform`
+  (default this process's, one device), the loss, accumulation, optimizer and batch arrays of cfg."""
+  rt = backends.resolve_runtime(cfg, platform=platform, quiet=True)
+  b = rt.backend
+  arrays = tuple((name, jnp.dtype(dt).itemsize) for name, (_, dt) in setup_lib.batch_spec(cfg.data).items())
+  return Execution(backend=b.name, attention=b.attention_impl, block_q=b.block_q, block_k=b.block_k,
+                   cpu_kernels=bool(getattr(b, "cpu_kernels", False)), platform=rt.platform,
+                   loss_chunk=int(cfg.train.get("loss_chunk", 0) or 0), grad_accum=int(cfg.optim.grad_accum),
+                   optim=cfg.optim, batch_arrays=arrays)
+
+
+def estimate_config(cfg: Any, *, platform: str | None = None) -> Estimate:
+  """The estimate for cfg's train step: the model with train.precision applied, the runtime resolved."""
+  m = setup_lib.resolve_model_config(cfg, check_paths=False)
+  return estimate(m, int(cfg.data.batch_size), int(cfg.data.seq_len), execution=execution_of(cfg, platform=platform))
+
+
+# -- XLA's side ---------------------------------------------------------------------------------------------
+
+def _memory(compiled: Any) -> dict[str, Any]:
+  ma = compiled.memory_analysis()
+  out = {"argument": float(ma.argument_size_in_bytes), "output": float(ma.output_size_in_bytes),
+         "alias": float(ma.alias_size_in_bytes), "temp": float(ma.temp_size_in_bytes)}
+  out["total"] = out["argument"] + out["temp"] + max(out["output"] - out["alias"], 0.0)
+  return out
+
+
+def _flops(compiled: Any) -> float:
+  ca = compiled.cost_analysis()
+  ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+  return float(ca.get("flops", float("nan"))) if ca else float("nan")
 
 
 def compiled_analysis(m: ModelConfig, batch: int, seq: int, optim_cfg: Any = None) -> dict[str, float]:
-  """memory_analysis() and cost_analysis() of the compiled real train step (donated state)."""
+  """memory_analysis() and cost_analysis() of the train step (donated state) for `m`, traced under the
+  current backend (backends.use; default the reference one). For a config, `compiled_analysis_config`."""
   optim_cfg = optim_cfg if optim_cfg is not None else default_config().optim
   model = Transformer(m)
   tx, schedule = optim.make_optimizer(optim_cfg, 1000)
@@ -165,42 +442,73 @@ def compiled_analysis(m: ModelConfig, batch: int, seq: int, optim_cfg: Any = Non
   tok = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
   fn = step_lib.make_train_step(model, tx, schedule, optim_cfg)
   compiled = jax.jit(fn, donate_argnums=(0,)).lower(state, {"inputs": tok, "targets": tok}).compile()
-  ma = compiled.memory_analysis()
-  ca = compiled.cost_analysis()
-  ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-  out = {
-      "argument": float(ma.argument_size_in_bytes),
-      "output": float(ma.output_size_in_bytes),
-      "alias": float(ma.alias_size_in_bytes),
-      "temp": float(ma.temp_size_in_bytes),
-      "flops": float(ca.get("flops", float("nan"))) if ca else float("nan"),
-  }
-  out["total"] = out["argument"] + out["temp"] + max(out["output"] - out["alias"], 0.0)
+  out = _memory(compiled)
+  out["flops"] = _flops(compiled)
   out["flops_per_token"] = out["flops"] / (batch * seq)
   return out
 
 
-def format_report(m: ModelConfig, est: Estimate, batch: int, seq: int, xla: dict[str, float] | None = None,
+def _compile_config(cfg: Any) -> tuple[Any, str]:
+  """cfg's train step as train/setup.py builds it, on a one-device mesh, compiled: (compiled, runtime)."""
+  cfg = cfg.copy_and_resolve_references()
+  cfg.mesh.shape, cfg.mesh.parallelism, cfg.mesh.num_devices = (1,) * len(tuple(cfg.mesh.axes)), "jit", 1
+  mesh = mesh_lib.make_mesh(cfg.mesh, devices=jax.devices()[:1])
+  rt = backends.resolve_runtime(cfg, mesh_devices=1, quiet=True)
+  with backends.use(rt.backend):
+    program = setup_lib.build(cfg, mesh, rt.backend, check_paths=False)
+    batch = setup_lib.abstract_batch(cfg, mesh)
+    return program.train_step.lower(program.abstract, batch).compile(), rt.summary()
+
+
+def compiled_analysis_config(cfg: Any, *, flops: bool = True) -> dict[str, Any]:
+  """XLA's figures for cfg's train step compiled as a run compiles it (train/setup.py, one device,
+  cfg.runtime resolved here): memory_analysis() bytes, 'total' = arguments + temporaries, and 'runtime'.
+  flops: + 'flops' / 'flops_per_token' from a second compile XLA can count (the module docstring)."""
+  compiled, runtime = _compile_config(cfg)
+  out: dict[str, Any] = _memory(compiled)
+  out["runtime"] = runtime
+  if flops:
+    ref = cfg.copy_and_resolve_references()
+    ref.runtime.backend, ref.runtime.attention, ref.model.scan_layers = "reference", "reference", False
+    out["flops"] = _flops(_compile_config(ref)[0])
+    out["flops_per_token"] = out["flops"] / (int(cfg.data.batch_size) * int(cfg.data.seq_len))
+    out["flops_runtime"] = "reference backend, dense attention, unrolled layers"
+  return out
+
+
+# -- the report ---------------------------------------------------------------------------------------------
+
+def format_report(m: ModelConfig, est: Estimate, batch: int, seq: int, xla: dict[str, Any] | None = None,
                   kv: tuple[int, int] | None = None) -> str:
-  """A text report: the estimate by part, next to XLA's numbers when given."""
+  """A text report: the estimate by term, next to XLA's numbers when given (with estimate/XLA)."""
   mb = lambda b: f"{b / MiB:10.2f} MiB"  # noqa: E731
-  lines = [f"model: d_model={m.d_model} layers={m.num_layers} heads={m.num_heads}/{m.kv_heads} "
-           f"head_dim={m.hd} ff={m.ff} vocab={m.vocab_size} ({m.activation}, {m.norm}); "
-           f"batch={batch} seq={seq} remat={'full' if est.remat else 'none'}",
-           f"parameters: {est.params:,} (exact, from jax.eval_shape)", ""]
+  moe = f", MoE {m.moe.num_experts} experts top-{m.moe.top_k} {m.moe.dispatch}" if m.moe.num_experts else ""
+  lines = [f"model: d_model={m.d_model} layers={m.num_layers} heads={m.num_heads}/{m.kv_heads} head_dim={m.hd} "
+           f"ff={m.ff} vocab={m.vocab_size} ({m.activation}, {m.norm}{moe}); batch={batch} seq={seq} "
+           f"remat={m.remat} scan_layers={m.scan_layers}",
+           f"parameters: {est.params:,} (exact, from jax.eval_shape)"]
+  if est.execution:
+    lines.append(f"estimated for: {est.execution}")
+  lines.append("")
   for k, v in est.bytes.items():
-    lines.append(f"  {k:<12}{mb(v)}")
-  lines.append(f"  {'total':<12}{mb(est.total)}   (activations per layer {est.activation_per_layer / MiB:.2f} MiB)")
-  formula = "8 N_matmul + 16 n L h hd" if est.remat else "6 N_matmul + 12 n L h hd"
-  lines.append(f"  FLOPs/token  {est.flops_per_token:,.0f}  ({formula})")
+    if v or k in ("params", "optimizer", "activations"):
+      lines.append(f"  {k:<15}{mb(v)}")
+  phase = max(est.phases, key=est.phases.get) if est.phases else "backward"
+  lines.append(f"  {'total':<15}{mb(est.total)}   (peak in the {phase} phase; the largest block keeps "
+               f"{est.activation_per_layer / MiB:.2f} MiB)")
+  formula = "8 N_matmul + 16 n L h hd" if est.remat and m.remat == "full" else "6 N_matmul + 12 n L h hd"
+  lines.append(f"  FLOPs/token    {est.flops_per_token:,.0f}  ({formula})")
+  executed = est.executed_flops_per_token or est.flops_per_token
+  if executed != est.flops_per_token:
+    lines.append(f"  executed       {executed:,.0f}  (+ the MoE dispatch / chunked loss as the step runs them)")
+  lines += [f"  note: {note}" for note in est.notes]
   if xla is not None:
-    ratio = est.total / xla["total"]
-    lines += ["", "XLA compiled train step (memory_analysis / cost_analysis):",
-              f"  arguments   {mb(xla['argument'])}", f"  temporaries {mb(xla['temp'])}",
-              f"  total       {mb(xla['total'])}   estimate/XLA = {ratio:.3f}",
-              f"  FLOPs/token  {xla['flops_per_token']:,.0f}   estimate/XLA = "
-              f"{est.flops_per_token / xla['flops_per_token']:.3f}"
-              + ("  (scan_layers: XLA counts the loop body once)" if m.scan_layers else "")]
+    lines += ["", f"XLA compiled train step (memory_analysis), {xla.get('runtime', 'the current backend')}:",
+              f"  arguments      {mb(xla['argument'])}", f"  temporaries    {mb(xla['temp'])}",
+              f"  total          {mb(xla['total'])}   estimate/XLA = {est.total / xla['total']:.3f}"]
+    if "flops_per_token" in xla:
+      lines.append(f"  FLOPs/token    {xla['flops_per_token']:,.0f}   estimate/XLA = "
+                   f"{executed / xla['flops_per_token']:.3f}  ({xla.get('flops_runtime', 'cost_analysis')})")
   if kv is not None:
     b, length = kv
     for name, nbytes in (("float32", 4), ("bf16/fp16", 2)):
@@ -210,6 +518,7 @@ def format_report(m: ModelConfig, est: Estimate, batch: int, seq: int, xla: dict
   return "\n".join(lines)
 
 
-__all__ = ["Estimate", "activation_bytes_per_layer", "compiled_analysis", "estimate",
-           "flops_per_token", "format_report", "kv_cache_bytes", "matmul_params", "param_count",
+__all__ = ["Estimate", "Execution", "activation_bytes_per_layer", "compiled_analysis", "compiled_analysis_config",
+           "estimate", "estimate_config", "execution_of", "extra_flops_per_token", "flops_per_token",
+           "format_report", "kv_cache_bytes", "matmul_params", "optimizer_state_bytes", "param_count",
            "param_shapes"]
