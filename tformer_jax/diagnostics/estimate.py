@@ -469,7 +469,8 @@ def compiled_analysis_config(cfg: Any, *, flops: bool = True) -> dict[str, Any]:
   out["runtime"] = runtime
   if flops:
     ref = cfg.copy_and_resolve_references()
-    ref.runtime.backend, ref.runtime.attention, ref.model.scan_layers = "reference", "reference", False
+    ref.runtime.backend, ref.runtime.attention, ref.runtime.cpu_kernels = "reference", "reference", "off"
+    ref.model.scan_layers = False
     out["flops"] = _flops(_compile_config(ref)[0])
     out["flops_per_token"] = out["flops"] / (int(cfg.data.batch_size) * int(cfg.data.seq_len))
     out["flops_runtime"] = "reference backend, dense attention, unrolled layers"
