@@ -16,7 +16,15 @@ import pytest
 
 from tformer_jax.data import prepare as prepare_cli
 from tformer_jax.data.corpora import DataError, load_corpus
-from tformer_jax.data.prepared import KILL_ENV, PROGRESS, open_prepared, prepare, token_dtype, tokenizer_ceiling
+from tformer_jax.data.prepared import (
+    KILL_ENV,
+    PROGRESS,
+    WAIT_ENV,
+    open_prepared,
+    prepare,
+    token_dtype,
+    tokenizer_ceiling,
+)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -55,18 +63,24 @@ def _txt_folder(root: pathlib.Path, docs: list[str]) -> pathlib.Path:
 
 # --- output identity ---------------------------------------------------------------------------------
 
-def test_workers_give_byte_identical_output_and_the_reader_returns_every_document(tmp_path, paragraphs):
-  """A sentencepiece BPE trained on a sample; 1 vs 2 workers; many small shards; documents round-trip."""
+def test_workers_give_byte_identical_output_and_the_reader_returns_every_document(tmp_path, paragraphs,
+                                                                                   monkeypatch):
+  """A sentencepiece BPE trained on a sample; 1 vs 3 workers (the spawned ones up before the first of many
+  small units, so they encode most of them); many small shards; documents round-trip."""
   docs = paragraphs[:1500]
   src = tmp_path / "data.jsonl"
   src.write_text("".join(json.dumps({"meta": {"id": i}, "text": d}, ensure_ascii=False) + "\n"
                          for i, d in enumerate(docs)), encoding="utf-8")
   kw = dict(tokenizer="bpe", text_field="text", bpe_vocab_size=400, train_tokenizer_sample_bytes=100_000,
-            shard_tokens=4000, progress=False, cache_dir=tmp_path / "cache")
+            shard_tokens=4000, progress=False, cache_dir=tmp_path / "cache", unit_bytes=4096)
   one = prepare([str(src)], tmp_path / "w1", workers=1, **kw)
-  two = prepare([str(src)], tmp_path / "w2", workers=2, **kw)
-  assert _files(tmp_path / "w1") == _files(tmp_path / "w2")
-  assert one["documents"] == two["documents"] == len(docs) and one["tokens"] == two["tokens"]
+  monkeypatch.setenv(WAIT_ENV, "1")
+  three = prepare([str(src)], tmp_path / "w3", workers=3, **kw)
+  assert one["units"]["spawned"] == 0 and one["units"]["main"] > 40 and one["worker_peak_rss_mb"] == 0
+  assert three["units"]["spawned"] > 0 and sum(three["units"].values()) == one["units"]["main"]
+  assert three["worker_peak_rss_mb"] > 0
+  assert _files(tmp_path / "w1") == _files(tmp_path / "w3")
+  assert one["documents"] == three["documents"] == len(docs) and one["tokens"] == three["tokens"]
   ds = open_prepared(tmp_path / "w1", verify=True)
   m = ds.manifest
   assert m["dtype"] == "uint16" and ds.eos_id == 2 and "ends with eos_id (2)" in m["convention"]

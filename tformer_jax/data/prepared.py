@@ -16,14 +16,17 @@ concatenated with no separator (the offsets hold the boundaries).
 
 Reading: `open_prepared(DIR)` -> `PreparedDataset` (shards memory-mapped; `verify()` checks the sha256s).
 Writing: `prepare(sources, DIR, tokenizer=...)` streams documents (`tformer_jax.data.sources`), tokenizes
-batches of them in `workers` processes, and writes the results in input order, so the output is
-byte-identical for any worker count. Each shard is committed atomically (temporary file, fsync, rename),
-then `.progress.json` records where the input stands; a rerun with the same arguments resumes there, and
-the result is byte-identical to an uninterrupted run. `tokenizer_ceiling` measures the tokenizer
-library's own batch encode on the same texts (the throughput ceiling `prepare` is compared with).
+batches of them in `workers` processes (the main process and workers - 1 spawned ones), and writes the
+results in input order, so the output is byte-identical for any worker count. Each shard is committed
+atomically (temporary file, fsync, rename), then `.progress.json` records where the input stands; a rerun
+with the same arguments resumes there, and the result is byte-identical to an uninterrupted run.
+`tokenizer_ceiling` measures the tokenizer library's own batch encode on the same texts (the throughput
+ceiling `prepare` is compared with).
 
-Test hook: with $TFORMER_PREPARE_KILL_AFTER_SHARDS=N set, `prepare` kills its own process (SIGKILL) right
-after committing its N-th shard of this run, as a crash would.
+Test hooks: with $TFORMER_PREPARE_KILL_AFTER_SHARDS=N set, `prepare` kills its own process (SIGKILL) right
+after committing its N-th shard of this run, as a crash would; with $TFORMER_PREPARE_WAIT_FOR_WORKERS=1 the
+main process waits for the spawned workers to be up before the first unit (so a small input still reaches
+them).
 """
 from __future__ import annotations
 
@@ -65,6 +68,7 @@ FORMAT = "tformer_jax.prepared/1"
 MANIFEST = "manifest.json"
 PROGRESS = ".progress.json"
 KILL_ENV = "TFORMER_PREPARE_KILL_AFTER_SHARDS"
+WAIT_ENV = "TFORMER_PREPARE_WAIT_FOR_WORKERS"
 DEFAULT_SHARD_TOKENS = 1 << 24
 DEFAULT_BPE_VOCAB = 8192
 DEFAULT_SAMPLE_BYTES = 20_000_000
@@ -317,33 +321,60 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
 
 
-def _start_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor | None:
-  """`workers` spawned processes (None for 1: the caller's process tokenizes). Started before the tokenizer
-  is ready, so their start-up overlaps the main process's reading and BPE training."""
-  if workers == 1:
-    return None
-  ctx = multiprocessing.get_context("spawn")     # no fork: the caller may hold jax's threads
-  pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_exit_with_parent)
-  for _ in range(workers):
-    pool.submit(int)                             # start every process now, not at the first units
-  return pool
+class _Pool:
+  """The processes that tokenize: the main process and `workers - 1` spawned ones (spawn, not fork: the
+  caller may hold jax's threads). They start before the tokenizer is ready, so their start-up overlaps the
+  main process's reading and BPE training, and until they are up the main process tokenizes alone."""
+
+  def __init__(self, workers: int):
+    self.workers = workers
+    self.units = {"main": 0, "spawned": 0}       # units encoded by each side (stats)
+    self.executor: concurrent.futures.ProcessPoolExecutor | None = None
+    self._starting: list[concurrent.futures.Future] = []
+    if workers > 1:
+      ctx = multiprocessing.get_context("spawn")
+      self.executor = concurrent.futures.ProcessPoolExecutor(workers - 1, mp_context=ctx,
+                                                             initializer=_exit_with_parent)
+      self._starting = [self.executor.submit(int) for _ in range(workers - 1)]   # start them all now
+
+  def ready(self) -> bool:
+    """Whether the spawned processes are up (then units go to them first)."""
+    if self._starting and all(f.done() for f in self._starting):
+      self._starting = []
+    return self.executor is not None and not self._starting
+
+  def shutdown(self) -> None:
+    if self.executor is not None:
+      self.executor.shutdown(wait=True, cancel_futures=True)
 
 
-def _results(units: Iterator[Unit], pool: concurrent.futures.ProcessPoolExecutor | None, workers: int,
-             recipe: _Recipe) -> Iterator[tuple[Position, int, tuple[np.ndarray, np.ndarray, int, int]]]:
-  """(unit position, unit input bytes, result) in input order; at most 2 * workers + 2 units in flight."""
-  if pool is None:
-    try:
-      for unit in units:
-        yield unit.position, unit.input_bytes, _encode_unit(unit, recipe)
-    finally:
-      _WORKER.clear()
-    return
+def _done(result: Any) -> concurrent.futures.Future:
+  future: concurrent.futures.Future = concurrent.futures.Future()
+  future.set_result(result)
+  return future
+
+
+def _results(units: Iterator[Unit], pool: _Pool, recipe: _Recipe
+             ) -> Iterator[tuple[Position, int, tuple[np.ndarray, np.ndarray, int, int]]]:
+  """(unit position, unit input bytes, result) in input order. A unit goes to a spawned process while fewer
+  than 2 per process are in flight there, else the main process encodes it; at most 2 * workers + 2 units
+  are held (bounded memory)."""
   window: collections.deque = collections.deque()
+  limit = 2 * pool.workers + 2
+  if os.environ.get(WAIT_ENV) and pool.executor is not None:
+    concurrent.futures.wait(pool._starting)
   try:
     for unit in units:
-      window.append((unit.position, unit.input_bytes, pool.submit(_encode_unit, unit, recipe)))
-      if len(window) >= 2 * workers + 2:
+      busy = sum(1 for _, _, f in window if not f.done())
+      if pool.ready() and busy < 2 * (pool.workers - 1):
+        future = pool.executor.submit(_encode_unit, unit, recipe)
+        pool.units["spawned"] += 1
+      else:
+        pool.units["main"] += 1
+        tokens, lengths, text_bytes, _ = _encode_unit(unit, recipe)
+        future = _done((tokens, lengths, text_bytes, 0))     # (the main process's peak is reported apart)
+      window.append((unit.position, unit.input_bytes, future))
+      while window and (window[0][2].done() or len(window) >= limit):
         position, nbytes, future = window.popleft()
         yield position, nbytes, future.result()
     while window:
@@ -355,6 +386,7 @@ def _results(units: Iterator[Unit], pool: concurrent.futures.ProcessPoolExecutor
   finally:
     for _, _, future in window:
       future.cancel()
+    _WORKER.clear()
 
 
 # --- writing: shards and progress --------------------------------------------------------------------
@@ -608,10 +640,14 @@ def prepare(sources: Sequence[str] | str, out_dir: str | os.PathLike, *, tokeniz
             workers: int = 1, shard_tokens: int = DEFAULT_SHARD_TOKENS, on_bad_utf8: str = "skip",
             bpe_vocab_size: int = DEFAULT_BPE_VOCAB, train_tokenizer_sample_bytes: int = DEFAULT_SAMPLE_BYTES,
             txt_split: str = "file", overwrite: bool = False, progress: bool = True,
-            cache_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+            cache_dir: str | os.PathLike | None = None, unit_bytes: int = sources_lib.BLOCK_BYTES) -> dict[str, Any]:
   """Tokenize `sources` into the prepared dataset `out_dir` (see the module docstring); resumes an
-  interrupted run with the same arguments. Returns stats: documents, tokens, bytes (UTF-8 text), seconds,
-  mb_per_s, tokens_per_s, skipped, peak_rss_mb (this process), worker_peak_rss_mb, shards, resumed."""
+  interrupted run with the same arguments. `workers` processes tokenize: this one and workers - 1 spawned;
+  each task is about `unit_bytes` of input (this changes nothing in the output).
+  Returns stats: documents, tokens, bytes (UTF-8 text), seconds (all), tokenizer_seconds (sampling and BPE
+  training), encode_seconds (the rest: reading, tokenizing, writing; worker start-up not hidden by the
+  tokenizer's), mb_per_s and tokens_per_s (over encode_seconds), skipped, peak_rss_mb (this process),
+  worker_peak_rss_mb (the largest spawned process; 0 with 1 worker), shards, resumed."""
   t0 = time.perf_counter()
   if on_bad_utf8 not in ("skip", "fail"):
     raise DataError(f"on_bad_utf8 must be 'skip' or 'fail', got {on_bad_utf8!r}")
@@ -644,21 +680,20 @@ def prepare(sources: Sequence[str] | str, out_dir: str | os.PathLike, *, tokeniz
             "worker_peak_rss_mb": 0.0, "shards": len(ds.shards), "workers": workers, "resumed": False,
             "already_prepared": True, "path": str(root)}
   root.mkdir(parents=True, exist_ok=True)
-  pool = _start_pool(workers)
+  pool = _Pool(workers)
   try:
     return _prepare(srcs, root, fields, args, state, pool, t0, tokenizer=tokenizer, kind=kind, workers=workers,
                     shard_tokens=shard_tokens, on_bad_utf8=on_bad_utf8, bpe_vocab_size=bpe_vocab_size,
                     sample_bytes=train_tokenizer_sample_bytes, txt_split=txt_split, progress=progress,
-                    cache_dir=cache_dir)
+                    cache_dir=cache_dir, unit_bytes=unit_bytes)
   finally:
-    if pool is not None:
-      pool.shutdown(wait=True, cancel_futures=True)
+    pool.shutdown()
 
 
 def _prepare(srcs: Sequence[sources_lib.Source], root: pathlib.Path, fields: sources_lib.Fields,
-             args: dict[str, Any], state: dict[str, Any] | None, pool: Any, t0: float, *, tokenizer: str, kind: str,
+             args: dict[str, Any], state: dict[str, Any] | None, pool: _Pool, t0: float, *, tokenizer: str, kind: str,
              workers: int, shard_tokens: int, on_bad_utf8: str, bpe_vocab_size: int, sample_bytes: int,
-             txt_split: str, progress: bool, cache_dir: str | os.PathLike | None) -> dict[str, Any]:
+             txt_split: str, progress: bool, cache_dir: str | os.PathLike | None, unit_bytes: int) -> dict[str, Any]:
   resumed = state is not None
   if state is None:
     tok, file, extra = _setup_tokenizer(tokenizer, srcs, fields, bpe_vocab_size=bpe_vocab_size,
@@ -695,8 +730,8 @@ def _prepare(srcs: Sequence[sources_lib.Source], root: pathlib.Path, fields: sou
                   desc=f"prepare {root.name}", dynamic_ncols=True, leave=True)
   t_run = time.perf_counter()
   try:
-    units = sources_lib.iter_units(srcs, fields, txt_split=txt_split, start=start)
-    for position, input_bytes, (tokens, lengths, nbytes, rss_kb) in _results(units, pool, workers, recipe):
+    units = sources_lib.iter_units(srcs, fields, txt_split=txt_split, start=start, block_bytes=unit_bytes)
+    for position, input_bytes, (tokens, lengths, nbytes, rss_kb) in _results(units, pool, recipe):
       writer.add(position, tokens, lengths, skip_first if position == start else 0)
       text_bytes += nbytes
       worker_rss_kb = max(worker_rss_kb, rss_kb)
@@ -735,8 +770,9 @@ def _prepare(srcs: Sequence[sources_lib.Source], root: pathlib.Path, fields: sou
            "mb_per_s": text_bytes / 1e6 / run_seconds,
            "tokens_per_s": (counts["tokens"] - tokens_before) / run_seconds,
            "skipped": manifest["skipped_documents"], "peak_rss_mb": _peak_rss_mb(),
-           "worker_peak_rss_mb": worker_rss_kb / 1024 if workers > 1 else _peak_rss_mb(),
-           "shards": len(state["shards"]), "workers": workers, "resumed": resumed, "already_prepared": False,
+           "worker_peak_rss_mb": worker_rss_kb / 1024,
+           "shards": len(state["shards"]), "workers": workers, "units": dict(pool.units), "resumed": resumed,
+           "already_prepared": False,
            "path": str(root)}
   log.info("prepared %s: %d documents, %d tokens in %d shards (%.1f MB/s of text, %.1f s)", root,
            stats["documents"], stats["tokens"], stats["shards"], stats["mb_per_s"], seconds)
