@@ -84,6 +84,7 @@ def test_the_estimate_follows_the_runtime_it_models():
   assert dropless.executed_flops_per_token > 3 * dropless.flops_per_token   # 8 experts computed per row, 2 used
   capacity = est_lib.estimate_config(_config("moe_capacity"))
   assert capacity.activation_per_layer > dropless.activation_per_layer
+  assert capacity.per_device() == capacity.total and capacity.per_device(4, 4) == pytest.approx(capacity.total / 4)
 
 
 def test_report_without_xla():

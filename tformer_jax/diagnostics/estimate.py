@@ -153,6 +153,13 @@ class Estimate:
   def total(self) -> int:
     return int(sum(self.bytes.values()))
 
+  def per_device(self, state_shards: int = 1, batch_shards: int = 1) -> int:
+    """A first-order per-device figure for a sharded run: the parameter-shaped terms (params, optimizer,
+    compute_params, grads, update) split `state_shards` ways (fsdp/tensor), the rest `batch_shards` ways
+    (the batch axes). Collectives' buffers and replicated pieces are not modelled."""
+    state = ("params", "optimizer", "compute_params", "grads", "update")
+    return int(sum(v / (state_shards if k in state else batch_shards) for k, v in self.bytes.items()))
+
 
 def _bytes(dtype: str) -> int:
   return jnp.dtype(dtype).itemsize
@@ -294,6 +301,13 @@ def matmul_outputs_bytes(m: ModelConfig, ex: Execution, batch: int, seq: int) ->
                                                    + inputs * m.ff)
 
 
+def _block_gradients_bytes(m: ModelConfig, ex: Execution, batch: int, seq: int) -> int:
+  """What a recomputed block's backward allocates on top: the probabilities' gradient (XLA's attention
+  paths; the C++ kernel and the online-softmax paths keep none)."""
+  path = ex.attention_path(m)
+  return F32 * batch * m.num_heads * _probs_elems(m, ex, path, seq) if path in ("dense", "chunked") else 0
+
+
 def activation_bytes_per_layer(m: ModelConfig, batch: int, seq: int, execution: Execution | None = None) -> int:
   """What the largest block keeps for the backward pass without remat."""
   ex = execution or Execution()
@@ -366,6 +380,7 @@ def estimate(m: ModelConfig, batch: int, seq: int, *, remat: bool | None = None,
     notes.append("remat: XLA:CPU keeps an unrolled rematerialised graph's activations (set scan_layers)")
   if remat_on:
     kept, transient = max(blocks, key=sum)
+    transient += _block_gradients_bytes(m, ex, mb, seq)     # the recomputed block's own backward
     if m.remat == "full":                                   # block inputs; one block recomputed
       activations, recompute = m.num_layers * t * m.d_model * w, kept + transient
     else:                                                   # every matmul output; the rest of one block
