@@ -448,7 +448,8 @@ def _flops(compiled: Any) -> float:
 
 def compiled_analysis(m: ModelConfig, batch: int, seq: int, optim_cfg: Any = None) -> dict[str, float]:
   """memory_analysis() and cost_analysis() of the train step (donated state) for `m`, traced under the
-  current backend (backends.use; default the reference one). For a config, `compiled_analysis_config`."""
+  current backend (backends.use; default the reference one); under scan_layers XLA's FLOPs count one
+  layer. For a config, `compiled_analysis_config` (the run's exact step, FLOPs counted unrolled)."""
   optim_cfg = optim_cfg if optim_cfg is not None else default_config().optim
   model = Transformer(m)
   tx, schedule = optim.make_optimizer(optim_cfg, 1000)
@@ -497,7 +498,8 @@ def compiled_analysis_config(cfg: Any, *, flops: bool = True) -> dict[str, Any]:
 def format_report(m: ModelConfig, est: Estimate, batch: int, seq: int, xla: dict[str, Any] | None = None,
                   kv: tuple[int, int] | None = None) -> str:
   """A text report: the estimate by term, next to XLA's numbers when given (with estimate/XLA)."""
-  mb = lambda b: f"{b / MiB:10.2f} MiB"  # noqa: E731
+  unit, scale = ("GiB", 1024 * MiB) if est.total >= 16 * 1024 * MiB else ("MiB", MiB)
+  mb = lambda b: f"{b / scale:10.2f} {unit}"  # noqa: E731
   moe = f", MoE {m.moe.num_experts} experts top-{m.moe.top_k} {m.moe.dispatch}" if m.moe.num_experts else ""
   lines = [f"model: d_model={m.d_model} layers={m.num_layers} heads={m.num_heads}/{m.kv_heads} head_dim={m.hd} "
            f"ff={m.ff} vocab={m.vocab_size} ({m.activation}, {m.norm}{moe}); batch={batch} seq={seq} "
@@ -511,7 +513,7 @@ def format_report(m: ModelConfig, est: Estimate, batch: int, seq: int, xla: dict
       lines.append(f"  {k:<15}{mb(v)}")
   phase = max(est.phases, key=est.phases.get) if est.phases else "backward"
   lines.append(f"  {'total':<15}{mb(est.total)}   (peak in the {phase} phase; the largest block keeps "
-               f"{est.activation_per_layer / MiB:.2f} MiB)")
+               f"{est.activation_per_layer / scale:.2f} {unit}; one device: Estimate.per_device for a sharded run)")
   formula = "8 N_matmul + 16 n L h hd" if est.remat and m.remat == "full" else "6 N_matmul + 12 n L h hd"
   lines.append(f"  FLOPs/token    {est.flops_per_token:,.0f}  ({formula})")
   executed = est.executed_flops_per_token or est.flops_per_token
