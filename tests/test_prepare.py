@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from tformer_jax.data import prepare as prepare_cli
+from tformer_jax.data import prepare as prepare_cli, sources
 from tformer_jax.data.corpora import DataError, load_corpus
 from tformer_jax.data.prepared import (
     KILL_ENV,
@@ -149,7 +149,7 @@ def test_corrupt_or_truncated_shard_is_named(tmp_path, paragraphs):
 
 # --- formats and fields ------------------------------------------------------------------------------
 
-def test_formats_and_fields(tmp_path, paragraphs):
+def test_formats_and_fields(tmp_path, paragraphs, monkeypatch):
   docs = paragraphs[:40]
   # a JSON array of poems: title + a list of lines, and a nested list of objects
   poems = [{"title": f"T{i}", "paragraphs": d.split("\n"), "notes": [{"text": "n1"}, {"text": "n2"}]}
@@ -159,6 +159,15 @@ def test_formats_and_fields(tmp_path, paragraphs):
                 text_field=["title", "paragraphs", "notes.text"], progress=False)
   assert out["documents"] == len(docs)
   assert _texts(open_prepared(tmp_path / "p")) == [f"T{i}\n{d}\nn1\nn2" for i, d in enumerate(docs)]
+  # the same array streamed by the main process (as a JSON array too large to parse whole is): same output
+  monkeypatch.setattr(sources, "JSON_WHOLE_BYTES", 1000)
+  prepare([str(tmp_path / "poems.json")], tmp_path / "p_streamed", tokenizer="byte",
+          text_field=["title", "paragraphs", "notes.text"], progress=False)
+  assert _files(tmp_path / "p_streamed") == _files(tmp_path / "p")
+  text = (tmp_path / "poems.json").read_text(encoding="utf-8")
+  (tmp_path / "cut.json").write_text(text[:len(text) // 2], encoding="utf-8")
+  with pytest.raises(DataError, match=r"cut\.json: invalid JSON at character \d+"):
+    prepare([str(tmp_path / "cut.json")], tmp_path / "cut", tokenizer="byte", text_field="title", progress=False)
   # JSON Lines, gzipped, with a nested field; a glob over two files keeps their order
   for k in (0, 1):
     with gzip.open(tmp_path / f"part{k}.jsonl.gz", "wt", encoding="utf-8") as f:

@@ -34,7 +34,8 @@ def define_flags(fv: flags.FlagValues) -> None:
                             "join several with newlines", flag_values=fv)
   flags.DEFINE_multi_string("column", [], "text column of Parquet / datasets records (same spec as --field)",
                             flag_values=fv)
-  flags.DEFINE_integer("workers", 1, "tokenizer worker processes", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("workers", 1, "processes that tokenize: this one and workers - 1 spawned", lower_bound=1,
+                       flag_values=fv)
   flags.DEFINE_integer("shard_tokens", prepared.DEFAULT_SHARD_TOKENS, "a shard closes once it holds this many "
                        "tokens", lower_bound=1, flag_values=fv)
   flags.DEFINE_enum("on_bad_utf8", "skip", ["skip", "fail"], "a document that is not UTF-8: skip it (counted in "

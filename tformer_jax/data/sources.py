@@ -275,11 +275,12 @@ def _json_array(src: Source) -> Iterator[Any]:
   decoder = json.JSONDecoder()
   with _open(src.path, src.gzip) as raw:
     f = io.TextIOWrapper(raw, encoding="utf-8", errors="surrogateescape")
-    buf, pos, eof = "", 0, False
+    buf, pos, eof, dropped = "", 0, False, 0     # dropped: characters before buf
 
     def more() -> bool:
-      nonlocal buf, pos, eof
+      nonlocal buf, pos, eof, dropped
       chunk = f.read(1 << 20)
+      dropped += pos
       buf, pos = buf[pos:] + chunk, 0
       eof = not chunk
       return bool(chunk)
@@ -297,7 +298,15 @@ def _json_array(src: Source) -> Iterator[Any]:
       raise DataError(f"{src.path}: a large .json source must be a JSON array (starts with {first!r}); "
                       "write one record per line as .jsonl instead")
     pos += 1
+
+    def finish() -> None:
+      nonlocal pos
+      pos += 1
+      if skip_ws():
+        raise DataError(f"{src.path}: invalid JSON: data after the array's end, at character {dropped + pos}")
+
     if skip_ws() == "]":
+      finish()
       return
     while True:
       try:
@@ -307,7 +316,7 @@ def _json_array(src: Source) -> Iterator[Any]:
       except ValueError as e:
         if not eof and more():
           continue
-        raise DataError(f"{src.path}: invalid JSON near character {pos}: {e}") from None
+        raise DataError(f"{src.path}: invalid JSON at character {dropped + pos}: {e}") from None
       pos = end
       yield obj
       sep = skip_ws()
@@ -316,8 +325,10 @@ def _json_array(src: Source) -> Iterator[Any]:
         skip_ws()
         continue
       if sep == "]":
+        finish()
         return
-      raise DataError(f"{src.path}: invalid JSON array: expected ',' or ']', found {sep!r}")
+      raise DataError(f"{src.path}: invalid JSON array at character {dropped + pos}: expected ',' or ']', "
+                      f"found {sep!r}")
 
 
 def _records_units(src: Source, index: int, start: Position, records: Iterator[Any], per_unit: int
