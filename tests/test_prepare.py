@@ -87,6 +87,9 @@ def test_workers_give_byte_identical_output_and_the_reader_returns_every_documen
   assert m["tokenizer"]["file"] == "tokenizer.model" and m["tokenizer"]["trained_on"]["bytes"] <= 100_000 + 5000
   assert len(ds.shards) > 10 and all(e["num_tokens"] >= 4000 for e in m["shards"][:-1])
   assert isinstance(ds.shards[0][0], np.memmap)
+  modes = {(tmp_path / "w1" / name).stat().st_mode & 0o777 for name in ("manifest.json", "tokenizer.model",
+                                                                         "shard-00000.tokens.npy")}
+  assert len(modes) == 1                           # all as readable as a new file (not write_atomic's 0600)
   assert _texts(ds) == docs
   # the global view: offsets and tokens_at across shard boundaries match the concatenated shards
   allt = np.concatenate([t for t, _ in ds.shards])

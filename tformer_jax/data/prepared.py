@@ -391,6 +391,14 @@ def _results(units: Iterator[Unit], pool: _Pool, recipe: _Recipe
 
 # --- writing: shards and progress --------------------------------------------------------------------
 
+def _write(path: pathlib.Path, data: bytes) -> None:
+  """write_atomic, readable as an ordinary new file is (write_atomic's temporary file is private: 0600)."""
+  write_atomic(path, data)
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(path, 0o666 & ~umask)
+
+
 def _fsync_dir(path: pathlib.Path) -> None:
   fd = os.open(path, os.O_RDONLY)
   try:
@@ -703,7 +711,7 @@ def _prepare(srcs: Sequence[sources_lib.Source], root: pathlib.Path, fields: sou
     copy = None
     if file is not None:
       copy = "tokenizer.json" if kind == "hf" else "tokenizer.model"
-      write_atomic(root / copy, pathlib.Path(file).read_bytes())
+      _write(root / copy, pathlib.Path(file).read_bytes())
     info = {"spec": tokenizer.strip(), "name": tok.name, "vocab_size": int(tok.vocab_size),
             "sha256": sha256_file(root / copy) if copy else hashlib.sha256(tok.name.encode()).hexdigest(),
             "file": copy, **extra}
@@ -760,7 +768,7 @@ def _prepare(srcs: Sequence[sources_lib.Source], root: pathlib.Path, fields: sou
       "skipped_documents": {"not_utf8": counts["not_utf8"], "empty": counts["empty"]},
       "sources": [s.describe() for s in srcs], "text_field": sources_lib.fields_text(fields) or None,
       "txt_split": txt_split, "shard_tokens": shard_tokens, "shards": state["shards"], "arguments": args}
-  write_atomic(root / MANIFEST, (json.dumps(manifest, indent=1, ensure_ascii=False) + "\n").encode("utf-8"))
+  _write(root / MANIFEST, (json.dumps(manifest, indent=1, ensure_ascii=False) + "\n").encode("utf-8"))
   (root / PROGRESS).unlink(missing_ok=True)
   _fsync_dir(root)
   seconds = time.perf_counter() - t0
