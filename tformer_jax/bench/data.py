@@ -10,10 +10,10 @@ loader   tokens/s the main config's training iterator (--config, its data sectio
          and on the big corpus, against the tokens/s the main config's train step consumes (the `rss`
          stage's Shakespeare run logs it: metrics.jsonl tokens_per_s; without that stage, --step-tokens-s).
 rss      peak RSS (the child's ru_maxrss, from wait4) of `python -m tformer_jax.cli.train` on the main config
-         for --train-steps steps, on Shakespeare and on a ~--big-gb GB prepared corpus. The big corpus is
-         made of real documents (the works, repeated in shuffled order) streamed to .txt files under --tmp,
-         then prepared with the main config's tokenizer (2 workers; its prepare stats are reported) and
-         deleted at the end.
+         for --train-steps steps (no persistent compilation cache: both compile), on Shakespeare and on a
+         ~--big-gb GB prepared corpus. The big corpus is made of real documents (the works, repeated in
+         shuffled order) streamed to .txt files under --tmp, then prepared with the main config's tokenizer
+         (2 workers; its prepare stats are reported) and deleted at the end.
 
 Prints one line per measurement, then one JSON line (also written to --json).
 """
@@ -174,7 +174,9 @@ def train_peak_rss(args: Any, corpus: str, workdir: pathlib.Path) -> dict[str, A
          f"--config.optim.warmup_steps={min(100, steps // 2)}"]
   t0 = time.perf_counter()
   with open(workdir.parent / f"{workdir.name}.log", "w") as log:
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    # both runs compile from scratch: a persistent-cache hit would spare the second run XLA's compile memory
+    env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
   proc.returncode = os.waitstatus_to_exitcode(status)
   seconds = time.perf_counter() - t0
