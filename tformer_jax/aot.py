@@ -109,6 +109,9 @@ def topology_devices(topology: str, num_slices: int = 1) -> list[jax.Device]:
   os.environ.setdefault("TPU_ACCELERATOR_TYPE", _accelerator_type(topology) or "v5litepod-4")
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  # compile-only: no TPU is opened, so several processes (two tformer-aot runs) may load libtpu at once;
+  # without this the second one stops at libtpu's lockfile (/tmp/libtpu_lockfile)
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
   try:
     desc = topologies.get_topology_desc(topology_name=topology, platform="tpu", **kwargs)
