@@ -217,8 +217,8 @@ ALLOWED = {
     "nn": {"ops", "config", "backends"},
     "parallel": {"config"},
 }
-TOOLS = {"bench", "doctor", "diagnostics", "experiments", "cli_common", "cli"}
-COMMANDS: set[tuple[str, ...]] = set()   # command lines that live in a service's package (none now: cli/)
+TOOLS = {"bench", "doctor", "diagnostics", "experiments", "cli_common", "cli", "aot"}
+COMMANDS = {("data", "prepare")}   # command lines that live in a service's package (tformer-prepare)
 
 
 def test_imports_run_downward():

@@ -345,3 +345,14 @@ def test_accumulation_equals_optax_multisteps_with_equal_token_counts():
     upd, state = multi.update(g, state, p)
     p = optax.apply_updates(p, upd)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), ours, p)
+
+
+def test_adafactor_trains_through_the_loop(tmp_path):
+  """Adafactor's factored moments are not param-shaped: the sharded state must still build."""
+  from tformer_jax.train.loop import train
+  from tformer_jax.train.metrics import read_metrics
+
+  from train_utils import tiny_config
+  train(tiny_config(steps=3, **{"optim.name": "adafactor", "optim.peak_lr": 1e-2}), tmp_path)
+  losses = [m["loss"] for m in read_metrics(tmp_path) if "loss" in m]
+  assert len(losses) == 3 and all(np.isfinite(losses))

@@ -29,10 +29,20 @@ def init_fn(model: nn.Module, tx: optax.GradientTransformation, loss_scale, seq_
     p_rng, s_rng = jax.random.split(rng)
     tokens = jnp.zeros((1, seq_len), jnp.int32)
     params = model.init(p_rng, tokens)["params"]
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=_fit_boxes(tx.init(params)),
                       loss_scale=loss_scale, rng=s_rng, bad_steps=jnp.zeros((), jnp.int32),
                       skipped=jnp.zeros((), jnp.int32))
   return init
+
+
+def _fit_boxes(opt_state: Any) -> Any:
+  """Optimizer-state leaves keep their param's logical box; one that is not param-shaped (Adafactor's
+  factored row/column moments: fewer dims than axis names) is unboxed, i.e. replicated."""
+  def fit(x: Any) -> Any:
+    if isinstance(x, nn.meta.AxisMetadata) and len(x.names) > jnp.ndim(x.value):
+      return x.value
+    return x
+  return jax.tree.map(fit, opt_state, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
 
 
 def state_shardings(init: Any, rng: jax.Array, mesh: jax.sharding.Mesh, rules) -> tuple[Any, Any]:
