@@ -19,6 +19,7 @@ libtcmalloc-minimal4`.
 """
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
 import sys
@@ -34,6 +35,9 @@ HUGETLB = "glibc.malloc.hugetlb=1"
 # JAX's accelerator plugins: with one installed the run is (most likely) not an XLA:CPU run.
 ACCELERATOR_MODULES = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_rocm7_plugin", "jax_rocm60_plugin",
                        "libtpu")
+# libtpu is also installed on CPU hosts for ahead-of-time compilation (the tpu-aot extra): it counts
+# only where this host has TPU devices.
+TPU_DEVICE_GLOBS = ("/dev/accel*", "/dev/vfio/[0-9]*")
 HELP_FLAGS = ("-h", "--help", "--helpfull", "--helpshort", "--helpxml")
 
 
@@ -45,7 +49,11 @@ def cpu_run(env: Mapping[str, str], argv: Sequence[str]) -> bool:
   platforms = env.get("JAX_PLATFORMS", "").strip().lower()
   if platforms:
     return platforms.split(",")[0] == "cpu"
-  return not any(importlib.util.find_spec(m) for m in ACCELERATOR_MODULES)
+  return not any(importlib.util.find_spec(m) and (m != "libtpu" or _tpu_devices()) for m in ACCELERATOR_MODULES)
+
+
+def _tpu_devices() -> bool:
+  return any(glob.glob(g) for g in TPU_DEVICE_GLOBS)
 
 
 def find_tcmalloc(dirs: tuple[str, ...] = LIB_DIRS) -> str | None:
