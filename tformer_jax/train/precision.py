@@ -81,6 +81,41 @@ def model_dtype(precision: str) -> str:
   return get_policy(precision).compute_dtype
 
 
+# The parameters tformer_jax.nn only ever reads as `.astype(cfg.dtype)`: matmul weights and the biases
+# added to their outputs. `cast_for_compute` casts these once per step, giving the model exactly the
+# values it would make itself at every use (per layer of a scan, again in a remat'd backward). The
+# others stay float32: norm scales/biases and the MoE router (read in float32), embedding tables
+# (gathered: their gradient is a scatter-add, kept in float32; a tied head casts the table once per
+# step anyway) and the T5 relative-bias table (float32).
+COMPUTE_CAST_NAMES = frozenset({
+    "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo",                   # attention
+    "wi", "wg", "bi", "bg",                                           # MLP (and 'wo', 'bo')
+    "w_gate", "w_up", "w_down", "w_in", "w_out",                      # MoE experts
+    "shared_w_gate", "shared_w_up", "shared_w_down", "shared_w_in", "shared_w_out",
+    "head",                                                           # untied LM head
+})
+
+
+def cast_for_compute(params: PyTree, dtype: Any) -> PyTree:
+  """`params` with the COMPUTE_CAST_NAMES leaves in `dtype` (the model's compute dtype), others as they
+  are. Differentiate through the result (or cast its gradients back with `cast_like`): the gradients of
+  the cast leaves come back in the params' dtype, the same values the per-use casts gave."""
+  dtype = jnp.dtype(dtype)
+
+  def cast(path: tuple, x: Any) -> Any:
+    keys = [p.key for p in path if isinstance(p, jax.tree_util.DictKey)]
+    if keys and keys[-1] in COMPUTE_CAST_NAMES and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+      return x.astype(dtype)
+    return x
+
+  return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def cast_like(tree: PyTree, like: PyTree) -> PyTree:
+  """Every leaf of `tree` in the dtype of the matching leaf of `like` (gradients -> param dtype)."""
+  return jax.tree.map(lambda x, ref: x.astype(ref.dtype), tree, like)
+
+
 def cast_floating(tree: PyTree, dtype: Any) -> PyTree:
   """Cast every floating-point leaf of `tree` to `dtype`; other leaves are returned unchanged."""
   dtype = jnp.dtype(dtype)

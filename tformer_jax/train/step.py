@@ -1,6 +1,15 @@
 """Pure train and eval steps. `train_step(state, batch) -> (state, metrics)`; the loop jits them with
 shardings and donation. Loss: token-mean cross-entropy in float32 (+ MoE aux losses), masked by
-batch['loss_mask'] when present."""
+batch['loss_mask'] when present.
+
+loss_chunk (train.loss_chunk) > 0: the loss never holds the full (tokens x vocab) float32 logits; it
+takes the model's final hidden states and unembedding matrix (`Transformer(..., return_hidden=True)`)
+and runs `ops.losses.nll_sum` over about loss_chunk tokens at a time (same values; the gradients are
+formed in the forward, chunk by chunk: no extra matmul). 0: the model's logits, then log-softmax.
+cast_params: under bf16/fp16 with gradient accumulation the train step casts the matmul weights to the
+compute dtype once per step (`precision.cast_for_compute`), not once per micro-batch, and casts their
+gradients back to float32 before accumulation and the optimizer (docs/runtime.md, "The GPU training
+step", has the measurements behind the default)."""
 from __future__ import annotations
 
 import functools
@@ -12,16 +21,14 @@ import jax.numpy as jnp
 import optax
 
 from tformer_jax.nn import moe as moe_nn
+from tformer_jax.ops import losses
 from tformer_jax.train import optim, precision
 from tformer_jax.train.state import TrainState
 
 AUX_COLLECTIONS = ("aux_loss", "moe_metrics")
 
 
-def cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
-  """Per-token negative log-likelihood (B, L) in float32."""
-  logp = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
-  return -jnp.take_along_axis(logp, targets_BxL[..., None], axis=-1)[..., 0]
+cross_entropy = losses.cross_entropy_logits   # (logits_BxLxV, targets_BxL) -> per-token NLL (B, L) float32
 
 
 def _sum_leaves(tree: Any) -> jax.Array:
@@ -39,17 +46,21 @@ def moe_log_metrics(mut: Any) -> dict[str, jax.Array]:
 
 
 def loss_sum_fn(model: nn.Module, params: Any, batch: dict, rng: jax.Array | None, *, train: bool,
-                scale: jax.Array | float = 1.0):
+                scale: jax.Array | float = 1.0, loss_chunk: int = 0):
   """(scaled sum of token losses incl. aux, (token count, aux metrics)) — the sum form that
-  `optim.accumulate_gradients` needs."""
+  `optim.accumulate_gradients` needs. loss_chunk: see the module docstring."""
   rngs = {"dropout": rng} if (train and rng is not None) else {}
-  logits, mut = model.apply({"params": params}, batch["inputs"], deterministic=not train, rngs=rngs,
-                            mutable=list(AUX_COLLECTIONS))
-  nll_BxL = cross_entropy(logits, batch["targets"])
+  hidden = {"return_hidden": True} if loss_chunk > 0 else {}
+  out, mut = model.apply({"params": params}, batch["inputs"], deterministic=not train, rngs=rngs,
+                         mutable=list(AUX_COLLECTIONS), **hidden)
   mask = batch.get("loss_mask")
-  mask = jnp.ones_like(nll_BxL) if mask is None else mask.astype(jnp.float32)
+  mask = jnp.ones(batch["targets"].shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
   count = jnp.sum(mask)
-  nll_sum = jnp.sum(nll_BxL * mask)
+  if loss_chunk > 0:
+    h_BxLxD, unembed_DxV = out
+    nll_sum = losses.nll_sum(h_BxLxD, unembed_DxV, batch["targets"], mask, chunk=loss_chunk)
+  else:
+    nll_sum = jnp.sum(cross_entropy(out, batch["targets"]) * mask)
   aux_loss = _sum_leaves(mut.get("aux_loss", {}))
   metrics = {"nll_sum": nll_sum, "aux_loss": aux_loss}
   metrics.update({f"moe/{k}": v for k, v in moe_log_metrics(mut).items()})
@@ -58,9 +69,15 @@ def loss_sum_fn(model: nn.Module, params: Any, batch: dict, rng: jax.Array | Non
 
 def train_step(state: TrainState, batch: dict, *, model: nn.Module, tx: optax.GradientTransformation,
                schedule: optax.Schedule, grad_accum: int = 1, clip_norm: float = 0.0,
-               axis_name: str | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+               axis_name: str | None = None, loss_chunk: int = 0, cast_params: bool | None = None
+               ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer step. `axis_name` (pmap): `batch` is this device's shard; token counts, losses and
-  gradients are summed over the axis, so the loss is the same token-weighted global mean as under jit."""
+  gradients are summed over the axis, so the loss is the same token-weighted global mean as under jit.
+  loss_chunk: see the module docstring. cast_params (a no-op in float32): the matmul weights cast to
+  the model's compute dtype once, before the micro-batches, their gradients cast back to the params'
+  dtype (float32) per micro-batch, before they are summed. The same values either way; None = when
+  grad_accum > 1 (each micro-batch would cast again; with one micro-batch the model's own casts run
+  once per step already and the step-long half-precision copy only costs memory)."""
   rng = jax.random.fold_in(state.rng, state.step)
   if axis_name is not None:  # distinct dropout masks per device
     rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
@@ -71,11 +88,20 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, tx: optax.Gr
   psum = (lambda x: x) if axis_name is None else functools.partial(jax.lax.psum, axis_name=axis_name)
 
   def f(params, mb, r):
-    loss_sum, (count, metrics) = loss_sum_fn(model, params, mb, r, train=True, scale=ls.scale / tokens)
+    loss_sum, (count, metrics) = loss_sum_fn(model, params, mb, r, train=True, scale=ls.scale / tokens,
+                                             loss_chunk=loss_chunk)
     return loss_sum, (psum(count), metrics)  # normalised by the global token count
 
-  grad_fn = jax.value_and_grad(f, has_aux=True)
-  (scaled_loss, aux), grads = optim.accumulate_gradients(grad_fn, state.params, batch, rng, grad_accum)
+  value_and_grad = jax.value_and_grad(f, has_aux=True)
+
+  def grad_fn(params, mb, r):
+    out, grads = value_and_grad(params, mb, r)
+    return out, precision.cast_like(grads, state.params)   # float32 before accumulation
+
+  if cast_params is None:
+    cast_params = grad_accum > 1
+  compute_params = precision.cast_for_compute(state.params, model.cfg.dtype) if cast_params else state.params
+  (scaled_loss, aux), grads = optim.accumulate_gradients(grad_fn, compute_params, batch, rng, grad_accum)
   if axis_name is not None:
     scaled_loss, grads = psum((scaled_loss, grads))
     aux = {k: psum(v) if k == "nll_sum" else jax.lax.pmean(v, axis_name) for k, v in aux.items()}
@@ -113,17 +139,26 @@ def _batch_count(batch: dict, grad_accum: int) -> jax.Array:
   return jnp.asarray(total, jnp.float32) / grad_accum
 
 
-def eval_step(params: Any, batch: dict, *, model: nn.Module) -> dict[str, jax.Array]:
-  """Sums (not means) so the loop can add them over batches: nll_sum, count, correct."""
-  logits = model.apply({"params": params}, batch["inputs"], deterministic=True)
-  nll_BxL = cross_entropy(logits, batch["targets"])
+def eval_step(params: Any, batch: dict, *, model: nn.Module, loss_chunk: int = 0) -> dict[str, jax.Array]:
+  """Sums (not means) so the loop can add them over batches: nll_sum, count, correct (argmax of the
+  logits == target). loss_chunk: as in train_step."""
+  if loss_chunk > 0:
+    h_BxLxD, unembed_DxV = model.apply({"params": params}, batch["inputs"], deterministic=True,
+                                       return_hidden=True)
+    nll_BxL, correct = losses.nll_and_correct(h_BxLxD, unembed_DxV, batch["targets"], chunk=loss_chunk)
+  else:
+    logits = model.apply({"params": params}, batch["inputs"], deterministic=True)
+    nll_BxL = cross_entropy(logits, batch["targets"])
+    correct = jnp.argmax(logits, -1) == batch["targets"]
   mask = batch.get("loss_mask")
   mask = jnp.ones_like(nll_BxL) if mask is None else mask.astype(jnp.float32)
-  correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
+  correct = correct.astype(jnp.float32)
   return {"nll_sum": jnp.sum(nll_BxL * mask), "count": jnp.sum(mask), "correct": jnp.sum(correct * mask)}
 
 
-def make_train_step(model, tx, schedule, optim_cfg, axis_name: str | None = None):
+def make_train_step(model, tx, schedule, optim_cfg, axis_name: str | None = None, *, loss_chunk: int = 0,
+                    cast_params: bool | None = None):
+  """train_step with the optimizer settings bound; loss_chunk: train.loss_chunk (0 = full logits)."""
   return functools.partial(train_step, model=model, tx=tx, schedule=schedule,
                            grad_accum=int(optim_cfg.grad_accum), clip_norm=float(optim_cfg.clip_norm),
-                           axis_name=axis_name)
+                           axis_name=axis_name, loss_chunk=int(loss_chunk), cast_params=cast_params)

@@ -1,0 +1,211 @@
+"""Cross-entropy over the vocabulary from the final hidden states and the unembedding matrix.
+
+  nll_BxL = cross_entropy(h_BxLxD, w_DxV, targets_BxL, chunk=0)       # the full logits (reference)
+  nll_BxL = cross_entropy(h_BxLxD, w_DxV, targets_BxL, chunk=8192)    # never more than ~8192 tokens' logits
+  total = nll_sum(h_BxLxD, w_DxV, targets_BxL, weights_BxL, chunk=8192)   # sum(weights * nll): training
+  nll_BxL, correct_BxL = nll_and_correct(h_BxLxD, w_DxV, targets_BxL, chunk=8192)   # eval (no gradient)
+
+Both compute what the model's logits path computes: logits = h @ w in the inputs' dtype (bfloat16
+under the bf16 policy), then float32; nll = logsumexp(logits) - logits[target], float32.
+
+The reference holds the (B, L, V) float32 logits (at 16 x 2048 x 32000 that is 4.2 GB, and autodiff
+keeps several such arrays alive). The chunked form walks the sequence in chunks of
+`max(1, chunk // B)` positions of every row (so a batch sharded over devices stays sharded), and has
+a hand-written VJP: the forward saves only the per-token logsumexp (float32), the backward recomputes
+one chunk's logits at a time, forms (softmax - onehot) * g, and accumulates the matrix gradient in
+float32 (one rounding to w's dtype at the end, as a single matmul over all tokens would do). Cost: one
+extra (tokens x D x V) matmul in the backward (4 instead of 3).
+
+`nll_sum` (what a training loss needs: one scalar, sum(weights * nll)) avoids that extra matmul: the
+upstream gradient of a scalar is one number, so its forward computes the gradients with respect to h
+and w while each chunk's logits exist (the "fused" cross-entropy), keeps them (the size of h and of
+w, float32 for w) instead of h, and its backward only scales them. 3 matmuls, as with full logits.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def logits(h_BxLxD: Array, w_DxV: Array) -> Array:
+  """(B, L, V) float32 logits, the matmul in the inputs' dtype (the model's head)."""
+  return jnp.einsum("bld,dv->blv", h_BxLxD, w_DxV).astype(jnp.float32)
+
+
+def cross_entropy_logits(logits_BxLxV: Array, targets_BxL: Array) -> Array:
+  """Per-token negative log-likelihood (B, L) in float32, from full logits."""
+  logp_BxLxV = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
+  return -jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
+
+
+def cross_entropy(h_BxLxD: Array, w_DxV: Array, targets_BxL: Array, *, chunk: int = 0) -> Array:
+  """Per-token NLL (B, L) float32 of the logits h @ w. chunk > 0: about `chunk` tokens' logits at a
+  time, forward and backward (see the module docstring); 0: the full logits (reference)."""
+  _check(h_BxLxD, w_DxV, targets_BxL, chunk)
+  if chunk == 0:
+    return cross_entropy_logits(logits(h_BxLxD, w_DxV), targets_BxL)
+  return _chunked_nll(h_BxLxD, w_DxV, targets_BxL, _positions_per_chunk(h_BxLxD.shape, chunk))
+
+
+def nll_and_correct(h_BxLxD: Array, w_DxV: Array, targets_BxL: Array, *, chunk: int = 0
+                    ) -> tuple[Array, Array]:
+  """(per-token NLL (B, L) float32, argmax(logits) == target (B, L) bool), for evaluation: no
+  gradient flows. chunk as in `cross_entropy`."""
+  _check(h_BxLxD, w_DxV, targets_BxL, chunk)
+  h_BxLxD, w_DxV = jax.lax.stop_gradient((h_BxLxD, w_DxV))
+  if chunk == 0:
+    logits_BxLxV = logits(h_BxLxD, w_DxV)
+    return cross_entropy_logits(logits_BxLxV, targets_BxL), jnp.argmax(logits_BxLxV, -1) == targets_BxL
+  lse_BxL, tgt_BxL, correct_BxL = _forward(h_BxLxD, w_DxV, targets_BxL,
+                                           _positions_per_chunk(h_BxLxD.shape, chunk), with_correct=True)
+  return lse_BxL - tgt_BxL, correct_BxL
+
+
+def nll_sum(h_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights_BxL: Array | None = None, *,
+            chunk: int = 0) -> Array:
+  """sum(weights * nll) as a float32 scalar (weights default 1; e.g. the loss mask). chunk > 0: about
+  `chunk` tokens' logits at a time, the gradients formed in the forward (module docstring); 0: the full
+  logits. Gradients flow to h, w and weights."""
+  _check(h_BxLxD, w_DxV, targets_BxL, chunk)
+  weights_BxL = (jnp.ones(targets_BxL.shape, jnp.float32) if weights_BxL is None
+                 else weights_BxL.astype(jnp.float32))
+  if chunk == 0:
+    return jnp.sum(cross_entropy_logits(logits(h_BxLxD, w_DxV), targets_BxL) * weights_BxL)
+  static = _Static(_positions_per_chunk(h_BxLxD.shape, chunk), jnp.dtype(h_BxLxD.dtype).name,
+                   jnp.dtype(w_DxV.dtype).name)
+  return _fused_nll_sum(h_BxLxD, w_DxV, targets_BxL, weights_BxL, static)
+
+
+class _Static(NamedTuple):
+  c: int          # positions per chunk
+  h_dtype: str    # the dtypes the gradients must have
+  w_dtype: str
+
+
+def _check(h_BxLxD: Array, w_DxV: Array, targets_BxL: Array, chunk: int) -> None:
+  if h_BxLxD.ndim != 3 or w_DxV.ndim != 2 or h_BxLxD.shape[-1] != w_DxV.shape[0] \
+      or targets_BxL.shape != h_BxLxD.shape[:2]:
+    raise ValueError(f"cross_entropy: expected h (B, L, D), w (D, V), targets (B, L); got {h_BxLxD.shape}, "
+                     f"{w_DxV.shape}, {targets_BxL.shape}")
+  if int(chunk) != chunk or chunk < 0:
+    raise ValueError(f"cross_entropy: chunk must be an integer >= 0 (0 = full logits), got {chunk!r}")
+
+
+def _positions_per_chunk(shape_BxLxD: tuple[int, ...], chunk: int) -> int:
+  b, l, _ = shape_BxLxD
+  return max(1, min(l, int(chunk) // b))
+
+
+def _chunks(x_BxL: Array, c: int) -> tuple[Array, int]:
+  """x (B, L, ...) padded with zeros along L to a multiple of c -> (n, B, c, ...), and n."""
+  b, l = x_BxL.shape[:2]
+  n = -(-l // c)
+  x_BxL = jnp.pad(x_BxL, [(0, 0), (0, n * c - l)] + [(0, 0)] * (x_BxL.ndim - 2))
+  return jnp.swapaxes(x_BxL.reshape((b, n, c) + x_BxL.shape[2:]), 0, 1), n
+
+
+def _unchunk(x_NxBxC: Array, l: int) -> Array:
+  """(n, B, c, ...) -> (B, L, ...), the padding dropped."""
+  n, b, c = x_NxBxC.shape[:3]
+  return jnp.swapaxes(x_NxBxC, 0, 1).reshape((b, n * c) + x_NxBxC.shape[3:])[:, :l]
+
+
+def _forward(h_BxLxD: Array, w_DxV: Array, targets_BxL: Array, c: int, *, with_correct: bool
+             ) -> tuple[Array, Array, Array | None]:
+  """(logsumexp, target logit, argmax == target or None), each (B, L), one chunk of logits at a time."""
+  l = h_BxLxD.shape[1]
+  h_NxBxCxD, _ = _chunks(h_BxLxD, c)
+  t_NxBxC, _ = _chunks(targets_BxL, c)
+
+  def body(_, xs):
+    h_BxCxD, t_BxC = xs
+    logits_BxCxV = logits(h_BxCxD, w_DxV)
+    lse_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
+    tgt_BxC = jnp.take_along_axis(logits_BxCxV, t_BxC[..., None], axis=-1)[..., 0]
+    correct_BxC = (jnp.argmax(logits_BxCxV, -1) == t_BxC) if with_correct else None
+    return None, (lse_BxC, tgt_BxC, correct_BxC)
+
+  _, (lse, tgt, correct) = jax.lax.scan(body, None, (h_NxBxCxD, t_NxBxC))
+  return _unchunk(lse, l), _unchunk(tgt, l), None if correct is None else _unchunk(correct, l)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _chunked_nll(h_BxLxD: Array, w_DxV: Array, targets_BxL: Array, c: int) -> Array:
+  lse_BxL, tgt_BxL, _ = _forward(h_BxLxD, w_DxV, targets_BxL, c, with_correct=False)
+  return lse_BxL - tgt_BxL
+
+
+def _chunked_nll_fwd(h_BxLxD: Array, w_DxV: Array, targets_BxL: Array, c: int):
+  lse_BxL, tgt_BxL, _ = _forward(h_BxLxD, w_DxV, targets_BxL, c, with_correct=False)
+  return lse_BxL - tgt_BxL, (h_BxLxD, w_DxV, targets_BxL, lse_BxL)
+
+
+def _chunked_nll_bwd(c: int, res, g_BxL: Array):
+  h_BxLxD, w_DxV, targets_BxL, lse_BxL = res
+  l = h_BxLxD.shape[1]
+  logit_dtype = jnp.result_type(h_BxLxD, w_DxV)   # the dtype the forward matmul produced
+  xs = tuple(_chunks(x, c)[0] for x in (h_BxLxD, targets_BxL, lse_BxL, g_BxL.astype(jnp.float32)))
+
+  def body(dw_DxV, xs):
+    h_BxCxD, t_BxC, lse_BxC, g_BxC = xs
+    dlogits_BxCxV = _softmax_grad(logits(h_BxCxD, w_DxV), lse_BxC, t_BxC, g_BxC, logit_dtype)
+    dh_BxCxD = jnp.einsum("bcv,dv->bcd", dlogits_BxCxV, w_DxV)
+    dw_DxV = dw_DxV + jnp.einsum("bcd,bcv->dv", h_BxCxD, dlogits_BxCxV, preferred_element_type=jnp.float32)
+    return dw_DxV, dh_BxCxD
+
+  dw_DxV, dh = jax.lax.scan(body, jnp.zeros(w_DxV.shape, jnp.float32), xs)
+  return _unchunk(dh, l).astype(h_BxLxD.dtype), dw_DxV.astype(w_DxV.dtype), None
+
+
+_chunked_nll.defvjp(_chunked_nll_fwd, _chunked_nll_bwd)
+
+
+def _softmax_grad(logits_BxCxV: Array, lse_BxC: Array, t_BxC: Array, g_BxC: Array, dtype: jnp.dtype) -> Array:
+  """d(sum(g * nll)) / d logits = (softmax - onehot) * g, in `dtype` (that of the logits matmul)."""
+  p_BxCxV = jnp.exp(logits_BxCxV - lse_BxC[..., None])
+  onehot_BxCxV = jax.nn.one_hot(t_BxC, logits_BxCxV.shape[-1], dtype=jnp.float32)
+  return ((p_BxCxV - onehot_BxCxV) * g_BxC[..., None]).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fused_nll_sum(h_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights_BxL: Array, static: _Static
+                   ) -> Array:
+  lse_BxL, tgt_BxL, _ = _forward(h_BxLxD, w_DxV, targets_BxL, static.c, with_correct=False)
+  return jnp.sum((lse_BxL - tgt_BxL) * weights_BxL)
+
+
+def _fused_nll_sum_fwd(h_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights_BxL: Array, static: _Static):
+  """One pass over the chunks: logits -> nll, and the gradients of sum(weights * nll) w.r.t. h and w
+  (the matrix gradient accumulated in float32)."""
+  l = h_BxLxD.shape[1]
+  logit_dtype = jnp.result_type(h_BxLxD, w_DxV)
+  xs = tuple(_chunks(x, static.c)[0] for x in (h_BxLxD, targets_BxL, weights_BxL))
+
+  def body(dw_DxV, xs):
+    h_BxCxD, t_BxC, g_BxC = xs
+    logits_BxCxV = logits(h_BxCxD, w_DxV)
+    lse_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
+    nll_BxC = lse_BxC - jnp.take_along_axis(logits_BxCxV, t_BxC[..., None], axis=-1)[..., 0]
+    dlogits_BxCxV = _softmax_grad(logits_BxCxV, lse_BxC, t_BxC, g_BxC, logit_dtype)
+    dh_BxCxD = jnp.einsum("bcv,dv->bcd", dlogits_BxCxV, w_DxV)
+    dw_DxV = dw_DxV + jnp.einsum("bcd,bcv->dv", h_BxCxD, dlogits_BxCxV, preferred_element_type=jnp.float32)
+    return dw_DxV, (nll_BxC, dh_BxCxD)
+
+  dw_DxV, (nll, dh) = jax.lax.scan(body, jnp.zeros(w_DxV.shape, jnp.float32), xs)
+  nll_BxL = _unchunk(nll, l)
+  return jnp.sum(nll_BxL * weights_BxL), (_unchunk(dh, l), dw_DxV, nll_BxL)
+
+
+def _fused_nll_sum_bwd(static: _Static, res, g: Array):
+  dh_BxLxD, dw_DxV, nll_BxL = res
+  g = g.astype(jnp.float32)
+  return ((dh_BxLxD.astype(jnp.float32) * g).astype(static.h_dtype), (dw_DxV * g).astype(static.w_dtype), None,
+          nll_BxL * g)
+
+
+_fused_nll_sum.defvjp(_fused_nll_sum_fwd, _fused_nll_sum_bwd)
