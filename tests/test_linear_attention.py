@@ -1,4 +1,6 @@
 """Linear attention: the O(L) forms equal the explicit quadratic formula (float32, atol = rtol = 1e-5)."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,7 +76,7 @@ def test_masked_quadratic_form():
   q, k, v = _qkv(2, 11, 11, 4, 2, 8, 6)
   valid = jnp.arange(11)[None, :] >= jnp.asarray([[0], [3]])    # row 1: three left-padding keys
   mask = masks.combine_masks(masks.causal_mask(11), masks.padding_mask(valid))
-  out, w = linear_attention_quadratic(q, k, v, causal=False, mask=mask, return_weights=True)
+  out, w = jax.jit(functools.partial(linear_attention_quadratic, causal=False, return_weights=True))(q, k, v, mask=mask)
   phi = lambda x: np.where(x > 0, x + 1.0, np.exp(x))  # noqa: E731
   pq, pk, vv = (np.asarray(x, np.float64) for x in (phi(np.asarray(q)), phi(np.asarray(k)), v))
   m = np.asarray(mask)
@@ -87,5 +89,89 @@ def test_masked_quadratic_form():
   np.testing.assert_array_equal(np.asarray(out)[1, :3], 0.0)    # padding queries see nothing
   np.testing.assert_allclose(np.asarray(w).sum(-1)[0], 1.0, rtol=1e-6)
   assert np.all(np.asarray(w)[np.broadcast_to(~m, w.shape)] == 0.0)
-  np.testing.assert_allclose(np.asarray(linear_attention_quadratic(q, k, v, causal=False, mask=masks.causal_mask(11))),
-                             np.asarray(linear_attention(q, k, v, causal=True, chunk_size=4)), **TOL)
+  masked = jax.jit(lambda q, k, v: linear_attention_quadratic(q, k, v, causal=False, mask=masks.causal_mask(11)))
+  chunked = jax.jit(lambda q, k, v: linear_attention(q, k, v, causal=True, chunk_size=4))
+  np.testing.assert_allclose(np.asarray(masked(q, k, v)), np.asarray(chunked(q, k, v)), **TOL)
+
+
+# --- model.attention='linear' (issue 21 item 8) -------------------------------------------------------
+
+def _linear_cfg(**kw):
+  from tformer_jax.config import ModelConfig
+  base = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, max_len=32, position="rope",
+              attention="linear")
+  return ModelConfig(**{**base, **kw})
+
+
+def _init(model, l=4):
+  import flax.linen as nn
+  return nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, l), jnp.int32))["params"])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_model_attention_equals_the_op(causal):
+  """nn.Attention with attention='linear' = its q/k/v projections -> ops.linear_attention -> wo."""
+  import flax.linen as nn
+
+  from tformer_jax.nn.attention import Attention
+  cfg = _linear_cfg(position="learned", causal=causal)     # learned positions: added to x, not inside Attention
+  attn = Attention(cfg)
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 20, 32))
+  pos = jnp.broadcast_to(jnp.arange(20), (2, 20))
+  p = nn.unbox(attn.init(jax.random.PRNGKey(0), x, pos, None)["params"])
+  got = jax.jit(lambda p, x: attn.apply({"params": p}, x, pos, None))(p, x)
+  q, k, v = (jnp.einsum("bld,dhk->blhk", x, p[n]) for n in ("wq", "wk", "wv"))
+  want = jnp.einsum("blhk,hkd->bld", linear_attention(q, k, v, causal=causal), p["wo"])
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+
+
+def test_linear_model_is_causal_by_gradient_and_decodes_with_a_cache():
+  """d logits[i] / d embeddings[j] is exactly 0 for every j > i and not for j <= i; decoding into a KV
+  cache (the masked form) gives the full forward's logits (the O(L) form) at every step."""
+  from tformer_jax import decode
+  from tformer_jax.nn import Transformer
+  model = Transformer(_linear_cfg())
+  params = _init(model)
+  l = 12
+  emb = jax.random.normal(jax.random.PRNGKey(2), (1, l, 32))
+  tok = jnp.zeros((1, l), jnp.int32)
+  jac = jax.jit(jax.jacrev(lambda e: model.apply({"params": params}, tok, inputs_embeds_BxLxD=e)[0].sum(-1)))(emb)
+  dep = np.abs(np.asarray(jac)[:, 0]).sum(-1)               # (L queries, L inputs)
+  future = np.triu(np.ones((l, l), bool), 1)
+  assert np.all(dep[future] == 0.0) and np.all(dep[~future] > 0.0)
+
+  tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 9), 0, 64)
+  full = np.asarray(jax.jit(model.apply)({"params": params}, tokens))
+  step = jax.jit(lambda v, t: model.apply(v, t, decode=True, mutable=["cache"]))
+  logits, upd = step({"params": params, "cache": decode.init_cache(model, params, 2, 16)}, tokens[:, :5])
+  np.testing.assert_allclose(np.asarray(logits), full[:, :5], **TOL)
+  for t in range(5, 9):
+    logits, upd = step({"params": params, "cache": upd["cache"]}, tokens[:, t:t + 1])
+    np.testing.assert_allclose(np.asarray(logits[:, 0]), full[:, t], **TOL, err_msg=f"t={t}")
+
+
+def test_linear_model_trains_generates_and_refuses_hf_export(tmp_path):
+  from tformer_jax.config import ConfigError, validate, validate_model
+  from tformer_jax.interop import hf
+  from tformer_jax.train import loop
+  from tformer_jax.train.metrics import read_metrics
+
+  from train_utils import tiny_config
+  c = tiny_config(steps=12)
+  c.model.attention = "linear"
+  c.train.log_every, c.train.sample_tokens = 4, 16
+  final = loop.train(c, tmp_path)
+  losses = [r["loss"] for r in read_metrics(tmp_path) if "loss" in r]
+  assert losses[-1] < losses[0] - 0.5, losses
+  assert len(final["sample"]) > len(c.train.sample_prompt)     # generation through the KV cache
+  with pytest.raises(hf.HFConfigError, match="model.attention='linear'"):
+    hf.infer_family(_linear_cfg(norm="rmsnorm", activation="swiglu", tie_embeddings=False))
+  for kw, match in [(dict(window=4), "model.attention: 'linear' sums over all .* no window=4"),
+                    (dict(position="alibi"), "model.attention: 'linear' has no attention logits to bias"),
+                    (dict(attn_dropout=0.1), "model.attn_dropout: 'linear' attention has no softmax weights"),
+                    (dict(attention="performer"), "model.attention: unknown value 'performer'")]:
+    with pytest.raises(ConfigError, match=match):
+      validate_model(_linear_cfg(**kw))
+  c.model.attention = "Linear"
+  with pytest.raises(ConfigError, match="did you mean 'linear'"):
+    validate(c)

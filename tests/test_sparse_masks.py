@@ -141,3 +141,70 @@ def test_visibility_random_blocks_equal_the_op(causal, num_global):
                                            q_offset=p).mask(1, n))
   for p in (0, 7, n - 1):
     np.testing.assert_array_equal(np.asarray(row(jnp.int32(p)))[0, 0, 0], want[0, 0, p])
+
+
+# --- BigBird random blocks as a model option (issue 21 item 8) ----------------------------------------
+
+def _bigbird(**kw):
+  from tformer_jax.config import ModelConfig
+  base = dict(vocab_size=64, d_model=32, num_layers=1, num_heads=2, max_len=32, position="rope", window=3,
+              num_global_tokens=1, random_blocks=2, random_block_size=4, random_block_seed=11)
+  return ModelConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_model_random_blocks_weights_are_zero_exactly_outside_the_pattern(causal):
+  """The model's attention weights are > 0 exactly on window | global | random_block_mask of max_len
+  (& causal), a training window of L < max_len its top-left corner; the chunked runtime falls back to
+  the dense path (same logits); a causal model decodes into a KV cache with the same pattern."""
+  import flax.linen as nn
+
+  from tformer_jax import backends, decode
+  from tformer_jax.diagnostics.attention_maps import attention_weights
+  from tformer_jax.nn import Transformer
+  cfg = _bigbird(causal=causal)
+  model = Transformer(cfg)
+  params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"])
+  n = cfg.max_len
+  want = (np.asarray(masks.random_block_mask(n, n, block_size=4, num_random_blocks=2, seed=11))
+          | np.asarray(masks.local_window_mask(n, window=3)) | np.asarray(masks.global_token_mask(n, num_global=1)))
+  if causal:
+    want = want & np.asarray(masks.causal_mask(n))
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, n), 0, 64)
+  for l in (n, 20):
+    (w,) = jax.jit(lambda p, t: attention_weights(model, p, t))(params, tokens[:, :l])
+    m = np.broadcast_to(want[:, :, :l, :l], w.shape)
+    assert np.all(np.asarray(w)[~m] == 0.0) and np.all(np.asarray(w)[m] > 0.0)
+  ref = np.asarray(jax.jit(model.apply)({"params": params}, tokens))
+  with backends.use(backends.Backend(attention_impl="chunked")):
+    chunked = np.asarray(jax.jit(model.apply)({"params": params}, tokens))
+  np.testing.assert_array_equal(chunked, ref)
+  if causal:
+    step = jax.jit(lambda v, t: model.apply(v, t, decode=True, mutable=["cache"]))
+    logits, upd = step({"params": params, "cache": decode.init_cache(model, params, 2, n)}, tokens[:, :20])
+    np.testing.assert_allclose(np.asarray(logits), ref[:, :20], atol=1e-5, rtol=0)
+    for t in range(20, 24):      # one token per call at cache slot t: the full forward's pattern
+      logits, upd = step({"params": params, "cache": upd["cache"]}, tokens[:, t:t + 1])
+      np.testing.assert_allclose(np.asarray(logits[:, 0]), ref[:, t], atol=1e-5, rtol=0, err_msg=f"t={t}")
+
+
+def test_bigbird_trains_and_its_rules(tmp_path):
+  from tformer_jax.config import ConfigError, validate, validate_model
+  from tformer_jax.train import loop
+  from tformer_jax.train.metrics import read_metrics
+
+  from train_utils import tiny_config
+  c = tiny_config(steps=12)
+  m = c.model
+  m.window, m.num_global_tokens, m.random_blocks, m.random_block_size = 8, 1, 2, 8
+  c.train.log_every = 4
+  loop.train(c, tmp_path)
+  losses = [r["loss"] for r in read_metrics(tmp_path) if "loss" in r]
+  assert losses[-1] < losses[0] - 0.5, losses
+  for kw, match in [(dict(window=0, num_global_tokens=0), "model.random_blocks: random blocks widen a sliding "
+                     "window"), (dict(random_blocks=8), "model.random_blocks: 8 random blocks of 4 cover all 8")]:
+    with pytest.raises(ConfigError, match=match):
+      validate_model(_bigbird(**kw))
+  c.runtime.attention, m.num_global_tokens = "blockwise", 0
+  with pytest.raises(ConfigError, match="runtime.attention: 'blockwise' has no random blocks"):
+    validate(c)

@@ -23,6 +23,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import ml_collections
 
+ATTENTIONS = ("softmax", "linear")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "swiglu", "geglu")
 GLU_ACTIVATIONS = ("swiglu", "geglu")
 NORMS = ("layernorm", "rmsnorm")
@@ -56,11 +57,11 @@ RULE_PRESETS = ("dp", "fsdp", "tp", "fsdp_tp", "fsdp+tp")
 
 # ModelConfig fields that change neither the function the model computes at inference nor what its
 # parameters mean: training-time regularisation and initialisation, dtypes, how layers are traced
-# (scan/remat), and mlp_ratio (a default for d_ff, compared resolved). The architecture signature
-# (HF export, `interop.hf`) leaves them out.
+# (scan/remat), mlp_ratio (a default for d_ff, compared resolved) and mask_token_id (an encoder's masked-LM
+# training input). The architecture signature (HF export, `interop.hf`) leaves them out.
 NON_ARCHITECTURE_FIELDS = ("embed_dropout", "attn_dropout", "resid_dropout", "init_std",
                            "scale_residual_init", "dtype", "param_dtype", "scan_layers", "remat",
-                           "mlp_ratio")
+                           "mlp_ratio", "mask_token_id")
 # The RopeScaling fields each scaling type reads (the others do not change the model).
 ROPE_SCALING_FIELDS = {"none": (), "linear": ("factor",), "ntk": ("factor",),
                        "dynamic": ("factor", "original_max_len"),
@@ -146,6 +147,12 @@ class ModelConfig:
   attention_scale: float = 0.0       # 0 = 1/sqrt(head_dim)
   window: int = 0                    # sliding window (each query sees the last `window` keys); 0 = full
   num_global_tokens: int = 0         # Longformer-style global tokens (dense attention paths)
+  random_blocks: int = 0             # BigBird: each query block also sees this many random key blocks (with a
+                                     # window; dense attention paths; causal models still hide later keys)
+  random_block_size: int = 64        # BigBird block size (random_blocks > 0)
+  random_block_seed: int = 0         # seed of the random blocks: one fixed pattern over max_len
+  attention: str = "softmax"         # softmax | linear (Katharopoulos et al.: phi(q) phi(k)^T, phi = elu + 1)
+  mask_token_id: int = -1            # encoders: the [MASK] id of masked-LM training; -1 = vocab_size - 1
   dtype: str = "float32"             # compute dtype
   param_dtype: str = "float32"       # storage dtype of the parameters
   scan_layers: bool = False          # one scanned block (params stacked on a 'layers' axis)
@@ -211,6 +218,8 @@ class ModelConfig:
       d.pop("norm_bias")
     if not self.window:
       d.pop("num_global_tokens")
+    if not self.random_blocks:
+      d.pop("random_block_size"), d.pop("random_block_seed")
     m = self.moe
     d["moe"] = None if not m.num_experts else dict(
         num_experts=m.num_experts, top_k=m.top_k, every=m.every, d_ff=m.d_ff or self.ff,
@@ -463,8 +472,8 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
     _fail(p + "num_kv_heads", f"num_heads={m.num_heads} must be divisible by num_kv_heads={m.kv_heads}")
   if m.mlp_ratio <= 0:
     _fail(p + "mlp_ratio", f"must be > 0, got {m.mlp_ratio}")
-  choices = dict(activation=ACTIVATIONS, norm=NORMS, norm_position=NORM_POSITIONS, position=POSITIONS,
-                 rope_layout=ROPE_LAYOUTS, remat=REMAT_POLICIES, dtype=DTYPES, param_dtype=DTYPES)
+  choices = dict(attention=ATTENTIONS, activation=ACTIVATIONS, norm=NORMS, norm_position=NORM_POSITIONS,
+                 position=POSITIONS, rope_layout=ROPE_LAYOUTS, remat=REMAT_POLICIES, dtype=DTYPES, param_dtype=DTYPES)
   for name, allowed in choices.items():
     _check_choice(p + name, getattr(m, name), allowed)
   if m.norm_eps <= 0:
@@ -522,6 +531,28 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
     _fail(p + "num_global_tokens", "global tokens only matter with a window > 0")
   if m.num_global_tokens >= m.max_len:
     _fail(p + "num_global_tokens", f"must be < max_len={m.max_len}, got {m.num_global_tokens}")
+  if m.random_blocks < 0 or m.random_block_size < 1 or m.random_block_seed < 0:
+    _fail(p + "random_blocks", f"random_blocks >= 0, random_block_size >= 1 and random_block_seed >= 0, got "
+          f"{m.random_blocks}, {m.random_block_size}, {m.random_block_seed}")
+  if m.random_blocks and not m.window:
+    _fail(p + "random_blocks", "random blocks widen a sliding window (BigBird = window + global + random); "
+          "set model.window > 0 (without one every key is already visible)")
+  n_blocks = -(-m.max_len // m.random_block_size)
+  if m.random_blocks >= n_blocks:
+    _fail(p + "random_blocks", f"{m.random_blocks} random blocks of {m.random_block_size} cover all {n_blocks} "
+          f"blocks of max_len={m.max_len}: use fewer (or window=0 for full attention)")
+  if m.attention == "linear":
+    sparse = [f"{k}={getattr(m, k)}" for k in ("window", "num_global_tokens", "random_blocks") if getattr(m, k)]
+    if sparse:
+      _fail(p + "attention", f"'linear' sums over all (earlier) keys: it has no {', '.join(sparse)}")
+    if m.position in ("alibi", "t5"):
+      _fail(p + "attention", f"'linear' has no attention logits to bias: position={m.position!r} needs "
+            "'softmax' (use rope, learned or sinusoidal positions)")
+    for name in ("attn_dropout", "attention_scale"):
+      if getattr(m, name):
+        _fail(p + name, "'linear' attention has no softmax weights to scale or drop; set it to 0")
+  if not -1 <= m.mask_token_id < m.vocab_size:
+    _fail(p + "mask_token_id", f"must be -1 (= vocab_size - 1) or an id in [0, {m.vocab_size}), got {m.mask_token_id}")
   if m.norm_position == "post" and m.parallel_residual:
     _fail(p + "parallel_residual", "parallel residual is a Pre-LN layout; set norm_position='pre'")
   moe = m.moe
@@ -825,6 +856,8 @@ def validate_runtime(r: Any, m: ModelConfig, precision: str = "float32") -> None
     _fail("runtime.attention", f"{a!r} takes no dense bias; T5 relative bias needs 'reference' or 'xla'")
   if m.num_global_tokens and a in TILED_ATTENTION:
     _fail("runtime.attention", f"{a!r} has no global tokens; model.num_global_tokens needs 'reference'")
+  if m.random_blocks and a in TILED_ATTENTION:
+    _fail("runtime.attention", f"{a!r} has no random blocks; model.random_blocks needs 'reference' or 'xla'")
   if r.cpu_kernels == "on":
     if r.backend == "reference":
       _fail("runtime.cpu_kernels", "'on' needs runtime.backend 'xla_cpu' (or 'auto' on CPU)")

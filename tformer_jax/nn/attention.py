@@ -3,7 +3,8 @@
 Masks and relative biases are index-based: query i of this call sits at cache slot q_offset + i, key j
 at slot j. For left-padded batches, padding slots are simply invalid keys (`kv_valid`), so index
 distances equal position distances among real tokens. RoPE uses the explicit `positions`.
-Which keys a query sees is one `ops.masks.Visibility`; the backend computes softmax(QK^T)V under it.
+Which keys a query sees is one `ops.masks.Visibility`; the backend computes softmax(QK^T)V under it, or
+with model.attention='linear' phi(Q)phi(K)^T V normalised (ops/linear_attention.py).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from tformer_jax import backends
 from tformer_jax.config import ModelConfig
 from tformer_jax.nn.common import dtypes, normal, param, residual_std
 from tformer_jax.ops import positions as pos_ops
-from tformer_jax.ops.masks import Visibility
+from tformer_jax.ops.masks import RandomBlocks, Visibility
 from tformer_jax.ops.rope_scaling import rope_parameters
 
 
@@ -29,9 +30,12 @@ def rope_tables(cfg: ModelConfig, seq_len: int) -> tuple[jax.Array, float]:
 
 def visibility(cfg: ModelConfig, q_offset: int | jax.Array = 0,
                kv_valid_BxS: jax.Array | None = None, segment_ids_BxL: jax.Array | None = None) -> Visibility:
-  """Which keys each query sees in this model (causality, window, global tokens, padding, and with
-  segment ids only the keys of the query's own segment: packed documents never see each other)."""
-  return Visibility(causal=cfg.causal, window=cfg.window, num_global=cfg.num_global_tokens,
+  """Which keys each query sees in this model (causality, window, global tokens, BigBird random blocks,
+  padding, and with segment ids only the keys of the query's own segment: packed documents never see
+  each other)."""
+  random = (RandomBlocks(cfg.random_blocks, cfg.random_block_size, cfg.random_block_seed, cfg.max_len)
+            if cfg.random_blocks else None)
+  return Visibility(causal=cfg.causal, window=cfg.window, num_global=cfg.num_global_tokens, random=random,
                     q_offset=q_offset, kv_valid_BxS=kv_valid_BxS, q_segment_ids_BxL=segment_ids_BxL,
                     kv_segment_ids_BxS=segment_ids_BxL)
 
@@ -100,7 +104,7 @@ class Attention(nn.Module):
         alibi_slopes_H=pos_ops.alibi_slopes(h) if cfg.position == "alibi" else None,
         scale=cfg.attention_scale or None, dropout_rate=dropout_rate,
         dropout_rng=self.make_rng("dropout") if dropout_rate > 0.0 else None,
-        want_weights=self.is_mutable_collection("intermediates"))
+        want_weights=self.is_mutable_collection("intermediates"), linear=cfg.attention == "linear")
     if weights_BxHxLxS is not None:
       self.sow("intermediates", "attention_weights", weights_BxHxLxS)
 
