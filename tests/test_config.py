@@ -27,7 +27,7 @@ def test_shipped_config_validates_inits_and_runs(path):
   cfg = load(path)
   assert path.read_text().lstrip().lstrip('r').startswith('"""'), \
       "each config needs a docstring (launch command, result)"
-  m = validate(cfg)
+  m = validate(cfg, check_paths=False)   # configs naming data that is prepared by hand (chinese_poetry)
   # Shrink depth so the smoke test stays cheap; every other field is as shipped.
   small = m
   small = dataclasses.replace(small, num_layers=min(small.num_layers, 2), dtype="float32")

@@ -23,13 +23,14 @@ from train_utils import env, run, tiny_config, train_cmd
 
 @pytest.mark.slow
 def test_end_to_end_shakespeare_validation_loss_falls(tmp_path):
-  cfg = tiny_config(steps=120, **{"train.eval_every": 40, "train.log_every": 20})
+  cfg = tiny_config(steps=180, **{"train.eval_every": 60, "train.log_every": 20})
   final = train(cfg, tmp_path)
   evals = [m["val_loss"] for m in read_metrics(tmp_path) if "val_loss" in m]
   assert len(evals) == 3
-  # Uniform over 256 bytes is ln(256) = 5.55 nats; 120 tiny steps reach < 3.0 (the byte unigram level is ~3.3).
+  # Uniform over 256 bytes is ln(256) = 5.55 nats; 180 tiny steps reach < 3.0 (the byte unigram level is ~3.3;
+  # data seeds 0-3 end at 2.75-2.86 on the validation works).
   assert evals[-1] < 3.0 and evals[-1] < evals[0] - 0.2, evals
-  assert final["step"] == 120
+  assert final["step"] == 180
   assert (tmp_path / "config.json").exists() and list((tmp_path / "tb").iterdir())
   logged = read_metrics(tmp_path)[-1]
   for key in ("val_loss", "val_ppl", "val_bpb"):

@@ -15,8 +15,7 @@ import jax.numpy as jnp
 from tformer_jax import config as config_lib
 from tformer_jax.checkpoint import CheckpointError, restore_params
 from tformer_jax.config import ModelConfig, load_config_file, validate_model  # noqa: F401 (re-exported)
-from tformer_jax.data.corpora import load_corpus
-from tformer_jax.data.tokenizers import get_tokenizer
+from tformer_jax.data import pipeline
 from tformer_jax.interop import hf
 from tformer_jax.nn import Transformer
 
@@ -29,15 +28,10 @@ def model_from_config(cfg: Any) -> Transformer:
 
 
 def tokenizer_from_config(cfg: Any) -> Any:
-  """The tokenizer named by cfg.data.tokenizer ('bpe' needs the corpus: it is loaded from the cache)."""
+  """The tokenizer the run's batches were in: a prepared dataset's own, a synthetic task's vocabulary, else
+  data.tokenizer ('bpe' from the cache, trained on the corpus if missing)."""
   data = cfg.get("data", {}) if hasattr(cfg, "get") else {}
-  spec = data.get("tokenizer", "byte")
-  cache_dir = data.get("cache_dir", "") or None
-  corpus = None
-  if spec == "bpe":
-    corpus = load_corpus(data.get("corpus", "shakespeare"), cache_dir)
-  return get_tokenizer(spec, corpus=corpus, vocab_size=data.get("bpe_vocab_size", 2048),
-                       cache_dir=cache_dir)
+  return pipeline.tokenizer_for(data)
 
 
 def random_init(cfg: Any, seed: int = 0) -> tuple[Transformer, Any, Any]:

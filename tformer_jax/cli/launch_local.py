@@ -4,7 +4,7 @@
   python scripts/launch_local.py --processes 2 --devices-per-process 2 -- \\
       --config=configs/shakespeare_char.py --workdir=runs/mp --config.mesh.rules=fsdp
 
-starts N copies of scripts/train.py (or --script) that join one jax.distributed run over
+starts N copies of tformer-train (or --script) that join one jax.distributed run over
 127.0.0.1:PORT (a free port unless --port), each with D fake CPU devices. Their output is streamed
 with a [pN] prefix. If any process fails, the others are stopped (SIGTERM, then SIGKILL after
 --grace seconds) and the launcher exits with the failing process's status; SIGINT/SIGTERM to the
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 import re
 import signal
 import socket
@@ -22,8 +21,6 @@ import subprocess
 import sys
 import threading
 import time
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -46,8 +43,10 @@ def worker_env(process_id: int, processes: int, port: int, devices: int,
   return env
 
 
-def worker_cmd(script: str, args: list[str]) -> list[str]:
-  return [sys.executable, script, "--distributed", *args]
+def worker_cmd(script: str | None, args: list[str]) -> list[str]:
+  """A worker's command line: `script` (a path) or, by default, tformer-train (`-m tformer_jax.cli.train`)."""
+  program = [script] if script else ["-m", "tformer_jax.cli.train"]
+  return [sys.executable, *program, "--distributed", *args]
 
 
 def _stream(tag: str, pipe, out) -> None:
@@ -121,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--processes", type=int, required=True, help="number of processes (N)")
   ap.add_argument("--devices-per-process", type=int, default=1, help="fake CPU devices each (D)")
   ap.add_argument("--port", type=int, default=0, help="coordinator port on 127.0.0.1 (0 = a free one)")
-  ap.add_argument("--script", default=str(REPO / "scripts" / "train.py"), help="the program to run")
+  ap.add_argument("--script", default=None, help="the program to run (default: tformer-train)")
   ap.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
   a = ap.parse_args(ours)
   if a.processes < 1 or a.devices_per_process < 1:

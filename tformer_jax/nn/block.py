@@ -21,7 +21,7 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, kv_valid_BxS: jax.Array | None,
-               q_offset: jax.Array, bias_BxHxLxS: jax.Array | None):
+               q_offset: jax.Array, bias_BxHxLxS: jax.Array | None, segment_ids_BxL: jax.Array | None = None):
     cfg = self.cfg
     x_BxLxD = backends.current().residual(x_BxLxD)   # the residual stream entering the block
     attn = Attention(cfg, self.deterministic, self.decode, name="attn")
@@ -32,7 +32,7 @@ class Block(nn.Module):
       ffn = MLP(cfg, name="mlp")
     drop = lambda y: nn.Dropout(cfg.resid_dropout)(y, deterministic=self.deterministic)  # noqa: E731
     ln1, ln2 = Norm(cfg, name="ln1"), Norm(cfg, name="ln2")
-    mix = lambda y: attn(y, positions_BxL, kv_valid_BxS, q_offset, bias_BxHxLxS)  # noqa: E731
+    mix = lambda y: attn(y, positions_BxL, kv_valid_BxS, q_offset, bias_BxHxLxS, segment_ids_BxL)  # noqa: E731
 
     if cfg.parallel_residual:
       x_BxLxD = x_BxLxD + drop(mix(ln1(x_BxLxD))) + drop(ffn(ln2(x_BxLxD)))

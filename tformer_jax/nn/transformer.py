@@ -34,7 +34,8 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(self, tokens_BxL: jax.Array, *, positions_BxL: jax.Array | None = None,
-               attention_mask_BxL: jax.Array | None = None, token_types_BxL: jax.Array | None = None,
+               attention_mask_BxL: jax.Array | None = None, segment_ids_BxL: jax.Array | None = None,
+               token_types_BxL: jax.Array | None = None,
                inputs_embeds_BxLxD: jax.Array | None = None, deterministic: bool = True,
                decode: bool = False, return_hidden: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Logits (B, L, vocab) in float32, or final hidden states (B, L, d_model) if not cfg.lm_head.
@@ -45,7 +46,10 @@ class Transformer(nn.Module):
     only some positions' logits, or the loss without the full logits (ops.losses).
 
     attention_mask_BxL: 1 = real token, 0 = padding (never attended to). positions_BxL default to
-    0..L-1 counting real tokens only (so left padding is handled). decode=True reads and appends to
+    0..L-1 counting real tokens only (so left padding is handled). segment_ids_BxL: documents packed in
+    a row (1, 2, ...; 0 = padding): a token attends only within its own (training and scoring, not
+    decode; give positions restarting per document too, as the data pipeline's batches do).
+    decode=True reads and appends to
     the 'cache' collection (create it by calling init with decode=True on a (B, max_len) input).
     inputs_embeds_BxLxD replaces the token lookup (soft prompts, gradient checks).
     """
@@ -113,11 +117,11 @@ class Transformer(nn.Module):
     # Without padding or a cache the layers get kv_valid=None ("all valid"), so fused kernels can use
     # their causal mode.
     no_padding = attention_mask_BxL is None and not decode
-    args = (positions_BxL, None if no_padding else kv_valid_BxS, q_offset, bias)
+    args = (positions_BxL, None if no_padding else kv_valid_BxS, q_offset, bias, segment_ids_BxL)
     cls = block_class(cfg)
     if cfg.scan_layers:
       scanned = nn.scan(cls, variable_axes={c: 0 for c in SCANNED_COLLECTIONS},
-                        split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * 4,
+                        split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * 5,
                         length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
       x_BxLxD, _ = scanned(cfg, deterministic, decode, cfg.moe.num_experts > 0, name="layers")(x_BxLxD, *args)
     else:

@@ -31,6 +31,11 @@ AUX_COLLECTIONS = ("aux_loss", "moe_metrics")
 cross_entropy = losses.cross_entropy_logits   # (logits_BxLxV, targets_BxL) -> per-token NLL (B, L) float32
 
 
+def document_args(batch: dict) -> dict[str, jax.Array]:
+  """Packed-document batches (data.packing='document') carry segment ids and per-document positions."""
+  return {k + "_BxL": batch[k] for k in ("segment_ids", "positions") if k in batch}
+
+
 def _sum_leaves(tree: Any) -> jax.Array:
   leaves = jax.tree.leaves(tree)
   return sum((jnp.sum(x) for x in leaves), jnp.zeros((), jnp.float32))
@@ -51,8 +56,8 @@ def loss_sum_fn(model: nn.Module, params: Any, batch: dict, rng: jax.Array | Non
   `optim.accumulate_gradients` needs. loss_chunk: see the module docstring."""
   rngs = {"dropout": rng} if (train and rng is not None) else {}
   hidden = {"return_hidden": True} if loss_chunk > 0 else {}
-  out, mut = model.apply({"params": params}, batch["inputs"], deterministic=not train, rngs=rngs,
-                         mutable=list(AUX_COLLECTIONS), **hidden)
+  out, mut = model.apply({"params": params}, batch["inputs"], **document_args(batch), deterministic=not train,
+                         rngs=rngs, mutable=list(AUX_COLLECTIONS), **hidden)
   mask = batch.get("loss_mask")
   mask = jnp.ones(batch["targets"].shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
   count = jnp.sum(mask)
@@ -143,11 +148,11 @@ def eval_step(params: Any, batch: dict, *, model: nn.Module, loss_chunk: int = 0
   """Sums (not means) so the loop can add them over batches: nll_sum, count, correct (argmax of the
   logits == target). loss_chunk: as in train_step."""
   if loss_chunk > 0:
-    h_BxLxD, unembed_DxV = model.apply({"params": params}, batch["inputs"], deterministic=True,
-                                       return_hidden=True)
+    h_BxLxD, unembed_DxV = model.apply({"params": params}, batch["inputs"], **document_args(batch),
+                                       deterministic=True, return_hidden=True)
     nll_BxL, correct = losses.nll_and_correct(h_BxLxD, unembed_DxV, batch["targets"], chunk=loss_chunk)
   else:
-    logits = model.apply({"params": params}, batch["inputs"], deterministic=True)
+    logits = model.apply({"params": params}, batch["inputs"], **document_args(batch), deterministic=True)
     nll_BxL = cross_entropy(logits, batch["targets"])
     correct = jnp.argmax(logits, -1) == batch["targets"]
   mask = batch.get("loss_mask")
