@@ -1,28 +1,25 @@
 """Data: corpora (shakespeare, kjv, text:PATH), prepared datasets (prepared:DIR), tokenizers, grain batch
-pipelines (packed or document-aware, mixtures), synthetic tasks."""
-from tformer_jax.data.corpora import DataError, cache_root, load_corpus, load_documents, split_tokens
-from tformer_jax.data.pipeline import (
-    BatchIterator,
-    Dataset,
-    PreparedTokens,
-    build_dataset,
-    eval_batches,
-    tokenizer_for,
-    train_iterator,
-)
-from tformer_jax.data.synthetic import SyntheticTask, SyntheticVocab, exact_match_accuracy
-from tformer_jax.data.tokenizers import (
-    ByteTokenizer,
-    HFTokenizer,
-    SentencePieceTokenizer,
-    Tokenizer,
-    encode_corpus,
-    get_tokenizer,
-)
+pipelines (packed or document-aware, mixtures), synthetic tasks.
 
-__all__ = [
-    "BatchIterator", "ByteTokenizer", "DataError", "Dataset", "HFTokenizer", "PreparedTokens",
-    "SentencePieceTokenizer", "SyntheticTask", "SyntheticVocab", "Tokenizer", "build_dataset", "cache_root",
-    "encode_corpus", "eval_batches", "exact_match_accuracy", "get_tokenizer", "load_corpus", "load_documents",
-    "split_tokens", "tokenizer_for", "train_iterator",
-]
+The names below load their module on first use: `tformer_jax.data.prepared` and `.tokenizers` stay free
+of grain and jax, so tformer-prepare's worker processes start in a fraction of a second.
+"""
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DataError": "corpora", "cache_root": "corpora", "load_corpus": "corpora", "load_documents": "corpora",
+    "split_tokens": "corpora",
+    "BatchIterator": "pipeline", "Dataset": "pipeline", "PreparedTokens": "pipeline", "build_dataset": "pipeline",
+    "eval_batches": "pipeline", "tokenizer_for": "pipeline", "train_iterator": "pipeline",
+    "SyntheticTask": "synthetic", "SyntheticVocab": "synthetic", "exact_match_accuracy": "synthetic",
+    "ByteTokenizer": "tokenizers", "HFTokenizer": "tokenizers", "SentencePieceTokenizer": "tokenizers",
+    "Tokenizer": "tokenizers", "encode_corpus": "tokenizers", "get_tokenizer": "tokenizers",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+  if name in _EXPORTS:
+    return getattr(importlib.import_module(f"tformer_jax.data.{_EXPORTS[name]}"), name)
+  raise AttributeError(f"module 'tformer_jax.data' has no attribute {name!r}")
