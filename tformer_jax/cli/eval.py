@@ -10,6 +10,8 @@ tokenizer, seq_len or batch size) and its latest checkpoint (--step for another)
 batches the training loop evaluates (train.eval_batches evenly spaced windows of the validation
 split), so the result is the loop's final val_loss. An HF directory is scored with its own
 tokenizer.json on --corpus. Prints a progress bar, a summary line and, last, one JSON line.
+An encoder (causal=False) is scored on its masked LM (train/objectives.py, the loop's fixed masks):
+loss and accuracy over the masked tokens.
 """
 from __future__ import annotations
 
@@ -100,14 +102,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         totals[k] = totals.get(k, 0.0) + float(v)
   seconds = time.perf_counter() - t0
   prefix = "val_" if args.split == "val" else "train_"
+  objective = "next_token" if model.cfg.causal else "masked_lm"
   res: dict[str, Any] = {
       "source": str(args.workdir or args.hf), "corpus": str(cfg.data.corpus), "split": args.split,
+      "objective": objective,
       "batches": n, "tokens": int(totals["count"]),
       **metrics_lib.eval_summary(totals, metrics_lib.bytes_per_token(ds), prefix=prefix),
       "seconds": round(seconds, 3)}
   print(f"{res['source']} on {res['corpus']} ({args.split}, {res['tokens']:,} tokens): loss "
         f"{res[prefix + 'loss']:.4f} nats/token, ppl {res[prefix + 'ppl']:.3f}, {res[prefix + 'bpb']:.4f} "
-        f"bits/byte, accuracy {res[prefix + 'accuracy']:.4f}")
+        f"bits/byte, {'masked-token ' if objective == 'masked_lm' else ''}accuracy {res[prefix + 'accuracy']:.4f}")
   line = json.dumps(res)
   print(line)
   if args.json:

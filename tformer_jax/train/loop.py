@@ -26,7 +26,7 @@ from tformer_jax import backends, config as config_lib, decode
 from tformer_jax.checkpoint import Checkpointer
 from tformer_jax.data import pipeline
 from tformer_jax.parallel import mesh as mesh_lib, pmap as pmap_lib
-from tformer_jax.train import init_from, setup as setup_lib, state as state_lib, workdir as workdir_lib
+from tformer_jax.train import init_from, objectives, setup as setup_lib, state as state_lib, workdir as workdir_lib
 from tformer_jax.train.metrics import MetricWriter, bytes_per_token, eval_summary
 from tformer_jax.train.setup import resolve_model_config as resolve_model_config  # re-exported (bench, tests)
 
@@ -72,9 +72,6 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[st
     cfg = cfg.copy_and_resolve_references()
     with cfg.unlocked():
       cfg.model.vocab_size = pipeline.tokenizer_for(cfg.data).vocab_size
-  if not cfg.model.causal:
-    raise config_lib.ConfigError("model.causal: train.py trains causal language models; an encoder "
-                                 "(causal=False) has no next-token objective here")
   mesh = mesh_lib.make_mesh(cfg.mesh)
   mesh_lib.check_layout(cfg, mesh)
   # the C++ kernels are single-device custom calls: only pmap (per device) or a 1-device mesh
@@ -121,6 +118,7 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
   # model, optimizer, abstract sharded state and the jitted steps: the same builder as tformer_jax/aot.py
   program = setup_lib.build(cfg, mesh, runtime.backend, vocab_size=ds.vocab_size)
   model, rules, abstract, shardings = program.model, program.rules, program.abstract, program.shardings
+  objectives.check_mask_token(model.cfg, ds.vocab_size)   # encoders: a [MASK] id of their own
   rng = jax.random.PRNGKey(cfg.train.seed)
   ckpt = Checkpointer(work / "checkpoints", max_to_keep=cfg.train.max_to_keep)
   restored = ckpt.restore(abstract, require_data_state=True)   # a step without its iterator is damage
@@ -218,7 +216,10 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
         ev = evaluate(state.params)
         writer.write(done, ev)
         final.update(ev)
-        if is_main:
+        if is_main and not model.cfg.causal:
+          log.info("step %d: val_loss %.4f (masked LM), masked-token accuracy %.4f", done, ev["val_loss"],
+                   ev["val_accuracy"])
+        elif is_main:
           log.info("step %d: val_loss %.4f (%.3f bits/byte)", done, ev["val_loss"], ev["val_bpb"])
       if done % cfg.train.ckpt_every == 0 or done == cfg.train.steps or stop["signal"]:
         if pending is not None:
@@ -250,9 +251,10 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
     finally:
       ckpt.close(quiet=True)   # an exception already on its way out wins over a late save failure
 
-  if not stop["signal"] and cfg.train.sample_tokens > 0:
+  sample = not stop["signal"] and cfg.train.sample_tokens > 0 and model.cfg.causal   # encoders do not generate
+  if sample:
     host_params = mesh_lib.to_host(state.params)  # every process: a gather when params span hosts
-  if is_main and not stop["signal"] and cfg.train.sample_tokens > 0:
+  if is_main and sample:
     final["sample"] = sample_text(model, host_params, ds.tokenizer, cfg)
     print(f"\n--- sample (step {int(state.step)}) ---\n{final['sample']}\n---", flush=True)
   final["params"] = n_params

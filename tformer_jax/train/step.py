@@ -1,6 +1,8 @@
 """Pure train and eval steps. `train_step(state, batch) -> (state, metrics)`; the loop jits them with
 shardings and donation. Loss: token-mean cross-entropy in float32 (+ MoE aux losses), masked by
-batch['loss_mask'] when present.
+batch['loss_mask'] when present. Encoders (causal=False) train and evaluate on BERT's masked LM:
+train/objectives.py rewrites the batch first (inputs masked, loss on the chosen tokens; eval_step's
+`correct` is then the masked-token accuracy).
 
 loss_chunk (train.loss_chunk) > 0: the loss never holds the full (tokens x vocab) float32 logits; it
 takes the model's final hidden states and unembedding matrix (`Transformer(..., return_hidden=True)`)
@@ -22,7 +24,7 @@ import optax
 
 from tformer_jax.nn import moe as moe_nn
 from tformer_jax.ops import losses
-from tformer_jax.train import optim, precision
+from tformer_jax.train import objectives, optim, precision
 from tformer_jax.train.state import TrainState
 
 AUX_COLLECTIONS = ("aux_loss", "moe_metrics")
@@ -86,6 +88,9 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, tx: optax.Gr
   rng = jax.random.fold_in(state.rng, state.step)
   if axis_name is not None:  # distinct dropout masks per device
     rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
+  if not model.cfg.causal:   # masked LM: this step's masks from its own key
+    rng, mask_rng = jax.random.split(rng)
+    batch = objectives.masked_lm_batch(batch, mask_rng, model.cfg)
   ls = state.loss_scale
   # The loss is a token *sum* (exact under accumulation); dividing by the static token count keeps
   # the fp16-scaled gradients at the size a mean loss would give.
@@ -147,6 +152,8 @@ def _batch_count(batch: dict, grad_accum: int) -> jax.Array:
 def eval_step(params: Any, batch: dict, *, model: nn.Module, loss_chunk: int = 0) -> dict[str, jax.Array]:
   """Sums (not means) so the loop can add them over batches: nll_sum, count, correct (argmax of the
   logits == target). loss_chunk: as in train_step."""
+  if not model.cfg.causal:   # masked LM, the same masks at every evaluation (objectives.eval_rng)
+    batch = objectives.masked_lm_batch(batch, objectives.eval_rng(batch), model.cfg)
   if loss_chunk > 0:
     h_BxLxD, unembed_DxV = model.apply({"params": params}, batch["inputs"], **document_args(batch),
                                        deterministic=True, return_hidden=True)
