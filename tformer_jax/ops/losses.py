@@ -183,7 +183,11 @@ def _fused_nll_sum_fwd(h_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights
   """One pass over the chunks: logits -> nll, and the gradients of sum(weights * nll) w.r.t. h and w
   (the matrix gradient accumulated in float32)."""
   l = h_BxLxD.shape[1]
-  logit_dtype = jnp.result_type(h_BxLxD, w_DxV)
+  # The gradients are formed before the upstream scale (a float16 run's loss scale) multiplies them:
+  # in float16, softmax entries near 1/V would lose their digits (below its normal range), so a
+  # float16 run forms them, and keeps dh, in float32. bfloat16 has float32's range.
+  grad_dtype = jnp.result_type(h_BxLxD, w_DxV)
+  grad_dtype = jnp.float32 if grad_dtype == jnp.float16 else grad_dtype
   xs = tuple(_chunks(x, static.c)[0] for x in (h_BxLxD, targets_BxL, weights_BxL))
 
   def body(dw_DxV, xs):
@@ -191,9 +195,10 @@ def _fused_nll_sum_fwd(h_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights
     logits_BxCxV = logits(h_BxCxD, w_DxV)
     lse_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
     nll_BxC = lse_BxC - jnp.take_along_axis(logits_BxCxV, t_BxC[..., None], axis=-1)[..., 0]
-    dlogits_BxCxV = _softmax_grad(logits_BxCxV, lse_BxC, t_BxC, g_BxC, logit_dtype)
-    dh_BxCxD = jnp.einsum("bcv,dv->bcd", dlogits_BxCxV, w_DxV)
-    dw_DxV = dw_DxV + jnp.einsum("bcd,bcv->dv", h_BxCxD, dlogits_BxCxV, preferred_element_type=jnp.float32)
+    dlogits_BxCxV = _softmax_grad(logits_BxCxV, lse_BxC, t_BxC, g_BxC, grad_dtype)
+    dh_BxCxD = jnp.einsum("bcv,dv->bcd", dlogits_BxCxV, w_DxV.astype(grad_dtype))
+    dw_DxV = dw_DxV + jnp.einsum("bcd,bcv->dv", h_BxCxD.astype(grad_dtype), dlogits_BxCxV,
+                                 preferred_element_type=jnp.float32)
     return dw_DxV, (nll_BxC, dh_BxCxD)
 
   dw_DxV, (nll, dh) = jax.lax.scan(body, jnp.zeros(w_DxV.shape, jnp.float32), xs)
