@@ -127,7 +127,7 @@ def test_kv_cache_mismatch_is_caught(ctx):
 def test_encoder_skips_causal_checks():
   cfg = load_config(str(ROOT / "configs" / "bert_postln.py"),
                     {"model.d_model": "64", "model.num_heads": "2", "model.num_layers": "2", "model.max_len": "64",
-                     "data.seq_len": "32"})
+                     "data.seq_len": "32", "model.position": "learned"})   # (learned: order PASS at init)
   res = {r.name: r for r in checks.run_checks(checks.make_context(cfg), ["causal", "kv_cache", "order"])}
   assert res["causal"].status == "SKIP" and res["kv_cache"].status == "SKIP"
   assert res["order"].status == "PASS"

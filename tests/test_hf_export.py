@@ -23,7 +23,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from tformer_jax.checkpoint import Checkpointer  # noqa: E402
-from tformer_jax.config import load_config_file, validate  # noqa: E402
+from tformer_jax.config import load_config_file, resolved, validate  # noqa: E402
 from tformer_jax.interop import hf as hfi  # noqa: E402
 from tformer_jax.interop.hf import HFConfigError  # noqa: E402
 from tformer_jax.nn import Transformer  # noqa: E402
@@ -50,7 +50,7 @@ convert = _convert_module()
 
 def shrunk(name: str, **model_overrides):
   """The preset's config with its sizes cut down (architecture kept) and `model_overrides` set."""
-  cfg = load_config_file(ROOT / "configs" / f"{name}.py")
+  cfg = resolved(load_config_file(ROOT / "configs" / f"{name}.py"))   # vocab_size 0: the tokenizer's
   m = cfg.model
   m.d_model, m.num_layers, m.max_len = 8 * m.num_heads, 2, min(m.max_len, 64)
   if m.moe.num_experts:

@@ -67,9 +67,9 @@ def resolve_runtime(cfg: Any, *, model: config_lib.ModelConfig | None = None, me
 
   attention = rt["attention"]
   if attention == "auto":
-    if m.attn_dropout > 0 or m.position == "t5" or m.num_global_tokens:
+    if m.attn_dropout > 0 or m.position == "t5" or m.num_global_tokens or getattr(m, "random_blocks", 0):
       attention = "reference"
-      reasons.append("attention reference: dropout, a T5 bias or global tokens need the dense path")
+      reasons.append("attention reference: dropout, a T5 bias, global tokens or random blocks need the dense path")
     elif platform == "cpu":
       attention = "chunked"
       reasons.append("attention chunked: the fastest exact path on CPU")

@@ -50,6 +50,8 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer("recompute-runs", 2, "timed runs of the recompute path", flag_values=fv)
   flags.DEFINE_bool("no-recompute", False, "skip the (slow) recompute baseline", flag_values=fv)
   flags.DEFINE_integer("seed", 0, "weights and prompts seed", flag_values=fv)
+  flags.DEFINE_bool("scan", True, "decode with scanned layers (decode.decode_layout); --noscan: the "
+                    "config's own layout", flag_values=fv)
   flags.DEFINE_string("dtype", None, "compute and weight dtype for inference (e.g. bfloat16; default: the "
                       "config's)", flag_values=fv)
   flags.DEFINE_string("json", None, "also write the result dict to this file", flag_values=fv)
@@ -106,7 +108,7 @@ def _run(args: Any, cfg: Any, runtime: backends.Runtime) -> dict[str, Any]:
   init_s = time.perf_counter() - t0
   train_layout = "scanned" if model.cfg.scan_layers else "unrolled"
   t0 = time.perf_counter()
-  model, params = decode.decode_layout(model, params)
+  model, params = decode.decode_layout(model, params, args.scan)
   jax.block_until_ready(params)
   layout_s = time.perf_counter() - t0
   m = model.cfg

@@ -76,19 +76,18 @@ def workdir_to_hf(workdir: str | pathlib.Path, hf_dir: str | pathlib.Path, famil
   if tok_spec.startswith("hf:"):
     src = pathlib.Path(tok_spec[3:])
     tok_dir = src if src.is_dir() else src.parent
-  out = pathlib.Path(hf_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  if tok_dir is not None:
-    for name in TOKENIZER_FILES:
-      if (tok_dir / name).is_file():
-        shutil.copyfile(tok_dir / name, out / name)
   ids = None
   try:
     tokenizer = decode_io.tokenizer_from_config(cfg)
     ids = special_token_ids(tokenizer, tok_dir)
   except (DataError, OSError) as e:       # a tokenizer this machine cannot load: export the weights anyway
     print(f"note: no bos/eos/pad ids written ({e})", file=sys.stderr)
-  return save_hf(ModelConfig.from_config(cfg.model), params, out, family, token_ids=ids)
+  out = save_hf(ModelConfig.from_config(cfg.model), params, hf_dir, family, token_ids=ids)  # refuses first
+  if tok_dir is not None:
+    for name in TOKENIZER_FILES:          # the source's own generation_config.json wins over ours
+      if (tok_dir / name).is_file():
+        shutil.copyfile(tok_dir / name, out / name)
+  return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -36,6 +36,9 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer("seed", 0, "sampling (and random-init) seed", flag_values=fv)
   flags.DEFINE_multi_string("stop", [], "a stop string", flag_values=fv)
   flags.DEFINE_integer("chunk_size", 16, "tokens per streamed chunk", flag_values=fv)
+  flags.DEFINE_bool("scan_layers", True, "decode with scanned layers (compiles once per layer body); "
+                    "--noscan_layers: the model's own layout (faster per token on CPU, slower to compile)",
+                    flag_values=fv)
 
 
 def parse_args(argv: Sequence[str] | None) -> Any:
@@ -121,7 +124,8 @@ def generate(args: Any, model: Any, params: Any, tok: Any, default_prompt: str) 
   stream = decode.generate_stream(
       model, params, encoded, max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size,
       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-      repetition_penalty=args.repetition_penalty, stop_tokens=stop_tokens, rng=args.seed, pad_id=-1)
+      repetition_penalty=args.repetition_penalty, stop_tokens=stop_tokens, rng=args.seed, pad_id=-1,
+      scan_layers=args.scan_layers)
   single = len(prompts) == 1
   if single:
     sys.stdout.write(prompts[0])
