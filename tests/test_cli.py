@@ -98,6 +98,8 @@ def test_eval_reproduces_the_loops_final_val_loss_and_scores_other_data(tmp_path
   work = tmp_path / "run"
   r = run(train_cmd(work, "--config.train.steps=3"))
   assert r.returncode == 0, r.stderr[-2000:]
+  # quiet output: no jax start-up INFO (libtpu), no allocator note
+  assert "xla_bridge" not in r.stderr and "libtpu" not in r.stderr and "note:" not in r.stderr, r.stderr[-2000:]
   final = [m for m in read_metrics(work) if "val_loss" in m][-1]
   res = eval_cli.main([f"--workdir={work}"])
   for k in ("val_loss", "val_bpb", "val_accuracy"):

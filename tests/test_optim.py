@@ -356,3 +356,17 @@ def test_adafactor_trains_through_the_loop(tmp_path):
   train(tiny_config(steps=3, **{"optim.name": "adafactor", "optim.peak_lr": 1e-2}), tmp_path)
   losses = [m["loss"] for m in read_metrics(tmp_path) if "loss" in m]
   assert len(losses) == 3 and all(np.isfinite(losses))
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_every_moe_parameter_has_a_role(activation):
+  """Plain and gated experts, with a shared expert: every name is in PARAM_ROLES (strict)."""
+  from tformer_jax.config import ModelConfig, MoEConfig
+  from tformer_jax.nn import Transformer
+  cfg = ModelConfig(vocab_size=32, d_model=16, num_layers=1, num_heads=2, max_len=8, activation=activation,
+                    moe=MoEConfig(num_experts=2, top_k=1, shared_expert=True))
+  p = nn.unbox(jax.eval_shape(Transformer(cfg).init, jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"])
+  flat = jax.tree_util.tree_flatten_with_path(p)[0]
+  roles = {str(path[-1].key): optim.param_role(path, strict=True) for path, _ in flat}
+  shared_in = "shared_w_in" if activation == "gelu" else "shared_w_up"
+  assert {k for k, r in roles.items() if r == "kernel"} >= {"router", shared_in}

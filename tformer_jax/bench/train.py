@@ -41,7 +41,7 @@ from tformer_jax import backends, cli_common
 from tformer_jax.bench import emit, flops as flops_lib, op_profile
 from tformer_jax.host_alloc import loaded_allocator
 from tformer_jax.nn import Transformer
-from tformer_jax.train import loop, optim, precision, state as state_lib, step as step_lib
+from tformer_jax.train import loop, optim, precision, setup, state as state_lib, step as step_lib
 
 DEFAULT_CONFIG = "configs/bench/gpt2_cpu.py"
 JSON_KEYS = ("tokens_per_s", "step_ms_median", "compile_s", "params", "flops_per_step",
@@ -94,7 +94,7 @@ class TrainBench:
     with backends.use(self.runtime.backend):
       self.state = jax.jit(lambda r: state_lib.unbox_plain(init(r)))(jax.random.PRNGKey(seed))
     self.params = state_lib.param_count(self.state.params)
-    step = step_lib.make_train_step(model, tx, schedule, cfg.optim)
+    step = step_lib.make_train_step(model, tx, schedule, cfg.optim, **setup.step_options(cfg))
     self._jit = jax.jit(step, donate_argnums=(0,) if donate else ())
     rng = np.random.default_rng(seed)
     self.batches = []

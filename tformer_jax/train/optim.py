@@ -42,6 +42,8 @@ PyTree = Any
 # rule used before decayed those biases).
 PARAM_ROLES = {
     "kernel": frozenset({"wq", "wk", "wv", "wo", "wi", "wg", "head", "router", "w_up", "w_gate", "w_down",
+                         "w_in", "w_out", "shared_w_in", "shared_w_out", "shared_w_up", "shared_w_gate",
+                         "shared_w_down",                                   # MoE experts, shared expert
                          "kernel"}),                  # (flax's own nn.Dense / DenseGeneral name)
     "embedding": frozenset({"embed", "pos_embed", "type_embed", "rel_bias",
                             "embedding"}),            # (flax's nn.Embed)

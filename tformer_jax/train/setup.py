@@ -86,9 +86,9 @@ def build(cfg: ml_collections.ConfigDict, mesh: Mesh, backend: backends.Backend,
   mesh_lib.check_shardings(abstract, mesh)
 
   batch_sh = mesh_lib.batch_sharding(mesh)
-  eval_fn = functools.partial(step_lib.eval_step, model=model)
-  stats_step = None
   options = step_options(cfg)
+  eval_fn = functools.partial(step_lib.eval_step, model=model, **options)
+  stats_step = None
   if cfg.mesh.parallelism == "pmap":  # replicated state, batch split over local devices (parallel/pmap.py)
     train_step = pmap_lib.make_train_step(
         step_lib.make_train_step(model, tx, schedule, cfg.optim, axis_name=pmap_lib.AXIS, **options), mesh,
