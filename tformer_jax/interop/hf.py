@@ -174,7 +174,9 @@ def _st_header(path: pathlib.Path) -> tuple[dict[str, tuple[np.dtype, tuple[int,
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
   """All tensors of a .safetensors file as (memory-mapped) numpy arrays; bf16 via ml_dtypes. The header is
-  validated first (HFWeightsError naming the file and the tensor)."""
+  validated first (HFWeightsError naming the file and the tensor). Not the safetensors package's reader:
+  its numpy API copies every tensor into memory and cannot return bfloat16 (most checkpoints); the package
+  writes our exports (`save_file`)."""
   path = pathlib.Path(path)
   entries, start, size = _st_header(path)
   data = (np.memmap(path, dtype=np.uint8, mode="r", offset=start, shape=(size,)) if size > 0
