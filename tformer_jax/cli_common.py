@@ -367,6 +367,16 @@ def help_text(fv: flags.FlagValues, doc: str, prog: str) -> str:
   return "\n".join(lines + ["  -h, --help: show this help and exit"])
 
 
+def choices(text: str, allowed: Sequence[str], what: str) -> list[str]:
+  """The comma-separated names of `text` (a flag's value), each one of `allowed`; a usage error (one line,
+  exit 2) naming the first that is not."""
+  names = [x.strip() for x in text.split(",") if x.strip()]
+  for name in names:
+    if name not in allowed:
+      fail(f"unknown {what} {name!r}; expected one of {tuple(allowed)}")
+  return names
+
+
 def fail(message: str) -> None:
   """A usage error: one line `error: message` on stderr, exit status 2."""
   print(f"error: {message}", file=sys.stderr)

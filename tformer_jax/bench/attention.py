@@ -281,10 +281,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     seqs = [int(s) for s in args.seq.split(",") if s.strip()]
   except ValueError:
     cli_common.fail(f"--seq takes comma-separated integers, not {args.seq!r}")
-  impls = [s.strip() for s in args.impls.split(",") if s.strip()]
-  for impl in impls:
-    if impl not in IMPLS:
-      cli_common.fail(f"unknown impl {impl!r}; expected one of {IMPLS}")
+  impls = cli_common.choices(args.impls, IMPLS, "impl")
   try:
     jnp.dtype(args.dtype)
   except TypeError:

@@ -218,10 +218,7 @@ def parse_args(argv: Sequence[str] | None) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = parse_args(argv)
-  stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-  for s in stages:
-    if s not in STAGES:
-      cli_common.fail(f"unknown stage {s!r}; expected one of {STAGES}")
+  stages = cli_common.choices(args.stages, STAGES, "stage")
   args.config = str(cli_common.find_config_file(args.config).resolve())
   cfg = cli_common.load_config_file(args.config)
   config_lib.validate(cfg)

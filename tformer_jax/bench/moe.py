@@ -129,10 +129,7 @@ def parse_args(argv: Sequence[str] | None) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = parse_args(argv)
-  cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-  for c in cases:
-    if c not in CASES:
-      cli_common.fail(f"unknown case {c!r}; expected one of {CASES}")
+  cases = cli_common.choices(args.cases, CASES, "case")
   config = {k: v for k, v in vars(args).items() if k != "json"}
   config["backend"] = jax.default_backend()
   print(f"MoE FFN fwd+bwd: tokens={args.tokens} d_model={args.d_model} experts={args.experts} "
