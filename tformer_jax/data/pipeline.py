@@ -252,6 +252,9 @@ def _prepared(spec: str, data_cfg: Any) -> tuple[pathlib.Path, Tokenizer | None]
   tok_spec, vocab = str(_cfg(data_cfg, "tokenizer")).strip(), int(_cfg(data_cfg, "bpe_vocab_size"))
   raw = False   # the byte tokenizer takes any bytes; the others need UTF-8 text
   for i, d in enumerate(docs):
+    if tok_spec == "byte" and b"\x00" in d:   # prepare() skips NUL-holding (binary) text; bytes take it
+      raw = True
+      break
     try:
       d.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -112,8 +112,15 @@ def run(argv: Sequence[str] | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """The command (`tformer-prepare`): anticipated errors are one line on stderr and status 2."""
-  return cli_common.run_main(run, argv)
+  """The command (`tformer-prepare`): anticipated errors (a full or read-only disk, Ctrl-C included) are one
+  line on stderr and status 2."""
+  try:
+    return cli_common.run_main(run, argv)
+  except KeyboardInterrupt:
+    sys.stdout.flush()
+    print("error: interrupted (SIGINT): the committed shards are kept; rerun the same command to resume",
+          file=sys.stderr)
+    return 2
 
 
 def entry() -> None:

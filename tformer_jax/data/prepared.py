@@ -23,8 +23,16 @@ with the same arguments resumes there, and the result is byte-identical to an un
 `tokenizer_ceiling` measures the tokenizer library's own batch encode on the same texts (the throughput
 ceiling `prepare` is compared with).
 
-Test hooks: with $TFORMER_PREPARE_KILL_AFTER_SHARDS=N set, `prepare` kills its own process (SIGKILL) right
-after committing its N-th shard of this run, as a crash would; with $TFORMER_PREPARE_WAIT_FOR_WORKERS=1 the
+The output directory is owned: `prepare` writes only into a missing or empty directory or one holding its
+own manifest / progress / lock file (`.prepare.lock`, an flock held for the whole run, so a second prepare
+into the same directory stops at once naming the first), refuses anything else, and deletes only files it
+wrote. `overwrite=True` replaces a dataset of ours atomically: the new one is built in a directory beside it,
+then the two are exchanged (renameat2 RENAME_EXCHANGE; two renames where that is missing). A full or
+read-only disk is one DataError line; the committed shards stay resumable.
+
+Test hooks: with $TFORMER_PREPARE_KILL_AFTER_SHARDS=N set, `prepare` kills its own process (SIGKILL, or the
+signal named by $TFORMER_PREPARE_KILL_SIGNAL, e.g. INT, sent to its process group as a terminal's Ctrl-C is)
+right after committing its N-th shard of this run, as a crash would; with $TFORMER_PREPARE_WAIT_FOR_WORKERS=1 the
 main process waits for the spawned workers to be up before the first unit (so a small input still reaches
 them).
 """
@@ -32,7 +40,12 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import concurrent.futures.process
+import ctypes
 import dataclasses
+import datetime
+import errno
+import fcntl
 import hashlib
 import io
 import json
@@ -44,6 +57,9 @@ import pathlib
 import resource
 import shutil
 import signal
+import socket
+import sys
+import tempfile
 import threading
 import time
 from typing import Any, Iterator, Sequence
@@ -67,7 +83,10 @@ log = logging.getLogger(__name__)
 FORMAT = "tformer_jax.prepared/1"
 MANIFEST = "manifest.json"
 PROGRESS = ".progress.json"
+LOCK = ".prepare.lock"
+TOKENIZER_EXTRAS = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 KILL_ENV = "TFORMER_PREPARE_KILL_AFTER_SHARDS"
+SIGNAL_ENV = "TFORMER_PREPARE_KILL_SIGNAL"
 WAIT_ENV = "TFORMER_PREPARE_WAIT_FOR_WORKERS"
 DEFAULT_SHARD_TOKENS = 1 << 24
 DEFAULT_BPE_VOCAB = 8192
@@ -207,6 +226,7 @@ class PreparedDataset:
     files = [(e[kind], e["sha256"][kind]) for e in self.manifest["shards"] for kind in ("tokens", "offsets")]
     if info.get("file"):
       files.append((info["file"], info["sha256"]))
+    files += sorted(info.get("extra_files", {}).items())
     for name, want in files:
       file = self.path / name
       if not file.is_file():
@@ -313,6 +333,7 @@ def _encode_unit(unit: Unit, recipe: _Recipe) -> tuple[np.ndarray, np.ndarray, i
 
 def _exit_with_parent() -> None:
   """Worker initializer: leave when the main process dies (killed, not shut down), instead of lingering."""
+  signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C reaches the whole group: the main process handles it
   parent = multiprocessing.parent_process()
   if parent is not None:
     def watch() -> None:
@@ -333,9 +354,17 @@ class _Pool:
     self._starting: list[concurrent.futures.Future] = []
     if workers > 1:
       ctx = multiprocessing.get_context("spawn")
-      self.executor = concurrent.futures.ProcessPoolExecutor(workers - 1, mp_context=ctx,
-                                                             initializer=_exit_with_parent)
-      self._starting = [self.executor.submit(int) for _ in range(workers - 1)]   # start them all now
+      # SIGINT ignored while they spawn: a child keeps an ignored signal through exec, so a Ctrl-C to the
+      # group never interrupts a starting worker; the main process handles it and stops them
+      main = threading.current_thread() is threading.main_thread()
+      handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+      try:
+        self.executor = concurrent.futures.ProcessPoolExecutor(workers - 1, mp_context=ctx,
+                                                               initializer=_exit_with_parent)
+        self._starting = [self.executor.submit(int) for _ in range(workers - 1)]   # start them all now
+      finally:
+        if main:
+          signal.signal(signal.SIGINT, handler)
 
   def ready(self) -> bool:
     """Whether the spawned processes are up (then units go to them first)."""
@@ -484,9 +513,14 @@ class _Writer:
     _fsync_dir(self.root)
     write_atomic(self.root / PROGRESS, json.dumps(self.state, indent=1).encode())
     if self.kill_after and self.committed_this_run >= self.kill_after:
-      log.warning("%s=%d: killing this process after %d shards (test hook)", KILL_ENV, self.kill_after,
+      name = os.environ.get(SIGNAL_ENV, "KILL").upper()
+      log.warning("%s=%d: SIG%s after %d shards (test hook)", KILL_ENV, self.kill_after, name,
                   self.committed_this_run)
-      os.kill(os.getpid(), signal.SIGKILL)
+      if name == "KILL":
+        os.kill(os.getpid(), signal.SIGKILL)
+      else:
+        self.kill_after = 0
+        os.killpg(os.getpgrp(), getattr(signal, "SIG" + name))
 
 
 # --- prepare ---------------------------------------------------------------------------------------
@@ -582,50 +616,164 @@ def _differences(a: dict[str, Any], b: dict[str, Any]) -> str:
 
 
 def _ours(name: str) -> bool:
-  return (name in (MANIFEST, PROGRESS, "tokenizer.model", "tokenizer.json") or name.endswith(".tmp")
-          or (name.startswith("shard-") and name.endswith(".npy")))
-
-
-def _clear(root: pathlib.Path) -> None:
-  for p in root.iterdir():
-    if _ours(p.name) and p.is_file():
-      p.unlink()
+  """A name `prepare` may write (it deletes only such files, and only in a directory it owns)."""
+  return (name in (MANIFEST, PROGRESS, LOCK, "tokenizer.model", "tokenizer.json", *TOKENIZER_EXTRAS)
+          or name.endswith(".tmp") or (name.startswith("shard-") and name.endswith(".npy")))
 
 
 def _peak_rss_mb() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _check_out_dir(root: pathlib.Path, args: dict[str, Any], overwrite: bool) -> dict[str, Any] | None:
-  """The progress to resume from, None to start afresh; DataError when the directory holds something else."""
-  if not root.exists():
+def _json_of(file: pathlib.Path) -> Any:
+  try:
+    return json.loads(file.read_text(encoding="utf-8"))
+  except (OSError, ValueError):
     return None
+
+
+def _owned(root: pathlib.Path) -> bool:
+  """Whether `root` holds a prepared dataset, an unfinished prepare or a prepare's lock (ours to write)."""
+  manifest, progress, lock = (_json_of(root / n) if (root / n).is_file() else None for n in (MANIFEST, PROGRESS, LOCK))
+  return ((isinstance(manifest, dict) and manifest.get("format") == FORMAT)
+          or (isinstance(progress, dict) and isinstance(progress.get("arguments"), dict)
+              and progress["arguments"].get("format") == FORMAT)
+          or (isinstance(lock, dict) and lock.get("format") == FORMAT))
+
+
+def _clear(root: pathlib.Path) -> None:
+  """Delete the files of ours in a directory we own (never the lock: it is held)."""
+  for p in root.iterdir():
+    if _ours(p.name) and p.name != LOCK and p.is_file():
+      p.unlink()
+
+
+def _refuse_foreign(root: pathlib.Path) -> None:
+  """DataError unless `root` is missing, empty or ours with nothing else in it."""
+  if not root.exists():
+    return
   if not root.is_dir():
     raise DataError(f"output {root} exists and is not a directory")
-  foreign = sorted(p.name for p in root.iterdir() if not _ours(p.name))
+  names = sorted(p.name for p in root.iterdir())
+  if not names:
+    return
+  foreign = names if not _owned(root) else [n for n in names if not _ours(n)]
   if foreign:
-    raise DataError(f"output {root} holds files that are not part of a prepared dataset ({', '.join(foreign[:5])}): "
-                    "choose an empty or new directory")
-  if overwrite:
-    _clear(root)
-    return None
+    raise DataError(f"output {root} holds files that are not part of a prepared dataset ({', '.join(foreign[:5])}"
+                    f"{', ...' if len(foreign) > 5 else ''}): choose an empty or new directory (tformer-prepare "
+                    "writes only into a directory of its own and deletes no file it did not write)")
+
+
+class _Lock:
+  """`root/.prepare.lock`: an flock held while a prepare writes `root` (the kernel drops it when the holder
+  dies), the holder's pid and command in the file for the message."""
+
+  def __init__(self, root: pathlib.Path):
+    self.path = root / LOCK
+    self.fd: int | None = None
+
+  def acquire(self) -> _Lock:
+    while True:
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        holder = _json_of(self.path) or {}
+        os.close(fd)
+        raise DataError(f"output {self.path.parent} is being written by another tformer-prepare (pid "
+                        f"{holder.get('pid', '?')} on {holder.get('host', '?')} since {holder.get('started', '?')}): "
+                        "wait for it to finish, or choose another --out") from None
+      try:
+        same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+      except FileNotFoundError:
+        same = False
+      if same:          # else the holder we waited for removed the file: lock the new one
+        break
+      os.close(fd)
+    info = {"format": FORMAT, "pid": os.getpid(), "host": socket.gethostname(),
+            "started": datetime.datetime.now().isoformat(timespec="seconds"), "argv": sys.argv}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(info).encode(), 0)
+    self.fd = fd
+    return self
+
+  def release(self, remove: bool) -> None:
+    if self.fd is None:
+      return
+    try:
+      if remove:
+        self.path.unlink(missing_ok=True)
+    finally:
+      fcntl.flock(self.fd, fcntl.LOCK_UN)
+      os.close(self.fd)
+      self.fd = None
+
+
+def _check_out_dir(root: pathlib.Path, args: dict[str, Any], overwrite: bool) -> dict[str, Any] | None:
+  """(Under the lock) the progress to resume from; None to start afresh; {'complete': True} for a finished
+  dataset of these arguments; {'overwrite': True} to build a replacement beside it. DataError when the
+  directory holds something else."""
+  _refuse_foreign(root)
+  if overwrite and any((root / n).is_file() for n in (MANIFEST, PROGRESS)):
+    return {"overwrite": True}
   for name in (MANIFEST, PROGRESS):
     file = root / name
     if not file.is_file():
       continue
-    try:
-      old = json.loads(file.read_text(encoding="utf-8")).get("arguments", {})
-    except (OSError, ValueError, AttributeError):
-      raise DataError(f"{file} is unreadable: pass --overwrite to prepare {root} again") from None
+    found = _json_of(file)
+    if not isinstance(found, dict):
+      raise DataError(f"{file} is unreadable: pass --overwrite to prepare {root} again")
+    old = found.get("arguments", {})
     if old != args:
       what = "a prepared dataset" if name == MANIFEST else "an unfinished prepare"
       raise DataError(f"output {root} holds {what} made with other arguments (differing: "
                       f"{_differences(old, args)}): pass --overwrite to replace it, or choose another directory")
     if name == MANIFEST:
       return {"complete": True}
-    return json.loads(file.read_text(encoding="utf-8"))
-  _clear(root)                                     # only leftovers of a run killed before its first commit
+    return found
+  _clear(root)                                     # only leftovers of a run stopped before its first commit
   return None
+
+
+def _exchange(a: pathlib.Path, b: pathlib.Path) -> None:
+  """Swap directories a and b atomically (renameat2 RENAME_EXCHANGE); two renames where the kernel or the
+  filesystem lacks it."""
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    at_fdcwd, rename_exchange = -100, 2
+    if libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+      return
+    err = ctypes.get_errno()
+    if err not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+      raise OSError(err, os.strerror(err), str(b))
+  except AttributeError:                           # no renameat2 in this libc
+    pass
+  aside = a.with_name(a.name + ".old")
+  os.rename(b, aside)
+  os.rename(a, b)
+  os.rename(aside, a)
+
+
+def _remove_ours(root: pathlib.Path) -> None:
+  """Delete `root` (a directory we own) if it then is empty: only our files go."""
+  for p in root.iterdir():
+    if _ours(p.name) and p.is_file():
+      p.unlink()
+  try:
+    root.rmdir()
+  except OSError:
+    log.warning("left %s: it holds files that prepare did not write", root)
+
+
+def _disk_error(root: pathlib.Path, e: OSError) -> DataError:
+  where = f" ({e.filename})" if e.filename else ""
+  if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    hint = "free some space, then rerun the same command to resume (the committed shards are kept)"
+  elif e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+    hint = "the output is not writable: choose another --out"
+  else:
+    hint = "the committed shards are kept; rerun the same command to resume"
+  return DataError(f"prepare {root}: {e.strerror or e}{where}: {hint}")
 
 
 def _check_committed(root: pathlib.Path, state: dict[str, Any]) -> None:
@@ -678,24 +826,70 @@ def prepare(sources: Sequence[str] | str, out_dir: str | os.PathLike, *, tokeniz
     raise DataError(f"no sources besides the output {root}'s own files")
   args = _arguments(srcs, fields, tokenizer, shard_tokens=shard_tokens, on_bad_utf8=on_bad_utf8,
                     txt_split=txt_split, bpe_vocab_size=bpe_vocab_size, sample_bytes=train_tokenizer_sample_bytes)
-  state = _check_out_dir(root, args, overwrite)
-  if state is not None and state.get("complete"):
-    ds = open_prepared(root)
-    log.info("%s is already prepared with these arguments (%d documents, %d tokens)", root, ds.num_documents,
-             ds.num_tokens)
-    return {"documents": ds.num_documents, "tokens": ds.num_tokens, "bytes": 0, "seconds": 0.0, "mb_per_s": 0.0,
-            "tokens_per_s": 0.0, "skipped": ds.manifest["skipped_documents"], "peak_rss_mb": _peak_rss_mb(),
-            "worker_peak_rss_mb": 0.0, "shards": len(ds.shards), "workers": workers, "resumed": False,
-            "already_prepared": True, "path": str(root)}
-  root.mkdir(parents=True, exist_ok=True)
-  pool = _Pool(workers)
+  _refuse_foreign(root)                            # before creating anything (the lock) in it
+  created = not root.exists()
   try:
-    return _prepare(srcs, root, fields, args, state, pool, t0, tokenizer=tokenizer, kind=kind, workers=workers,
-                    shard_tokens=shard_tokens, on_bad_utf8=on_bad_utf8, bpe_vocab_size=bpe_vocab_size,
-                    sample_bytes=train_tokenizer_sample_bytes, txt_split=txt_split, progress=progress,
-                    cache_dir=cache_dir, unit_bytes=unit_bytes)
+    root.mkdir(parents=True, exist_ok=True)
+    lock = _Lock(root).acquire()
+  except OSError as e:
+    raise _disk_error(root, e) from None
+  done = started = False
+  try:
+    state = _check_out_dir(root, args, overwrite)
+    if state is not None and state.get("complete"):
+      done = True
+      return _already_prepared(root, workers)
+    target = root
+    if state is not None and state.get("overwrite"):   # build beside it, then exchange the two
+      target = pathlib.Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{root.name}.overwrite-"))
+      state = None
+    started = target == root
+    pool = _Pool(workers)
+    try:
+      stats = _prepare(srcs, target, fields, args, state, pool, t0, tokenizer=tokenizer, kind=kind,
+                       workers=workers, shard_tokens=shard_tokens, on_bad_utf8=on_bad_utf8,
+                       bpe_vocab_size=bpe_vocab_size, sample_bytes=train_tokenizer_sample_bytes,
+                       txt_split=txt_split, progress=progress, cache_dir=cache_dir, unit_bytes=unit_bytes)
+    except BaseException:
+      if target != root:
+        _remove_ours(target)
+      raise
+    finally:
+      pool.shutdown()
+    if target != root:
+      _exchange(target, root)
+      _remove_ours(target)                         # the replaced dataset (all ours: checked above)
+      _fsync_dir(root.parent)
+      stats["path"] = str(root)
+    done = True
+    return stats
+  except OSError as e:
+    raise _disk_error(root, e) from None
   finally:
-    pool.shutdown()
+    _release(root, lock, done, started and not done, created)
+
+
+def _release(root: pathlib.Path, lock: _Lock, done: bool, failed: bool, created: bool) -> None:
+  """A finished dataset is owned by its manifest, an unfinished one by its progress: the lock file goes.
+  A run that failed before its first commit leaves nothing of its own (a directory it created goes too)."""
+  try:
+    if failed and not (root / PROGRESS).is_file() and not (root / MANIFEST).is_file():
+      _clear(root)
+    lock.release(remove=True)
+    if created and not done and not any(root.iterdir()):
+      root.rmdir()
+  except OSError as e:
+    log.warning("prepare %s: could not tidy up (%s)", root, e)
+
+
+def _already_prepared(root: pathlib.Path, workers: int) -> dict[str, Any]:
+  ds = open_prepared(root)
+  log.info("%s is already prepared with these arguments (%d documents, %d tokens)", root, ds.num_documents,
+           ds.num_tokens)
+  return {"documents": ds.num_documents, "tokens": ds.num_tokens, "bytes": 0, "seconds": 0.0, "mb_per_s": 0.0,
+          "tokens_per_s": 0.0, "skipped": ds.manifest["skipped_documents"], "peak_rss_mb": _peak_rss_mb(),
+          "worker_peak_rss_mb": 0.0, "shards": len(ds.shards), "workers": workers, "resumed": False,
+          "already_prepared": True, "path": str(root)}
 
 
 def _prepare(srcs: Sequence[sources_lib.Source], root: pathlib.Path, fields: sources_lib.Fields,
@@ -708,13 +902,17 @@ def _prepare(srcs: Sequence[sources_lib.Source], root: pathlib.Path, fields: sou
                                         sample_bytes=sample_bytes, txt_split=txt_split,
                                         on_bad_utf8=on_bad_utf8, cache_dir=cache_dir)
     dtype = token_dtype(tok.vocab_size)
-    copy = None
+    copy, extras = None, {}
     if file is not None:
       copy = "tokenizer.json" if kind == "hf" else "tokenizer.model"
       _write(root / copy, pathlib.Path(file).read_bytes())
+      for name in TOKENIZER_EXTRAS if kind == "hf" else ():     # its chat template and special tokens travel too
+        if (pathlib.Path(file).parent / name).is_file():
+          _write(root / name, (pathlib.Path(file).parent / name).read_bytes())
+          extras[name] = sha256_file(root / name)
     info = {"spec": tokenizer.strip(), "name": tok.name, "vocab_size": int(tok.vocab_size),
             "sha256": sha256_file(root / copy) if copy else hashlib.sha256(tok.name.encode()).hexdigest(),
-            "file": copy, **extra}
+            "file": copy, **({"extra_files": extras} if extras else {}), **extra}
     state = {"arguments": args, "tokenizer": info, "eos_id": tok.eos_id, "bos_id": tok.bos_id,
              "dtype": dtype.name, "shards": [], "next": {"position": Position().as_dict(), "record": 0},
              "counts": {"documents": 0, "tokens": 0, "not_utf8": 0, "empty": 0}}
@@ -820,9 +1018,9 @@ def tokenizer_ceiling(texts: Sequence[str], tokenizer: str | Tokenizer, *, threa
 
 
 def remove_prepared(path: str | os.PathLike) -> None:
-  """Delete a prepared dataset directory (only when it holds nothing but a prepared dataset's files)."""
+  """Delete a prepared dataset directory (only one of ours holding nothing but a prepared dataset's files)."""
   root = pathlib.Path(path)
-  foreign = [p.name for p in root.iterdir() if not _ours(p.name)]
-  if foreign:
-    raise DataError(f"{root} holds files that are not part of a prepared dataset ({', '.join(foreign[:5])})")
+  _refuse_foreign(root)
+  if root.is_dir() and any(root.iterdir()) and not _owned(root):
+    raise DataError(f"{root} is not a prepared dataset")
   shutil.rmtree(root)

@@ -78,7 +78,7 @@ class Position:
 @dataclasses.dataclass
 class Unit:
   position: Position
-  kind: str              # files | txt_block | jsonl_block | records
+  kind: str              # files | txt_block | jsonl_block | records | binary (a skipped .txt)
   path: str              # (the first file's, for files)
   data: Any = None       # bytes (blocks), records (records), [(path, format, gzip)] (files a worker reads whole)
   input_bytes: int = 0   # bytes of the source this unit covers (progress)
@@ -247,9 +247,22 @@ def _cut(buf: bytes, paragraph: bool) -> int:
   return buf.rfind(b"\n") + 1
 
 
+BINARY_SNIFF_BYTES = 8192       # a .txt whose first bytes hold a NUL is binary, not text (as git and grep decide)
+
+
+def is_binary(data: bytes) -> bool:
+  """Text never holds NUL bytes; binary files (images, archives, UTF-16) almost always do."""
+  return b"\x00" in data
+
+
 def _blocks(src: Source, index: int, start: Position, kind: str, paragraph: bool,
             block_bytes: int) -> Iterator[Unit]:
   offset, line = start.offset, start.line
+  if kind == "txt_block" and not offset:
+    with _open(src.path, src.gzip) as f:
+      if is_binary(f.read(BINARY_SNIFF_BYTES)):
+        yield Unit(Position(index), "binary", src.path, None, src.bytes, src.gzip)   # one skipped document
+        return
   with _open(src.path, src.gzip) as f:
     if offset:
       f.seek(offset)
@@ -452,8 +465,10 @@ _PARAGRAPH = re.compile(rb"\n[ \t\r]*\n")
 
 
 def _doc_or_code(text: str | bytes, where: str, on_bad_utf8: str) -> str | int:
-  """The document's text, or NOT_UTF8 / EMPTY."""
+  """The document's text, or NOT_UTF8 / EMPTY (binary text counts as not UTF-8)."""
   if isinstance(text, bytes):
+    if is_binary(text):
+      return _bad_utf8(where, on_bad_utf8, "a binary file: it holds NUL bytes", binary=True)
     try:
       text = text.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -466,9 +481,10 @@ def _doc_or_code(text: str | bytes, where: str, on_bad_utf8: str) -> str | int:
   return text if text.strip() else EMPTY
 
 
-def _bad_utf8(where: str, on_bad_utf8: str, detail: str) -> int:
+def _bad_utf8(where: str, on_bad_utf8: str, detail: str, binary: bool = False) -> int:
   if on_bad_utf8 == "fail":
-    raise DataError(f"{where}: the document is not valid UTF-8 ({detail}); re-encode the source to UTF-8 or "
+    what = "not text" if binary else "not valid UTF-8"
+    raise DataError(f"{where}: the document is {what} ({detail}); re-encode the source to UTF-8 or "
                     "pass --on_bad_utf8=skip to skip such documents (they are counted in the manifest)")
   return NOT_UTF8
 
@@ -500,6 +516,8 @@ def unit_documents(unit: Unit, fields: Fields, on_bad_utf8: str, txt_split: str)
       out += [_doc_or_code(record_text(r, fields, f"{file}: record {i}"), f"{file}: record {i}", on_bad_utf8)
               for i, r in enumerate(records)]
     return out
+  if unit.kind == "binary":
+    return [_bad_utf8(path, on_bad_utf8, "a binary file: it holds NUL bytes", binary=True)]
   if unit.kind == "txt_block":
     data: bytes = unit.data
     out = []
