@@ -203,7 +203,8 @@ def test_binary_txt_is_skipped_in_every_split_mode(tmp_path):
 
 def _mount_tmpfs(path: pathlib.Path, options: str) -> bool:
   path.mkdir(parents=True, exist_ok=True)
-  return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True).returncode == 0
+  p = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
+  return p.returncode == 0
 
 
 @pytest.fixture
