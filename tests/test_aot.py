@@ -12,6 +12,7 @@ import math
 import re
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from tformer_jax import aot, cli_common
@@ -87,8 +88,9 @@ def test_fsdp_step_fits_and_its_arguments_are_the_sharded_state(fsdp):
   # the HLO's dots and convolutions, the scanned loop counted twice, against the formula (no remat here);
   # XLA's own cost analysis counts the loop body once: one layer's share less
   assert r["flops_hlo_per_device"] == pytest.approx(r["flops_formula_per_device"], rel=0.02)
+  assert r["flops_ratio"] == pytest.approx(1.0, rel=0.02) and not r["replicated_work"]
   assert r["flops_xla_per_device"] < 0.7 * r["flops_hlo_per_device"]
-  assert "fits: yes" in out and "collectives per step per device" in out
+  assert "fits: yes" in out and "collectives per step per device" in out and "WARNING" not in out
 
 
 def test_no_collectives_when_the_mesh_shards_nothing(fsdp):
@@ -100,6 +102,9 @@ def test_no_collectives_when_the_mesh_shards_nothing(fsdp):
   assert all(c["count"] == 0 and c["bytes"] == 0 for c in r["collectives"].values()), r["collectives"]
   assert sum(c["count"] for c in fsdp[1]["collectives"].values()) > 0
   assert r["state_bytes"]["params"] == 4 * (WEIGHTS + NORMS)             # all replicated
+  # each device runs the whole step: 4x its share of the formula, which the tool flags in one line
+  assert r["flops_ratio"] == pytest.approx(4.0, rel=0.02) and r["replicated_work"]
+  assert len([line for line in out.splitlines() if line.startswith("WARNING: per-device HLO FLOPs")]) == 1
 
 
 def test_two_slices_hybrid_mesh(tmp_path):
@@ -138,3 +143,47 @@ def test_too_large_exits_3_with_xla_figures():
 def test_config_and_topology_errors_are_one_line_status_2(flags, message):
   status, _, out, err = run_aot(*flags)
   assert status == aot.EXIT_CONFIG and err.startswith(message) and len(err.strip().splitlines()) == 1, err
+
+
+def _compiled_hlo(f, *shapes) -> str:
+  """The optimized HLO of `f` compiled by XLA:TPU for one v5e chip (abstract inputs; default matmul
+  precision, as a fresh process has it: Mosaic refuses conftest's 'highest' for bf16 operands)."""
+  device = aot.topology_devices("v5e:2x2")[0]
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  args = [jax.ShapeDtypeStruct(s, t, sharding=sharding) for s, t in shapes]
+  with jax.default_matmul_precision("default"):
+    return jax.jit(f).lower(*args).compile().as_text()
+
+
+def test_kernel_flops_are_counted_from_their_operand_shapes():
+  """The TPU kernels are custom calls, not dots: megablox gmm forward and backward (gmm for dx, tgmm for
+  dw), jax.lax.ragged_dot and splash attention forward and backward (dq and dkv kernels) are counted at
+  their analytic FLOPs, nothing else is a matmul here."""
+  from jax.experimental.pallas.ops.tpu.megablox import gmm
+  from jax.experimental.pallas.ops.tpu.splash_attention import (
+    splash_attention_kernel as splash,
+    splash_attention_mask as masks,
+  )
+  m, k, n, groups = 512, 256, 384, 4
+  x, w, sizes = ((m, k), jnp.bfloat16), ((groups, k, n), jnp.bfloat16), ((groups,), jnp.int32)
+
+  def gmm_grads(x, w, g):
+    loss = lambda x, w: gmm(x, w, g).astype(jnp.float32).sum()                    # noqa: E731
+    return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+  parts = aot.hlo_flops(_compiled_hlo(gmm_grads, x, w, sizes))
+  assert parts["gmm"] == 3 * 2 * m * k * n and parts["total"] == parts["gmm"] and not parts["uncounted"]
+  parts = aot.hlo_flops(_compiled_hlo(lambda x, w, g: jax.lax.ragged_dot(x, w, g), x, w, sizes))
+  assert parts["ragged_dot"] == 2 * m * k * n == parts["total"]
+
+  heads, seq, hd = 4, 1024, 128
+  kernel = splash.make_splash_mha(masks.MultiHeadMask([masks.CausalMask((seq, seq))] * heads),
+                                  head_shards=1, q_seq_shards=1)
+
+  def attention_grads(q, k, v):
+    loss = lambda q, k, v: kernel(q, k, v).astype(jnp.float32).sum()             # noqa: E731
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+  qkv = ((heads, seq, hd), jnp.bfloat16)
+  parts = aot.hlo_flops(_compiled_hlo(attention_grads, qkv, qkv, qkv))
+  # the formula's attention term for one layer, fwd + bwd: 12 * heads * hd * seq (keys) * seq (queries)
+  assert parts["splash_attention"] == 12 * heads * hd * seq * seq
+  assert parts["total"] == parts["splash_attention"] and not parts["uncounted"]

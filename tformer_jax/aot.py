@@ -16,11 +16,14 @@ compiled by XLA:TPU for the topology.
 Printed, per device: XLA's memory analysis (argument, output, aliased, temporary bytes, their sum, and
 XLA:TPU's own peak, which `per_device_bytes` and `fits` use) against the chip's HBM (`HBM_GIB_PER_CHIP`);
 the state's share of the arguments (parameters, optimizer, rest: sharded sizes computed from the
-shardings; the remainder is TPU tile padding); the step's FLOPs from bench/flops.py's formula, from
-the compiled HLO's dots and convolutions (`hlo_matmul_flops`: loops trip-counted) and from XLA's cost
-analysis (which counts a while-loop body once: scanned layers, collective matmuls); and the
-collectives of the compiled HLO (count and bytes per step, by kind: `hlo_collectives`). The last line is
-one JSON object (`topology`, `devices`, `fits`, `per_device_bytes`, `hbm_bytes`, ...).
+shardings; the remainder is TPU tile padding); the step's FLOPs from bench/flops.py's formula (with
+the remat policy's recompute), from the compiled HLO's dots, convolutions and TPU kernels (`hlo_flops`:
+ragged_dot, megablox gmm, splash attention, by their operand shapes; loops trip-counted) and from XLA's
+cost analysis (which counts a while-loop body once: scanned layers, collective matmuls); their ratio
+HLO / formula per device, with a one-line WARNING above `REPLICATED_RATIO` (devices repeating work
+instead of splitting it); and the collectives of the compiled HLO (count and bytes per step, by kind:
+`hlo_collectives`). The last line is one JSON object (`topology`, `devices`, `fits`,
+`per_device_bytes`, `hbm_bytes`, `flops_ratio`, `replicated_work`, ...).
 
 Exit status: 0 it fits; 3 it does not fit (XLA:TPU refuses a program larger than its HBM with
 RESOURCE_EXHAUSTED: the figure it needed is reported); 2 a config or topology error (one line).
@@ -63,6 +66,9 @@ HBM_GIB_PER_CHIP = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5": 95, "TPU v6 lite"
 ACCELERATOR_TYPES = {"v4": lambda chips: f"v4-{2 * chips}", "v5e": lambda chips: f"v5litepod-{chips}",
                      "v5litepod": lambda chips: f"v5litepod-{chips}", "v5p": lambda chips: f"v5p-{2 * chips}",
                      "v6e": lambda chips: f"v6e-{chips}"}
+# HLO FLOPs per device above this multiple of the formula's share: the devices repeat work (a
+# replicated expert or attention computation) instead of splitting it
+REPLICATED_RATIO = 1.5
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
 
@@ -239,11 +245,33 @@ def _trip_count(while_rest: str, comps: dict[str, list[tuple[str, str, str, str]
 Instr = tuple[str, str, str, str]   # (name, shape, opcode, the rest of the line)
 
 
+def _logical_lines(hlo_text: str):
+  """The lines of an HLO module's text with each instruction on one: a Pallas kernel's attributes
+  (splash attention's kernel_metadata) span several lines, one of which starts with '}'."""
+  pending = ""
+  for line in hlo_text.splitlines():
+    if pending and (_INSTRUCTION.match(line) or _COMPUTATION.match(line)):
+      yield pending                    # unbalanced braces in a string: never swallow the next instruction
+      pending = ""
+    if pending:
+      pending += " " + line
+    elif _INSTRUCTION.match(line):
+      pending = line
+    else:
+      yield line
+      continue
+    if pending.count("{") <= pending.count("}"):
+      yield pending
+      pending = ""
+  if pending:
+    yield pending
+
+
 def parse_hlo(hlo_text: str) -> tuple[dict[str, list[Instr]], str | None]:
   """({computation: its instructions}, the ENTRY computation's name) of an HLO module's text."""
   comps: dict[str, list[Instr]] = {}
   entry, current = None, None
-  for line in hlo_text.splitlines():
+  for line in _logical_lines(hlo_text):
     m = _COMPUTATION.match(line)
     if m:
       current = m.group(2)
@@ -352,18 +380,79 @@ def _conv_macs(lhs: list[int], rhs: list[int], out: list[int], attrs: str) -> in
   return macs
 
 
-def hlo_matmul_flops(hlo_text: str) -> float:
-  """FLOPs of the dots and convolutions one execution of a compiled HLO module runs (per device), trip
-  counts included: 2 x the multiply-adds (a dot: output elements x contracted size; a convolution:
-  output elements x input features x the window taps on real input, `_valid_taps`). XLA's cost analysis
+FLOAT_DTYPES = ("f16", "bf16", "f32", "f64", "f8")
+HLO_FLOPS_PARTS = ("dot", "convolution", "ragged_dot", "gmm", "splash_attention", "other_kernels")
+
+
+def _float_arrays(text: str) -> list[list[int]]:
+  """The dims of each floating-point array in a list of shapes, in order."""
+  return [[int(d) for d in dims.split(",") if d] for dtype, dims in _ARRAY.findall(text)
+          if dtype.startswith(FLOAT_DTYPES)]
+
+
+def _kernel_flops(name: str, shape: str, rest: str, operand_shapes: str) -> tuple[str, float | None]:
+  """(part, FLOPs) of one TPU kernel call (custom-call 'tpu_custom_call'), by its operand shapes; None
+  for a kernel with floating-point operands that is not recognised and carries no cost estimate.
+  The kernel is named by the instruction, its op_name metadata (Pallas: the pallas_call's name) or
+  XLA's own 'ragged-dot':
+    ragged_dot, megablox gmm / tgmm   2 x lhs elements x the output's last dim: (m x k) @ (k x n) per row
+                                      group, over every row of the buffer (padding rows included)
+    splash attention                  per Sq x Skv x head_dim matmul unit 2 x q elements x Skv: forward 2
+                                      units (QK^T, PV), the dq kernel 2 (dP, dQ), dkv 2 (dK, dV; 4 when it
+                                      also forms dq, the fused backward): the formula's convention (c = 1, the
+                                      whole square; the kernel's skipped masked blocks and its recompute of the
+                                      scores in the backward are not counted)
+    any other kernel                  its Pallas cost estimate (backend_config cost_estimate.flops)."""
+  op_name = re.search(r'op_name="([^"]*)"', rest)
+  label = f"{name} {op_name.group(1) if op_name else ''}"
+  floats = _float_arrays(operand_shapes)
+  out = _float_arrays(shape)
+  if not floats or not out:
+    return "other_kernels", 0.0                         # index/metadata kernels: no arithmetic on floats
+  if re.search(r"splash_(mha|mqa)_(fwd|dq|dkv)", label):
+    phase = re.search(r"splash_(?:mha|mqa)_(fwd|dq|dkv)", label).group(1)
+    q, k = floats[0], (floats[1] if len(floats) > 1 else floats[0])
+    k_layout = re.search(r'k_layout\W+(\d)', rest)
+    s_kv = k[-1] if k_layout and k_layout.group(1) == "2" else k[-2]
+    unit = 2.0 * math.prod(q) * s_kv
+    if phase == "dkv":
+      grads = sum(1 for o in out if o[-len(q):] == q or o[-len(k):] == k)
+      return "splash_attention", unit * (4 if grads >= 3 else 2)
+    return "splash_attention", 2 * unit
+  if "ragged-dot" in label or "ragged_dot" in label:
+    return "ragged_dot", 2.0 * math.prod(floats[0]) * out[0][-1]
+  if re.search(r"\bt?gmm\b|jit\(t?gmm\)|_t?gmm_", label):
+    return "gmm", 2.0 * math.prod(floats[0]) * out[0][-1]
+  estimate = re.search(r'"cost_estimate":\{"flops":"(\d+)"', rest)
+  return "other_kernels", (float(estimate.group(1)) if estimate else None)
+
+
+def hlo_flops(hlo_text: str) -> dict[str, Any]:
+  """FLOPs of the matmul-like work one execution of a compiled HLO module runs (per device), trip counts
+  included, by part (`HLO_FLOPS_PARTS`) and their 'total': 2 x the multiply-adds of the dots (output
+  elements x contracted size) and convolutions (output elements x input features x the window taps on
+  real input, `_valid_taps`), and the TPU kernels (`_kernel_flops`: ragged_dot, megablox, splash
+  attention); 'uncounted': the names of kernel calls whose FLOPs are not known. XLA's cost analysis
   counts each while-loop body once (scanned layers, XLA:TPU's collective-matmul loops): this does not."""
   comps, entry = parse_hlo(hlo_text)
   shapes = {(c, name): shape for c, ins in comps.items() for name, shape, _, _ in ins}
-  total = 0.0
-  for comp, (_, shape, op, rest), times in _executed(comps, entry):
-    if op not in ("dot", "convolution"):
+  parts = dict.fromkeys(HLO_FLOPS_PARTS, 0.0)
+  uncounted: set[str] = set()
+  for comp, (name, shape, op, rest), times in _executed(comps, entry):
+    if op not in ("dot", "convolution", "custom-call"):
       continue
-    operands = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
+    operands = _operands(rest)
+    if op == "custom-call":
+      if 'custom_call_target="tpu_custom_call"' not in rest:
+        continue
+      layouts = re.search(r"operand_layout_constraints=\{(.*?)\}, (?:\w+=)", rest)
+      operand_shapes = layouts.group(1) if layouts else ", ".join(shapes.get((comp, o), "") for o in operands)
+      part, flops = _kernel_flops(name, shape, rest, operand_shapes)
+      if flops is None:
+        uncounted.add(name)
+        continue
+      parts[part] += flops * times
+      continue
     if len(operands) < 2:
       continue
     lhs, rhs = (_dims(shapes.get((comp, o), "")) for o in operands[:2])
@@ -373,8 +462,13 @@ def hlo_matmul_flops(hlo_text: str) -> float:
       macs = math.prod(out) * (math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if m and lhs else 0)
     else:
       macs = _conv_macs(lhs, rhs, out, rest)
-    total += 2.0 * macs * times
-  return total
+    parts[op] += 2.0 * macs * times
+  return parts | {"total": sum(parts.values()), "uncounted": sorted(uncounted)}
+
+
+def hlo_matmul_flops(hlo_text: str) -> float:
+  """The total of `hlo_flops`: every dot, convolution and TPU matmul kernel, loops trip-counted."""
+  return hlo_flops(hlo_text)["total"]
 
 
 # -- the compile ------------------------------------------------------------------------------------------
@@ -398,16 +492,9 @@ def _hbm_figure(text: str, pattern: str) -> int | None:
 
 def formula_flops(m: Any, batch: int, seq: int) -> dict[str, Any]:
   """bench/flops.py's step FLOPs (6*N_matmul*T + 12*n*h*hd*S*T: the attention scores over all S keys, as
-  the 'xla' attention computes them), and `with_recompute`: a 'full' remat runs each layer's forward
-  twice (x 4/3 on the layers: forward 2 + recompute 2 + backward 4), what the compiled step executes."""
-  out = dict(flops_lib.flops_per_step(m, batch, seq, "full"))
-  one, two = (flops_lib.flops_per_step(dataclasses.replace(m, num_layers=k), batch, seq, "full")["flops_per_step"]
-              for k in (1, 2))
-  per_layer = two - one
-  recompute = 4 / 3 if m.remat == "full" else 1.0
-  out["with_recompute"] = out["flops_per_step"] + (recompute - 1) * per_layer * m.num_layers
-  out["remat"] = m.remat
-  return out
+  the 'xla' attention computes them) and `with_recompute`: what the compiled step executes with the
+  remat policy's recomputed forward (remat 'full': x 4/3 on the layers)."""
+  return flops_lib.with_recompute(m, batch, seq, "full")
 
 
 @dataclasses.dataclass
@@ -427,7 +514,8 @@ class Report:
   per_device_bytes: int | None = None
   compiler_error: str = ""
   flops_xla: float | None = None           # per device: XLA's cost analysis (a while-loop body counted once)
-  flops_hlo: float | None = None           # per device: dots and convolutions of the HLO, trip-counted
+  flops_hlo: float | None = None           # per device: dots, convolutions and TPU kernels, trip-counted
+  flops_hlo_parts: dict[str, Any] = dataclasses.field(default_factory=dict)   # `hlo_flops`, by part
   flops_formula: dict[str, Any] = dataclasses.field(default_factory=dict)
   collectives: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
   lower_s: float = 0.0
@@ -435,6 +523,13 @@ class Report:
 
   def as_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
+
+  @property
+  def flops_ratio(self) -> float | None:
+    """HLO FLOPs per device / (the formula with recompute / devices): about 1 when the devices split
+    the work; well above it (> `REPLICATED_RATIO`) when they repeat it."""
+    f = self.flops_formula.get("with_recompute") if self.flops_formula else None
+    return None if not f or self.flops_hlo is None else self.flops_hlo / (f / self.devices)
 
 
 def compile_for_topology(cfg: ml_collections.ConfigDict, topology: str, num_slices: int = 1, *,
@@ -498,7 +593,8 @@ def compile_for_topology(cfg: ml_collections.ConfigDict, topology: str, num_slic
   report.flops_xla = float(cost["flops"]) if cost and "flops" in cost else None
   text = compiled.as_text()
   report.collectives = hlo_collectives(text)
-  report.flops_hlo = hlo_matmul_flops(text)
+  report.flops_hlo_parts = hlo_flops(text)
+  report.flops_hlo = report.flops_hlo_parts["total"]
   if hlo_path:
     with open(hlo_path, "w") as f:
       f.write(text)
@@ -547,13 +643,20 @@ def format_report(r: Report) -> str:
     n = r.devices
     lines += ["FLOPs per step per device:",
               f"  formula                     {f['flops_per_step'] / n:10.4g}   ({f['formula']}, / {n} devices)"]
-    if f["remat"] == "full":
-      lines.append(f"  formula with recompute      {f['with_recompute'] / n:10.4g}   (remat 'full': each layer's "
-                   "forward twice, x4/3 on the layers)")
+    if f["with_recompute"] != f["flops_per_step"]:
+      lines.append(f"  formula with recompute      {f['with_recompute'] / n:10.4g}   (remat {f['remat']!r}: the "
+                   "recomputed forward, bench/flops.py)")
     if r.flops_hlo is not None:
-      which = "formula with recompute" if f["remat"] == "full" else "formula"
-      lines.append(f"  HLO dots and convolutions   {r.flops_hlo:10.4g}   (loops trip-counted; / {which}: "
-                   f"{r.flops_hlo / (f['with_recompute'] / n):.3f})")
+      which = "formula with recompute" if f["with_recompute"] != f["flops_per_step"] else "formula"
+      lines.append(f"  HLO matmuls and kernels     {r.flops_hlo:10.4g}   (loops trip-counted; / {which}: "
+                   f"{r.flops_ratio:.3f})")
+      p = r.flops_hlo_parts
+      lines.append("    " + ", ".join(f"{k} {p[k]:.4g}" for k in HLO_FLOPS_PARTS if p.get(k))
+                   + (f"; not counted: {len(p['uncounted'])} kernel(s) {', '.join(p['uncounted'][:3])}"
+                      if p.get("uncounted") else ""))
+      if r.flops_ratio > REPLICATED_RATIO:
+        lines.append(f"WARNING: per-device HLO FLOPs are {r.flops_ratio:.2f}x the {which} / {n} devices "
+                     f"(> {REPLICATED_RATIO}): the devices repeat work instead of splitting it")
     if r.flops_xla is not None:
       lines.append(f"  XLA cost analysis           {r.flops_xla:10.4g}   (counts a while-loop body once: scanned "
                    "layers, collective-matmul loops)")
@@ -574,6 +677,8 @@ def summary(r: Report) -> dict[str, Any]:
           "flops_formula_with_recompute_per_device": (r.flops_formula["with_recompute"] / r.devices
                                                       if r.flops_formula else None),
           "flops_hlo_per_device": r.flops_hlo,
+          "flops_hlo_parts_per_device": r.flops_hlo_parts,
+          "flops_ratio": r.flops_ratio, "replicated_work": bool(r.flops_ratio and r.flops_ratio > REPLICATED_RATIO),
           "collectives": r.collectives, "compile_s": round(r.compile_s, 1), "compiler_error": r.compiler_error}
 
 

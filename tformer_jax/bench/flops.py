@@ -17,9 +17,15 @@
 
 Elementwise work (softmax, norms, GELU, the optimizer) is not counted: MFU is matmul FLOPs over
 the machine's matmul rate, as in PaLM (Chowdhery et al. 2022, appendix B).
+
+What a compiled step executes adds the rematerialised forward (`with_recompute`): remat 'full' runs
+each layer's forward twice (x 4/3 on the layers: forward 2 + recompute 2 + backward 4; the embedding
+and LM head are outside the checkpointed blocks), 'dots_no_batch' recomputes the attention's batched
+matmuls (x 4/3 on the attention term), 'dots' saves every matmul output (x 1).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -82,3 +88,19 @@ def flops_per_step(m: ModelConfig, batch: int, seq: int, attn: str = "full") -> 
   return {"flops_per_step": dense + attention, "dense_flops": dense, "attention_flops": attention,
           "tokens_per_step": t, "n_matmul": counts["matmul"], "params": counts["total"],
           "params_nonembed": counts["nonembed"], "formula": FORMULA[attn]}
+
+
+def with_recompute(m: ModelConfig, batch: int, seq: int, attn: str = "full") -> dict[str, Any]:
+  """`flops_per_step` plus 'with_recompute': the FLOPs the step executes with `m.remat`'s recomputed
+  forward (module docstring), and 'remat'."""
+  out = dict(flops_per_step(m, batch, seq, attn))
+  extra = 0.0
+  if m.remat == "full":
+    one, two = (flops_per_step(dataclasses.replace(m, num_layers=k), batch, seq, attn)["flops_per_step"]
+                for k in (1, 2))
+    extra = (two - one) * m.num_layers / 3
+  elif m.remat == "dots_no_batch":
+    extra = out["attention_flops"] / 3
+  out["with_recompute"] = out["flops_per_step"] + extra
+  out["remat"] = m.remat
+  return out
