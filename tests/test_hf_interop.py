@@ -294,7 +294,8 @@ def test_convert_cli_roundtrip(tmp_path):
   convert = _convert_module()
   m = build(CONFIGS["llama_gqa_untied"]())
   m.save_pretrained(tmp_path / "hf")
-  (tmp_path / "hf" / "tokenizer.json").write_text("{}")  # copied as-is into the workdir
+  from tokenizers import Tokenizer, models  # noqa: PLC0415 (a tokenizer.json that loads: copied as-is)
+  Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(tmp_path / "hf" / "tokenizer.json"))
   assert convert.main(["--from-hf", str(tmp_path / "hf"), "--to", str(tmp_path / "work")]) == 0
   cfg, params = restore_params(tmp_path / "work")
   assert validate(cfg) == ModelConfig.from_config(cfg.model)
@@ -306,7 +307,7 @@ def test_convert_cli_roundtrip(tmp_path):
 
   assert convert.main(["--from", str(tmp_path / "work"), "--to-hf", str(tmp_path / "back"),
                        "--family", "llama"]) == 0
-  assert (tmp_path / "back" / "tokenizer.json").read_text() == "{}"
+  assert (tmp_path / "back" / "tokenizer.json").read_text() == (tmp_path / "hf" / "tokenizer.json").read_text()
   np.testing.assert_allclose(hf_out(reload(tmp_path / "back", bert=False), tokens), ref, **TOL)
 
 

@@ -3,15 +3,20 @@
   tformer-convert --from-hf path/to/hf_model --to runs/converted
       -> runs/converted/config.json (a full experiment config) + an Orbax checkpoint at step 0
          holding {'params': ...}; the HF tokenizer files (tokenizer.json, tokenizer_config.json,
-         special_tokens_map.json, generation_config.json) are copied and tokenizer.json set as
-         data.tokenizer. Train from it with --config=runs/converted (its config) and
-         --config.train.init_from=runs/converted, or skip this step: train.init_from=hf:DIR.
+         special_tokens_map.json, chat_template.jinja, generation_config.json) are copied and tokenizer.json
+         set as data.tokenizer (one that does not load is refused). Train from it with
+         --config=runs/converted (its config) and --config.train.init_from=runs/converted, or skip this
+         step: train.init_from=hf:DIR.
   tformer-convert --from runs/my_finetune --to-hf out/hf_model [--family llama]
-      -> config.json + model.safetensors that transformers' from_pretrained loads, the run's tokenizer
-         files, and its bos/eos/pad ids in config.json and generation_config.json.
+      -> config.json + model.safetensors that transformers' from_pretrained loads, the tokenizer the run's
+         data was tokenized with (a prepared corpus's own, chat template included), and its bos/eos/pad ids
+         in config.json and generation_config.json.
          Without --family, the first family that reproduces the architecture exactly; a model that
          no family holds is refused with the fields that differ.
 
+Outputs are owned: each is written whole in a directory beside the target, then renamed into place
+(tformer_export.json / tformer_convert.json list its files), so a failure (a full disk) leaves nothing;
+the target must be missing or empty, or with --overwrite an earlier output of ours, which it replaces.
 Nothing is downloaded and no code from the HF directory is executed (a .bin holding pickled objects
 is refused, not unpickled). Anticipated errors (a bad directory, a malformed or corrupt config.json or
 weights file, a config.json that disagrees with the weights, a missing checkpoint, an architecture HF
@@ -32,62 +37,112 @@ from tformer_jax import cli_common, decode_io
 from tformer_jax.checkpoint import Checkpointer, CheckpointError, restore_params
 from tformer_jax.config import ConfigError, ModelConfig, default_config
 from tformer_jax.data.corpora import DataError
-from tformer_jax.interop.hf import TOKENIZER_FILES, HFConfigError, HFWeightsError, load_hf, save_hf, special_token_ids
+from tformer_jax.data.pipeline import parse_mixture
+from tformer_jax.data.prepared import read_manifest
+from tformer_jax.data.tokenizers import get_tokenizer
+from tformer_jax.interop.hf import (
+    TOKENIZER_FILES,
+    HFConfigError,
+    HFWeightsError,
+    check_target,
+    load_hf,
+    save_hf,
+    special_token_ids,
+    write_dir_atomically,
+)
 
 # What a user can cause (bad paths or permissions, malformed or unsafe HF files, checkpoints, configs,
 # architectures): one line, exit status 2. Anything else is a bug and keeps its traceback.
 USER_ERRORS = (HFConfigError, HFWeightsError, CheckpointError, ConfigError, DataError, OSError)
 
 
-def hf_to_workdir(hf_dir: str | pathlib.Path, workdir: str | pathlib.Path, step: int = 0) -> pathlib.Path:
-  """Write `workdir`/config.json and an Orbax checkpoint of the HF model's params at `step`."""
+CONVERT_MARKER = "tformer_convert.json"
+CONVERT_FORMAT = "tformer_jax.converted/1"
+
+
+def hf_to_workdir(hf_dir: str | pathlib.Path, workdir: str | pathlib.Path, step: int = 0,
+                  overwrite: bool = False) -> pathlib.Path:
+  """Write `workdir`/config.json and an Orbax checkpoint of the HF model's params at `step`, with its
+  tokenizer files (a tokenizer.json that does not load is refused). The workdir is written whole beside
+  the target and renamed into place: the target must be missing, empty or (overwrite) an earlier
+  conversion of ours."""
   hf_dir, work = pathlib.Path(hf_dir), pathlib.Path(workdir).absolute()
-  ckpt_dir = work / "checkpoints"
-  if ckpt_dir.exists() and any(ckpt_dir.iterdir()):
-    raise FileExistsError(f"{ckpt_dir} already holds checkpoints; convert into a fresh workdir")
+  check_target(work, overwrite, CONVERT_MARKER, CONVERT_FORMAT, "a converted workdir")
+  tok_file = hf_dir / "tokenizer.json"
+  if tok_file.is_file():
+    try:
+      get_tokenizer(f"hf:{tok_file}")
+    except DataError as e:
+      raise DataError(f"{tok_file} does not load as a tokenizer ({e}); fix it, or convert a copy of "
+                      f"{hf_dir} without it") from None
   model, params = load_hf(hf_dir)
   cfg = default_config()
   cfg.model = ml_collections.ConfigDict(dataclasses.asdict(model.cfg))
   cfg.data.seq_len = min(cfg.data.seq_len, model.cfg.max_len)
-  work.mkdir(parents=True, exist_ok=True)
-  for name in TOKENIZER_FILES:             # the tokenizer and its bos/eos/pad ids travel with the weights
-    if (hf_dir / name).is_file():
-      shutil.copyfile(hf_dir / name, work / name)
-  if (work / "tokenizer.json").is_file():
+  if tok_file.is_file():                   # the tokenizer and its bos/eos/pad ids travel with the weights
     cfg.data.tokenizer = "hf:" + str(work / "tokenizer.json")
-  (work / "config.json").write_text(cfg.to_json_best_effort(indent=2) + "\n")
-  ckpt = Checkpointer(ckpt_dir)
-  try:
-    ckpt.save(step, {"params": params}, None, {"converted_from": str(hf_dir.absolute())}, force=True)
-    ckpt.wait()
-  finally:
-    ckpt.close()
+
+  def write(tmp: pathlib.Path) -> None:
+    for name in TOKENIZER_FILES:
+      if (hf_dir / name).is_file():
+        shutil.copyfile(hf_dir / name, tmp / name)
+    (tmp / "config.json").write_text(cfg.to_json_best_effort(indent=2) + "\n")
+    ckpt = Checkpointer(tmp / "checkpoints")
+    try:
+      ckpt.save(step, {"params": params}, None, {"converted_from": str(hf_dir.absolute())}, force=True)
+      ckpt.wait()
+    finally:
+      ckpt.close()
+
+  write_dir_atomically(work, write, CONVERT_MARKER, CONVERT_FORMAT, {"converted_from": str(hf_dir.absolute())})
   return work
 
 
+def data_tokenizer_files(cfg: ml_collections.ConfigDict) -> tuple[pathlib.Path | None, dict[str, pathlib.Path]]:
+  """(directory, {name: file}) of the HF tokenizer the run's data was tokenized with: a prepared corpus's
+  own copy (its manifest's tokenizer, chat template included), else data.tokenizer's hf: files; none for
+  the byte tokenizer or a sentencepiece model (an HF directory carries tokenizer.json)."""
+  data = cfg.get("data", {})
+  mixture = data.get("mixture")
+  spec = str(parse_mixture(mixture)[0][0] if mixture else data.get("corpus", "")).strip()
+  if spec.startswith("prepared:"):
+    root = pathlib.Path(spec[len("prepared:"):].strip()).expanduser()
+    try:
+      info = read_manifest(root)["tokenizer"]
+    except DataError as e:
+      print(f"note: no tokenizer files written ({e})", file=sys.stderr)
+      return None, {}
+    file = info.get("file")
+    if not file or not file.endswith(".json"):
+      if file:
+        print(f"note: the data's tokenizer is a sentencepiece model ({root / file}), which an HF directory does "
+              "not carry as tokenizer.json: no tokenizer files written", file=sys.stderr)
+      return root, {}
+    names = [file, *info.get("extra_files", {})]
+    return root, {n: root / n for n in names if (root / n).is_file()}
+  tok_spec = str(data.get("tokenizer", ""))
+  if not tok_spec.startswith("hf:"):
+    return None, {}
+  src = pathlib.Path(tok_spec[3:]).expanduser()
+  tok_dir = src if src.is_dir() else src.parent
+  return tok_dir, {n: tok_dir / n for n in TOKENIZER_FILES if (tok_dir / n).is_file()}
+
+
 def workdir_to_hf(workdir: str | pathlib.Path, hf_dir: str | pathlib.Path, family: str | None = None,
-                  step: int | None = None) -> pathlib.Path:
+                  step: int | None = None, overwrite: bool = False) -> pathlib.Path:
   """Export the params of `workdir`'s latest checkpoint (or `step`) as a Hugging Face directory, with
-  the run's tokenizer files (an hf: tokenizer) and its bos/eos/pad ids in config.json and
-  generation_config.json."""
+  the tokenizer the run's data was tokenized with (`data_tokenizer_files`) and its bos/eos/pad ids in
+  config.json and generation_config.json. Written whole and atomically (hf.save_hf)."""
   cfg, params = restore_params(workdir, step)
-  tok_spec = str(cfg.get("data", {}).get("tokenizer", ""))
-  tok_dir = None
-  if tok_spec.startswith("hf:"):
-    src = pathlib.Path(tok_spec[3:])
-    tok_dir = src if src.is_dir() else src.parent
+  tok_dir, files = data_tokenizer_files(cfg)
   ids = None
   try:
     tokenizer = decode_io.tokenizer_from_config(cfg)
     ids = special_token_ids(tokenizer, tok_dir)
   except (DataError, OSError) as e:       # a tokenizer this machine cannot load: export the weights anyway
     print(f"note: no bos/eos/pad ids written ({e})", file=sys.stderr)
-  out = save_hf(ModelConfig.from_config(cfg.model), params, hf_dir, family, token_ids=ids)  # refuses first
-  if tok_dir is not None:
-    for name in TOKENIZER_FILES:          # the source's own generation_config.json wins over ours
-      if (tok_dir / name).is_file():
-        shutil.copyfile(tok_dir / name, out / name)
-  return out
+  return save_hf(ModelConfig.from_config(cfg.model), params, hf_dir, family, token_ids=ids, files=files,
+                 overwrite=overwrite, source={"from_workdir": str(pathlib.Path(workdir).absolute()), "step": step})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -100,6 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--family", help="HF family for --to-hf (default: the first that fits the model)")
   p.add_argument("--step", type=int, default=None, help="checkpoint step: written (--from-hf, default 0) "
                  "or read (--from, default latest)")
+  p.add_argument("--overwrite", action="store_true", help="replace an earlier output of tformer-convert "
+                 "(anything else in the target is refused)")
   args = p.parse_args(argv)
   if args.from_hf and not args.to:
     p.error("--from-hf needs --to WORKDIR")
@@ -107,9 +164,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.error("--from needs --to-hf DIR")
   try:
     if args.from_hf:
-      out = hf_to_workdir(args.from_hf, args.to, step=args.step or 0)
+      out = hf_to_workdir(args.from_hf, args.to, step=args.step or 0, overwrite=args.overwrite)
     else:
-      out = workdir_to_hf(args.from_workdir, args.to_hf, args.family, args.step)
+      out = workdir_to_hf(args.from_workdir, args.to_hf, args.family, args.step, overwrite=args.overwrite)
   except USER_ERRORS as e:
     print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
     return 2

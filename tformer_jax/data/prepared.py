@@ -735,7 +735,7 @@ def _check_out_dir(root: pathlib.Path, args: dict[str, Any], overwrite: bool) ->
   return None
 
 
-def _exchange(a: pathlib.Path, b: pathlib.Path) -> None:
+def exchange_dirs(a: pathlib.Path, b: pathlib.Path) -> None:
   """Swap directories a and b atomically (renameat2 RENAME_EXCHANGE); two renames where the kernel or the
   filesystem lacks it."""
   try:
@@ -857,7 +857,7 @@ def prepare(sources: Sequence[str] | str, out_dir: str | os.PathLike, *, tokeniz
     finally:
       pool.shutdown()
     if target != root:
-      _exchange(target, root)
+      exchange_dirs(target, root)
       _remove_ours(target)                         # the replaced dataset (all ours: checked above)
       _fsync_dir(root.parent)
       stats["path"] = str(root)

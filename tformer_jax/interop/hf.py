@@ -25,7 +25,9 @@ import os
 import pathlib
 import pickle
 import re
+import shutil
 import struct
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,9 +36,11 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
 from tformer_jax.config import ConfigError, ModelConfig, MoEConfig, RopeScaling, validate_model
+from tformer_jax.data.prepared import exchange_dirs
 from tformer_jax.data.tokenizers import get_tokenizer
 from tformer_jax.interop import axes
 from tformer_jax.interop.families import FAMILIES, MIXTRAL, Family, OneOf, Rule, get_family
@@ -783,32 +787,108 @@ def load_hf(src: str | os.PathLike | Any) -> tuple[Transformer, dict[str, Any]]:
   return Transformer(cfg), params
 
 
+EXPORT_MARKER = "tformer_export.json"
+EXPORT_FORMAT = "tformer_jax.hf_export/1"
+
+
+def owned_dir(d: pathlib.Path, marker: str, fmt: str) -> bool:
+  """Whether directory `d` is one we wrote whole: `marker` of format `fmt` lists exactly its entries."""
+  try:
+    info = json.loads((d / marker).read_text())
+    names = sorted(p.name for p in d.iterdir())
+  except (OSError, ValueError):
+    return False
+  return isinstance(info, dict) and info.get("format") == fmt and sorted(info.get("files", []) + [marker]) == names
+
+
+def check_target(d: pathlib.Path, overwrite: bool, marker: str, fmt: str, what: str) -> bool:
+  """Whether `d` exists (empty, or with overwrite one of ours to replace); OSError in one line for a
+  directory that holds anything else, or one of ours without overwrite."""
+  if not d.exists():
+    return False
+  if not d.is_dir():
+    raise NotADirectoryError(f"{d} exists and is not a directory")
+  names = sorted(p.name for p in d.iterdir())
+  if not names:
+    return True
+  if not owned_dir(d, marker, fmt):
+    held = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    raise FileExistsError(f"{d} is not empty and is not {what} written by tformer-convert (it holds {held}): "
+                          "choose an empty or new directory")
+  if not overwrite:
+    raise FileExistsError(f"{d} holds {what} written earlier by tformer-convert: pass --overwrite to replace it, "
+                          "or choose another directory")
+  return True
+
+
+def write_dir_atomically(d: pathlib.Path, write: Any, marker: str, fmt: str, info: Mapping[str, Any]) -> None:
+  """`write(tmp)` into a new directory beside `d`, then `marker` (listing every file), then the directory
+  takes d's place (renamed onto a missing or empty d, exchanged with an old one of ours, which goes). On a
+  failure (a full disk) nothing is left: OSError in one line."""
+  d = d.absolute()
+  d.parent.mkdir(parents=True, exist_ok=True)
+  tmp = pathlib.Path(tempfile.mkdtemp(dir=d.parent, prefix=f".{d.name}.partial-"))
+  try:
+    write(tmp)
+    files = sorted(p.name for p in tmp.iterdir())
+    (tmp / marker).write_text(json.dumps({"format": fmt, **info, "files": files}, indent=2) + "\n")
+    for p in tmp.iterdir():
+      if p.is_file():
+        with open(p, "rb+") as f:
+          os.fsync(f.fileno())
+    if d.exists() and any(d.iterdir()):
+      exchange_dirs(tmp, d)
+    else:
+      os.rename(tmp, d)
+  except (OSError, SafetensorError) as e:
+    shutil.rmtree(tmp, ignore_errors=True)
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    raise OSError(f"{d}: writing failed ({reason}); nothing was written there") from None
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  shutil.rmtree(tmp, ignore_errors=True)       # the replaced directory (one of ours), if any
+
+
 def save_hf(model: Transformer | ModelConfig, params: Mapping[str, Any], path: str | os.PathLike,
             family: str | None = None, *, max_shard_bytes: int = 4 << 30,
-            token_ids: Mapping[str, int | None] | None = None) -> pathlib.Path:
+            token_ids: Mapping[str, int | None] | None = None, files: Mapping[str, os.PathLike] | None = None,
+            overwrite: bool = False, source: Mapping[str, Any] | None = None) -> pathlib.Path:
   """Write config.json + model.safetensors (sharded with an index above `max_shard_bytes`) that
   transformers' AutoModelForCausalLM (AutoModel for bert) loads. `family` defaults to the first one
   that reproduces the model exactly; a family that cannot raises HFConfigError naming the field.
   token_ids ({'bos_token_id', 'eos_token_id', 'pad_token_id'}: `special_token_ids`) go into
-  config.json and a generation_config.json (what `generate` stops and pads with)."""
+  config.json and a generation_config.json (what `generate` stops and pads with); `files` ({name: path},
+  e.g. the tokenizer's) are copied in after them.
+  The directory is written whole and atomically (`write_dir_atomically`, with tformer_export.json listing
+  its files): `path` must be missing, empty, or (overwrite=True) an earlier export of ours, which it
+  replaces; anything else is refused before a byte is written, and a failure leaves nothing."""
   cfg = model.cfg if isinstance(model, Transformer) else model
   family = family or infer_family(cfg)
   fam = get_family(family)
   hf_cfg = hf_config_from_model(cfg, family)
   tensors = export_tensors(fam, dataclasses.replace(cfg, scan_layers=False), params)
   d = pathlib.Path(path)
-  d.mkdir(parents=True, exist_ok=True)
+  check_target(d, overwrite, EXPORT_MARKER, EXPORT_FORMAT, "an HF export")
   ids = {k: v for k, v in (token_ids or {}).items() if v is not None}
   hf_cfg = {**hf_cfg, "dtype": "float32", **ids}
-  (d / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
-  if ids and not (d / "generation_config.json").is_file():
-    (d / "generation_config.json").write_text(json.dumps(ids, indent=2, sort_keys=True) + "\n")
-  _write_safetensors(tensors, d, max_shard_bytes)
+
+  def write(tmp: pathlib.Path) -> None:
+    (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
+    if ids:
+      (tmp / "generation_config.json").write_text(json.dumps(ids, indent=2, sort_keys=True) + "\n")
+    _write_safetensors(tensors, tmp, max_shard_bytes)
+    for name, src in (files or {}).items():
+      shutil.copyfile(src, tmp / name)
+
+  write_dir_atomically(d, write, EXPORT_MARKER, EXPORT_FORMAT, {"family": family, **(source or {})})
   return d
 
 
-# Files beside an HF model that describe its tokenizer and generation: carried by scripts/convert.py.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+# Files beside an HF model that describe its tokenizer (chat template included) and generation: carried by
+# tformer-convert.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
 
 
 def special_token_ids(tokenizer: Any, hf_dir: str | os.PathLike | None = None) -> dict[str, int | None]:
