@@ -15,6 +15,10 @@ PY=${PYTHON:-python3}
 JAX_VERSION=$("$VENV/bin/python" -c "import jax; print(jax.__version__)")
 "$VENV/bin/python" -m pip install -q -e ".[tpu-aot]" "jax==$JAX_VERSION" \
   || echo "note: libtpu not installed (the tpu-aot extra); tests/test_aot.py skips"
+# lm-evaluation-harness (tests/test_harness.py): the eval extra, with torch and jax kept at the versions just
+# installed. Optional: without it those tests skip.
+"$VENV/bin/python" -m pip install -q -e ".[eval]" "torch==2.13.0" "jax==$JAX_VERSION" \
+  || echo "note: lm-eval not installed (the eval extra); tests/test_harness.py skips"
 # Optional real corpus for the kjv tests (Debian); the suite skips those cases without it.
 if ! command -v bible >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && apt-get install -y -qq bible-kjv) >/dev/null 2>&1 || echo "note: bible-kjv not installed"

@@ -232,6 +232,15 @@ def test_imports_run_downward():
       assert not imported & TOOLS, f"{path.relative_to(PKG)} imports {imported & TOOLS}"
 
 
+def test_eval_sits_above_decode():
+  """The harness model class (tformer_jax/eval) uses decode and the loaders; only the tools and cli import it."""
+  for path in PKG.rglob("*.py"):
+    unit = path.relative_to(PKG).parts[0]
+    if unit not in TOOLS and unit != "eval":
+      assert "eval" not in _imports(path), f"{path.relative_to(PKG)} imports tformer_jax.eval"
+  assert {"decode", "decode_io"} <= _imports(PKG / "eval" / "harness.py")
+
+
 def test_nn_holds_no_speed_machinery():
   for path in (PKG / "nn").glob("*.py"):
     text = path.read_text()

@@ -4,6 +4,8 @@
   tformer-eval --workdir=runs/x --config.data.corpus=kjv --batches=50
   tformer-eval --workdir=runs/x --split=train
   tformer-eval --hf=path/to/hf_model --corpus=shakespeare --seq_len=512 --batch_size=8
+  tformer-eval --workdir=runs/x --tasks=shakespeare_next_line,shakespeare_ppl --limit=50   # lm-eval harness
+  tformer-eval --hf=DIR --tasks=hellaswag --num_fewshot=10 --include_path=my_tasks/
 
 A workdir is scored with its config.json (any --config.a.b=v override applies: another corpus,
 tokenizer, seq_len or batch size) and its latest checkpoint (--step for another); by default on the
@@ -12,6 +14,13 @@ split), so the result is the loop's final val_loss. An HF directory is scored wi
 tokenizer.json on --corpus. Prints a progress bar, a summary line and, last, one JSON line.
 An encoder (causal=False) is scored on its masked LM (train/objectives.py, the loop's fixed masks):
 loss and accuracy over the masked tokens.
+
+--tasks=NAME[,NAME] runs EleutherAI's lm-evaluation-harness instead (the `eval` extra: pip install
+'tformer-jax[eval]') with the `tformer` model class (tformer_jax/eval/harness.py) on the tasks named:
+the harness's own, the shipped offline ones (tformer_jax/eval/tasks: shakespeare_next_line,
+shakespeare_ppl, shakespeare_continue) and those of --include_path. It prints the harness's results
+table and writes its JSON (--json, default WORKDIR/eval_harness.json or ./eval_harness.json for --hf).
+--batch_size is then the requests per step (default 8).
 """
 from __future__ import annotations
 
@@ -45,6 +54,15 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer("seq_len", None, "tokens per window; = --config.data.seq_len", flag_values=fv)
   flags.DEFINE_integer("batch_size", None, "windows per batch; = --config.data.batch_size", flag_values=fv)
   flags.DEFINE_string("json", None, "also write the result to this file", flag_values=fv)
+  flags.DEFINE_string("tasks", None, "lm-evaluation-harness tasks, comma-separated (the harness mode)",
+                      flag_values=fv)
+  flags.DEFINE_string("include_path", None, "a folder of more harness task YAMLs (with --tasks)", flag_values=fv)
+  flags.DEFINE_integer("num_fewshot", None, "few-shot examples per prompt (with --tasks; default: the task's)",
+                       flag_values=fv)
+  flags.DEFINE_float("limit", None, "documents per task (with --tasks): a count, or a fraction below 1",
+                     flag_values=fv)
+  flags.DEFINE_integer("max_length", None, "context tokens (with --tasks; default: the model's max_len)",
+                       flag_values=fv)
 
 
 def parse_args(argv: Sequence[str] | None) -> Any:
@@ -53,6 +71,13 @@ def parse_args(argv: Sequence[str] | None) -> Any:
     cli_common.fail("pass exactly one of --workdir=RUN, --hf=DIR")
   if args.hf and args.config is not None:
     cli_common.fail("--hf takes the model from its directory: set the data with --corpus/--seq_len/--batch_size")
+  harness_only = [f for f in ("include_path", "num_fewshot", "limit", "max_length") if getattr(args, f) is not None]
+  if harness_only and not args.tasks:
+    cli_common.fail(f"--{harness_only[0]} needs --tasks=NAME[,NAME] (the lm-evaluation-harness mode)")
+  if args.tasks is not None and not [t for t in args.tasks.split(",") if t.strip()]:
+    cli_common.fail("--tasks: name at least one harness task")
+  if args.limit is not None and args.limit <= 0:
+    cli_common.fail(f"--limit must be > 0, got {args.limit:g}")
   return args
 
 
@@ -80,8 +105,50 @@ def load(args: Any, cfg: Any, vocab_size: int) -> tuple[Any, Any]:
   return model, decode_io.check_params(model, params, str(args.workdir))
 
 
+def run_harness(args: Any) -> dict[str, Any]:
+  """--tasks: lm-evaluation-harness on the tformer model; prints the results table, writes the JSON."""
+  try:
+    import lm_eval  # noqa: PLC0415 (the optional `eval` extra)
+
+    from tformer_jax.eval import harness  # noqa: PLC0415 (imports lm_eval)
+  except ImportError as e:
+    cli_common.fail(f"--tasks needs lm-evaluation-harness ({e}): pip install 'tformer-jax[eval]'")
+  names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+  if args.include_path and not pathlib.Path(args.include_path).is_dir():
+    cli_common.fail(f"--include_path={args.include_path}: not a folder")
+  manager, unknown = harness.task_manager_for(names, args.include_path)
+  if unknown:
+    cli_common.fail(f"--tasks: unknown harness task {unknown[0]!r} (the shipped ones: "
+                    f"{', '.join(harness.shipped_tasks())}; more with --include_path=DIR)")
+  if args.hf:
+    lm = harness.TformerLM(hf=args.hf, batch_size=args.batch_size or 8, max_length=args.max_length)
+  else:
+    _, params = restore_params(args.workdir, args.step)
+    model = decode_io.model_from_config(args.config)
+    lm = harness.TformerLM(model=model, params=decode_io.check_params(model, params, str(args.workdir)),
+                           tokenizer=decode_io.tokenizer_from_config(args.config), config=args.config,
+                           batch_size=args.batch_size or 8, max_length=args.max_length)
+    lm.source = str(args.workdir)
+  limit = None if args.limit is None else int(args.limit) if args.limit >= 1 else float(args.limit)
+  t0 = time.perf_counter()
+  res = lm_eval.simple_evaluate(model=lm, tasks=names, num_fewshot=args.num_fewshot, limit=limit,
+                                task_manager=manager, log_samples=False)
+  res["tformer"] = {"source": lm.source, "seconds": round(time.perf_counter() - t0, 3),
+                    "batch_size": lm.batch_size, "max_length": lm.max_length}
+  print(lm_eval.utils.make_table(res))
+  if "groups" in res:
+    print(lm_eval.utils.make_table(res, "groups"))
+  out = pathlib.Path(args.json or (pathlib.Path(args.workdir) / "eval_harness.json" if args.workdir
+                                   else "eval_harness.json"))
+  out.write_text(json.dumps(res, indent=2, default=lm_eval.utils.handle_non_serializable) + "\n")
+  print(f"wrote {out}")
+  return res
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = parse_args(argv)
+  if args.tasks is not None:
+    return run_harness(args)
   cfg = _data_config(args)
   config_lib.validate(cfg)
   ds = pipeline.build_dataset(cfg.data)

@@ -1,0 +1,179 @@
+"""lm-evaluation-harness: our `tformer` model class against the harness's own Hugging Face backend (HFLM)
+on the same weights, for the three kinds of request (the shipped multiple-choice, rolling-perplexity
+and generation tasks); on a tiny transformers Llama and on a model trained by tformer-train (exported
+with tformer-convert --to-hf for HFLM); and the tformer-eval --tasks command line.
+
+Tolerances: accuracy and exact match equal; loglikelihood requests within 1e-4 nats each (observed
+~2e-5); a rolling document within 1e-4 nats or 1e-6 of its total (HFLM sums each window's token
+log-probabilities in float32: ~1e-4 on a 4000-nat document); generated text identical (greedy).
+Without the `eval` extra (lm-eval) these tests skip; the HFLM cases also need torch + transformers.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (the `eval` extra)")
+torch = pytest.importorskip("torch", reason="the HF-backend reference needs torch (the `reference` extra)")
+transformers = pytest.importorskip("transformers", reason="the HF-backend reference needs transformers")
+pytest.importorskip("accelerate", reason="the harness's HF backend needs accelerate (the `eval` extra)")
+pytestmark = pytest.mark.reference
+
+from lm_eval.models.huggingface import HFLM  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
+
+from tformer_jax.cli import convert, eval as eval_cli  # noqa: E402
+from tformer_jax.data.corpora import load_corpus  # noqa: E402
+from tformer_jax.eval import harness  # noqa: E402
+
+from train_utils import REPO, run  # noqa: E402
+
+TASKS = ["shakespeare_next_line", "shakespeare_ppl", "shakespeare_continue"]
+LIMIT = 4
+LL_TOL = 1e-4
+
+
+def write_tokenizer(d: pathlib.Path) -> int:
+  """A byte-level BPE on Shakespeare whose post-processor prepends <s> (like Llama's); its vocab size."""
+  text = load_corpus("shakespeare")[:200_000].decode("utf-8", "replace")
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.train_from_iterator(text.splitlines(), trainers.BpeTrainer(
+      vocab_size=320, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+  d.mkdir(parents=True, exist_ok=True)
+  tok.save(str(d / "tokenizer.json"))
+  (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                       "tokenizer_class": "PreTrainedTokenizerFast"}))
+  return tok.get_vocab_size()
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory) -> pathlib.Path:
+  """A tiny random transformers Llama (float32, 128 positions) with the BPE above, as an HF directory."""
+  d = tmp_path_factory.mktemp("hf_llama")
+  vocab = write_tokenizer(d)
+  torch.manual_seed(0)
+  cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                 tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+  transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+  return d
+
+
+@pytest.fixture(scope="module")
+def manager():
+  """Our tasks only (indexing the harness's own thousands of YAMLs takes 5-20 s here)."""
+  return harness.task_manager(include_defaults=False)
+
+
+def evaluate(lm, manager, tasks=TASKS, limit=LIMIT) -> dict:
+  return lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager, log_samples=True,
+                                 bootstrap_iters=0)
+
+
+def hf_backend(path: pathlib.Path) -> HFLM:
+  return HFLM(pretrained=str(path), batch_size=4, device="cpu", dtype="float32")
+
+
+def responses(res: dict, task: str) -> list:
+  """Every request's answer, in the harness's (document, request) order."""
+  return [r[0] for s in sorted(res["samples"][task], key=lambda s: s["doc_id"]) for r in s["resps"]]
+
+
+def assert_same(ours: dict, theirs: dict) -> None:
+  for task, metrics in theirs["results"].items():
+    for name in ("acc,none", "acc_norm,none", "exact_match,none"):
+      if name in metrics:
+        assert ours["results"][task][name] == metrics[name], (task, name)
+  mc_ours, mc_theirs = responses(ours, "shakespeare_next_line"), responses(theirs, "shakespeare_next_line")
+  assert len(mc_ours) == 4 * LIMIT
+  np.testing.assert_allclose([x[0] for x in mc_ours], [x[0] for x in mc_theirs], rtol=0, atol=LL_TOL)
+  assert [x[1] for x in mc_ours] == [x[1] for x in mc_theirs]
+  ppl_ours, ppl_theirs = responses(ours, "shakespeare_ppl"), responses(theirs, "shakespeare_ppl")
+  np.testing.assert_allclose(ppl_ours, ppl_theirs, rtol=1e-6, atol=LL_TOL)
+  for key in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+    np.testing.assert_allclose(ours["results"]["shakespeare_ppl"][key], theirs["results"]["shakespeare_ppl"][key],
+                               rtol=1e-6)
+  assert responses(ours, "shakespeare_continue") == responses(theirs, "shakespeare_continue")
+
+
+def test_tiny_llama_matches_the_hf_backend(hf_llama, manager):
+  ours = harness.TformerLM(hf=str(hf_llama), batch_size=4)
+  assert (ours.max_length, ours.prefix_token_id, ours.eot_token_id) == (128, 0, 1)
+  theirs = hf_backend(hf_llama)
+  text = "ROMEO: But soft, what light"
+  assert ours.tok_encode(text) == theirs.tok_encode(text) and ours.tok_encode(text)[0] == 0   # BOS added
+  assert ours.tok_encode("<s>" + text) == theirs.tok_encode("<s>" + text)                     # not twice
+  r_ours, r_theirs = evaluate(ours, manager), evaluate(theirs, manager)
+  # each document is longer than one 128-token window: several rolling windows per request
+  assert len(ours.tok_encode(r_ours["samples"]["shakespeare_ppl"][0]["doc"]["text"])) > 2 * 128
+  assert_same(r_ours, r_theirs)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
+  """(workdir, its HF export): 20 steps of tformer-train on Shakespeare with the BPE above, float32."""
+  root = tmp_path_factory.mktemp("trained")
+  write_tokenizer(root / "tok")
+  work, hf_dir = root / "work", root / "hf"
+  flags = {"model.d_model": 32, "model.num_layers": 2, "model.num_heads": 4, "model.num_kv_heads": 2,
+           "model.max_len": 128, "model.dtype": "float32", "model.param_dtype": "float32",
+           "data.tokenizer": f"hf:{root / 'tok' / 'tokenizer.json'}", "data.seq_len": 64, "data.batch_size": 8,
+           "optim.peak_lr": 3e-3, "optim.warmup_steps": 3, "train.steps": 20, "train.eval_every": 20,
+           "train.ckpt_every": 20, "train.eval_batches": 1, "train.sample_tokens": 0, "train.log_every": 10}
+  cmd = [sys.executable, str(REPO / "scripts" / "train.py"), f"--config={REPO / 'configs' / 'llama_tiny.py'}",
+         f"--workdir={work}", *[f"--config.{k}={v}" for k, v in flags.items()]]
+  p = run(cmd, timeout=300)
+  assert p.returncode == 0, p.stderr[-3000:]
+  assert convert.main(["--from", str(work), "--to-hf", str(hf_dir)]) == 0
+  return work, hf_dir
+
+
+@pytest.fixture(scope="module")
+def trained_results(trained, manager) -> tuple[dict, dict]:
+  work, hf_dir = trained
+  ours = harness.TformerLM(workdir=str(work), batch_size=4)
+  assert (ours.max_length, ours.prefix_token_id, ours.eot_token_id) == (128, 0, 1)
+  return evaluate(ours, manager), evaluate(hf_backend(hf_dir), manager)
+
+
+def test_trained_model_matches_the_hf_backend_on_its_export(trained_results):
+  assert_same(*trained_results)
+
+
+def test_cli_prints_the_table_and_writes_the_json(trained, trained_results, tmp_path, capsys):
+  work, _ = trained
+  out = tmp_path / "res.json"
+  eval_cli.main([f"--workdir={work}", "--tasks=shakespeare_next_line", f"--limit={LIMIT}", f"--json={out}",
+                 "--batch_size=2"])
+  printed = capsys.readouterr().out
+  assert "shakespeare_next_line" in printed and "acc_norm" in printed and f"wrote {out}" in printed
+  stored = json.loads(out.read_text())
+  assert stored["tformer"]["source"] == str(work) and stored["tformer"]["batch_size"] == 2
+  api = trained_results[0]["results"]["shakespeare_next_line"]          # the same documents, batched by 4
+  for key in ("acc,none", "acc_norm,none"):
+    assert stored["results"]["shakespeare_next_line"][key] == api[key]
+
+
+def test_cli_one_line_errors(trained, capsys):
+  work, _ = trained
+  for argv, want in [([f"--workdir={work}", "--limit=3"], "--limit needs --tasks"),
+                     ([f"--workdir={work}", "--tasks=shakespeare_ppl", "--include_path=/no/such/dir"], "not a folder"),
+                     ([f"--workdir={work}", "--tasks=shakespeare_ppl", "--limit=0"], "--limit must be > 0"),
+                     ([f"--workdir={work}", "--tasks=,"], "name at least one harness task")]:
+    with pytest.raises(SystemExit) as e:
+      eval_cli.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("error: ") and want in err and "\n" not in err, (argv, err)
+
+
+def test_length_buckets_bound_the_compiled_shapes():
+  assert [harness.length_bucket(n, 128) for n in (1, 16, 17, 100, 128)] == [16, 16, 32, 128, 128]
+  assert harness.length_bucket(90, 100) == 100
+  assert harness.shipped_tasks() == sorted(TASKS)
