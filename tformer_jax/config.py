@@ -38,6 +38,8 @@ RUNTIME_BACKENDS = ("auto", "reference", "xla_cpu")
 RUNTIME_ATTENTION = ("auto", "reference", "chunked", "blockwise", "xla", "cudnn")
 TILED_ATTENTION = ("chunked", "blockwise")   # no dense bias, no global tokens, no dropout
 AUTO_ON_OFF = ("auto", "on", "off")
+RUNTIME_MOE_EXCHANGE = ("auto", "global", "all_to_all", "ragged")   # backends/moe.py
+RUNTIME_MOE_GMM = ("auto", "ragged_dot", "megablox")
 # The values of the other sections, as the modules that read them spell them (tests/test_config_errors.py
 # checks that they agree): tformer_jax.data (corpora, tokenizers, pipeline), train.optim, train.precision,
 # parallel.rules.
@@ -102,6 +104,8 @@ class MoEConfig:
   aux_loss_coef: float = 0.01        # Switch/GShard load balancing
   z_loss_coef: float = 0.001         # router z-loss
   shared_expert: bool = False        # DeepSeek-style: one always-on expert beside the routed ones
+  ep_buffer_factor: float = 0.0      # expert parallel dropless: rows a device receives = factor x the
+                                     # balanced load (overflow dropped, counted); 0 = the worst case
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,6 +319,8 @@ def default_config() -> ml_collections.ConfigDict:
       attention_block_q=128,         # blockwise query tile; chunked: the query chunk
       attention_block_k=128,         # blockwise key tile
       cpu_kernels="auto",            # auto | on | off: the xla_cpu backend's C++ kernels (float32)
+      moe_exchange="auto",           # auto | global | all_to_all | ragged: MoE token exchange over 'expert'
+      moe_gmm="auto",                # auto | ragged_dot | megablox: the experts' grouped matmul
   ))
   return c
 
@@ -564,6 +570,8 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
   if moe.every < 1:
     _fail(p + "moe.every", f"must be >= 1, got {moe.every}")
   _check_choice(p + "moe.dispatch", moe.dispatch, MOE_DISPATCH)
+  if moe.ep_buffer_factor < 0:
+    _fail(p + "moe.ep_buffer_factor", f"must be >= 0 (0 = the worst case, never drops), got {moe.ep_buffer_factor}")
   if moe.capacity_factor <= 0:
     _fail(p + "moe.capacity_factor", f"must be > 0, got {moe.capacity_factor}")
   if not 0.0 <= moe.jitter < 1.0:
@@ -842,6 +850,9 @@ def _validate_decode(dc: Any) -> None:
 def validate_runtime(r: Any, m: ModelConfig, precision: str = "float32") -> None:
   """The runtime section against the model; the platform-dependent rules (cudnn needs a GPU, ...)
   are `backends.resolve_runtime`'s."""
+  for name, allowed in dict(moe_exchange=RUNTIME_MOE_EXCHANGE, moe_gmm=RUNTIME_MOE_GMM).items():
+    if name in r:
+      _check_choice("runtime." + name, r[name], allowed)
   for name, allowed in dict(backend=RUNTIME_BACKENDS, attention=RUNTIME_ATTENTION,
                             cpu_kernels=AUTO_ON_OFF).items():
     _check_choice("runtime." + name, r[name], allowed)

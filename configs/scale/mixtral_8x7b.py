@@ -29,6 +29,7 @@ def get_config():
   m.tie_embeddings, m.qkv_bias, m.out_bias, m.mlp_bias = False, False, False, False
   m.moe.num_experts, m.moe.top_k, m.moe.every, m.moe.d_ff = 8, 2, 1, 14336
   m.moe.dispatch, m.moe.renormalize = "dropless", True
+  m.moe.ep_buffer_factor = 1.1          # each chip receives up to 1.1x its balanced share of rows
   m.moe.aux_loss_coef, m.moe.z_loss_coef = 0.02, 0.001
   m.scan_layers, m.remat = True, "full"
   c.data.seq_len, c.data.batch_size = 4096, 64

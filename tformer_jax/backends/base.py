@@ -5,6 +5,7 @@ A backend is the one door between the model and execution choices. `nn/` calls:
   norm(x, scale, bias, eps, center)      LayerNorm (center) / RMSNorm, `ops.norms.normalize`
   attention(q, k, v, vis, ...)           softmax (or linear) attention under a `ops.masks.Visibility`
   residual(x)                            the residual stream entering a block (identity here)
+  moe_ffn(x, params, weights, experts, ...)  the routed experts (global, or expert parallel)
 and the train step's optimizer comes from wrap_optimizer(tx, spec) (it calls `tx.update`).
 Subclasses (backends/xla_cpu.py) change how these run, never what they compute.
 """
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from tformer_jax.backends import moe as moe_backend
 from tformer_jax.ops import attention as attn_ops, norms as norm_ops, positions as pos_ops
 from tformer_jax.ops.blockwise import blockwise_attention
 from tformer_jax.ops.chunked_attention import chunked_attention
@@ -29,6 +31,8 @@ PyTree = Any
 # reference: one dense softmax; chunked / blockwise: tiled, exact (ops/chunked_attention.py,
 # ops/blockwise.py); xla / cudnn: jax.nn.dot_product_attention.
 ATTENTION_IMPLS = ("reference", "chunked", "blockwise", "xla", "cudnn")
+MOE_EXCHANGES = ("global", "all_to_all", "ragged")
+MOE_GMMS = ("ragged_dot", "megablox")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +56,21 @@ class Backend:
   attention_impl: str = "reference"
   block_q: int = 128
   block_k: int = 128
+  # MoE (backends/moe.py): the expert exchange (global: no expert parallelism; all_to_all: dense
+  # all-to-all, every platform; ragged: ragged_all_to_all, TPU/GPU), the grouped matmul
+  # (ragged_dot | megablox) and megablox's Pallas interpret mode (a target other than TPU).
+  moe_exchange: str = "global"
+  moe_gmm: str = "ragged_dot"
+  moe_interpret: bool = False
   name: ClassVar[str] = "reference"
 
   def __post_init__(self):
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f"attention: unknown implementation {self.attention_impl!r}; expected one of "
                        f"{ATTENTION_IMPLS}")
+    if self.moe_exchange not in MOE_EXCHANGES or self.moe_gmm not in MOE_GMMS:
+      raise ValueError(f"moe: unknown exchange {self.moe_exchange!r} or grouped matmul {self.moe_gmm!r}; "
+                       f"expected one of {MOE_EXCHANGES} and {MOE_GMMS}")
 
   def describe(self) -> str:
     return f"{self.name} (attention {self.attention_impl})"
@@ -70,6 +83,19 @@ class Backend:
 
   def residual(self, x_BxLxD: Array) -> Array:
     return x_BxLxD
+
+  def moe_ffn(self, x_TxD: Array, params: dict[str, Array], weights_TxK: Array, experts_TxK: Array, *,
+              activation: str, dispatch: str, capacity: int, buffer_factor: float = 0.0,
+              capacity_impl: str = "einsum", param_axes: dict[str, tuple[str, ...]]
+              ) -> tuple[Array, Array]:
+    """The routed experts' FFN of the (T, D) tokens: (y_TxD, dropped_fraction of the T*K assignments).
+
+    Expert parallel (a shard_map exchanging rows over the mesh's expert axis) when moe_exchange is not
+    'global' and the traced mesh has an expert axis > 1, else `ops.moe`'s global dispatch
+    (backends/moe.py). param_axes: each expert weight's logical axis names."""
+    return moe_backend.moe_ffn(self, x_TxD, params, weights_TxK, experts_TxK, activation=activation,
+                               dispatch=dispatch, capacity=capacity, buffer_factor=buffer_factor,
+                               capacity_impl=capacity_impl, param_axes=param_axes)
 
   def wrap_optimizer(self, tx: optax.GradientTransformation, spec: AdamWSpec
                      ) -> optax.GradientTransformation:

@@ -38,7 +38,8 @@ class Runtime:
     b = self.backend
     return {"backend": b.name, "attention": b.attention_impl, "attention_block_q": b.block_q,
             "attention_block_k": b.block_k, "cpu_kernels": bool(getattr(b, "cpu_kernels", False)),
-            "platform": self.platform, "allocator": self.allocator}
+            "platform": self.platform, "allocator": self.allocator,
+            "moe_exchange": b.moe_exchange, "moe_gmm": b.moe_gmm, "moe_interpret": b.moe_interpret}
 
 
 def resolve_runtime(cfg: Any, *, model: config_lib.ModelConfig | None = None, mesh_devices: int = 1,
@@ -81,6 +82,7 @@ def resolve_runtime(cfg: Any, *, model: config_lib.ModelConfig | None = None, me
                                  "'xla', 'blockwise', 'chunked' or 'reference'")
   blocks = dict(attention_impl=attention, block_q=int(rt["attention_block_q"]),
                 block_k=int(rt["attention_block_k"]))
+  blocks.update(_resolve_moe(rt, m, platform, reasons))
 
   if backend == "reference":
     chosen: Backend = Backend(**blocks)
@@ -106,6 +108,28 @@ def resolve_runtime(cfg: Any, *, model: config_lib.ModelConfig | None = None, me
   if not quiet:
     log.info(out.summary())
   return out
+
+
+def _resolve_moe(rt: dict[str, Any], m: config_lib.ModelConfig, platform: str,
+                 reasons: list[str]) -> dict[str, Any]:
+  """The MoE exchange and grouped matmul (backends/moe.py) for the target platform."""
+  exchange, gmm = rt.get("moe_exchange", "auto"), rt.get("moe_gmm", "auto")
+  if exchange == "ragged" and platform == "cpu":
+    raise config_lib.ConfigError("runtime.moe_exchange: 'ragged' needs ragged-all-to-all, which XLA:CPU "
+                                 "lacks; use 'all_to_all' (the exact dense fallback) or 'auto'")
+  if gmm == "auto":
+    gmm = "ragged_dot"
+  interpret = gmm == "megablox" and platform != "tpu"
+  if m.moe.num_experts <= 0:
+    return dict(moe_exchange="global" if exchange == "auto" else exchange, moe_gmm=gmm,
+                moe_interpret=interpret)
+  if exchange == "auto":
+    exchange = "all_to_all" if platform == "cpu" else "ragged"
+    reasons.append(f"MoE expert parallel over the mesh's 'expert' axis (global without one): {exchange} "
+                   + ("(XLA:CPU has no ragged-all-to-all)" if platform == "cpu"
+                      else f"(ragged_all_to_all on {platform})"))
+  reasons.append(f"MoE grouped matmul {gmm}" + (" (Pallas interpret mode: not a TPU)" if interpret else ""))
+  return dict(moe_exchange=exchange, moe_gmm=gmm, moe_interpret=interpret)
 
 
 def enable_compilation_cache(cache_dir: str = "") -> pathlib.Path:

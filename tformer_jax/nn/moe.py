@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from tformer_jax import backends
 from tformer_jax.config import ModelConfig
 from tformer_jax.ops import moe as moe_ops
 
@@ -45,6 +46,8 @@ class MoEFFN(nn.Module):
   a 'shared_' prefix and no expert axis. Output projections follow cfg.scale_residual_init.
   Jitter (cfg.moe.jitter > 0) needs the 'dropout' rng when deterministic=False.
   capacity_impl: 'einsum' (GShard one-hot einsums) or 'scatter' (same result, O(T*K*D) dispatch).
+  The experts run through the backend (`backends.current().moe_ffn`): expert parallel over the mesh's
+  'expert' axis when the runtime asks for it, else the global dispatch.
   """
   cfg: ModelConfig
   capacity_impl: str = "einsum"
@@ -82,17 +85,10 @@ class MoEFFN(nn.Module):
 
     xc_TxD = x_TxD.astype(dtype)
     cparams = {n: p.astype(dtype) for n, p in params.items()}
-    if m.dispatch == "dropless":
-      y_TxD = moe_ops.moe_ffn_dropless(xc_TxD, cparams, weights_TxK, experts_TxK,
-                                       activation=cfg.activation)
-      dropped = jnp.zeros((), jnp.float32)
-    elif m.dispatch == "capacity":
-      cap = moe_ops.capacity(b * l, e, m.top_k, m.capacity_factor)
-      y_TxD, dropped = moe_ops.moe_ffn_capacity(xc_TxD, cparams, weights_TxK, experts_TxK,
-                                                activation=cfg.activation, capacity=cap,
-                                                impl=self.capacity_impl)
-    else:
-      raise ValueError(f"unknown moe.dispatch {m.dispatch!r}; expected 'dropless' or 'capacity'")
+    y_TxD, dropped = backends.current().moe_ffn(
+        xc_TxD, cparams, weights_TxK, experts_TxK, activation=cfg.activation, dispatch=m.dispatch,
+        capacity=moe_ops.capacity(b * l, e, m.top_k, m.capacity_factor),
+        buffer_factor=m.ep_buffer_factor, capacity_impl=self.capacity_impl, param_axes=LOGICAL_AXES)
 
     if m.shared_expert:
       shared = {}
