@@ -438,6 +438,19 @@ def build_dataset(data_cfg: Any) -> Dataset:
   return Dataset(tok, mix[0].train, mix[0].val, mixture=mix if len(mix) > 1 else ())
 
 
+def prepared_datasets(ds: Dataset) -> list[prepared_lib.PreparedDataset]:
+  """The prepared datasets `ds` reads, each once, in order (none for a synthetic task)."""
+  if ds.task is not None:
+    return []
+  out: dict[str, prepared_lib.PreparedDataset] = {}
+  for part in ds.parts():
+    for t in (part.train, part.val):
+      if isinstance(t, PreparedTokens):
+        opened = t._ds if t._ds is not None else prepared_lib.open_prepared(t.path)
+        out.setdefault(str(opened.path.absolute()), opened)
+  return list(out.values())
+
+
 def tokenizer_for(data_cfg: Any) -> Tokenizer:
   """The tokenizer the batches of `data_cfg` are in, without preparing or splitting anything: a prepared
   dataset's own (the first of a mixture), a synthetic task's vocabulary, else data.tokenizer (a 'bpe'

@@ -3,8 +3,10 @@
 The run takes its architecture from the source: `with_source_architecture(cfg)` replaces every
 architecture field of cfg.model (`ModelConfig.architecture`) by the source's and keeps the run's own
 execution fields (dtype, scan_layers, remat, dropout, init: `config.NON_ARCHITECTURE_FIELDS`); the
-data tokenizer becomes the source's (its token ids are what the weights know). `load_params` then
-reads the weights, stacks unscanned layers when the run scans them, and checks every shape.
+data tokenizer becomes the source's (its token ids are what the weights know); on a prepared corpus the
+source's tokenizer must be the one the data was prepared with, and `check_data_tokenizer` records the
+corpus's own tokenizer as data.tokenizer. `load_params` then reads the weights, stacks unscanned layers
+when the run scans them, and checks every shape.
 
   tformer-train --config=configs/finetune_hf.py --config.train.init_from=hf:path/to/llama --workdir=runs/ft
 """
@@ -22,6 +24,7 @@ import numpy as np
 
 from tformer_jax import config as config_lib, decode
 from tformer_jax.checkpoint import CheckpointError, restore_params
+from tformer_jax.data import pipeline, prepared
 from tformer_jax.interop import hf
 
 log = logging.getLogger("tformer_jax")
@@ -46,12 +49,67 @@ def source_model_config(source: str) -> tuple[config_lib.ModelConfig, str | None
   return config_lib.ModelConfig.from_config(src.model), (str(tok) if tok else None)
 
 
+def _prepared_corpus(data: Any) -> prepared.PreparedDataset | None:
+  """The prepared dataset of data.corpus (the first of a mixture) when it is `prepared:DIR`, else None."""
+  mixture = data.get("mixture")
+  spec = str(pipeline.parse_mixture(mixture)[0][0] if mixture else data.get("corpus", "")).strip()
+  if not spec.startswith("prepared:"):
+    return None
+  return prepared.open_prepared(spec[len("prepared:"):].strip())
+
+
+def source_tokenizer_sha256(source: str, tokenizer: str | None) -> str | None:
+  """The sha256 identifying train.init_from's tokenizer (as prepared manifests record it): its
+  tokenizer.json for hf:DIR, the tokenizer its data was prepared with for a workdir (WORKDIR/data.json),
+  else its data.tokenizer's; None when it says none."""
+  if not source.startswith(HF_PREFIX):
+    run = prepared.read_run_data(source)
+    if run and run["datasets"]:
+      return run["datasets"][0]["tokenizer"].get("sha256")
+  return prepared.tokenizer_sha256(tokenizer) if tokenizer else None
+
+
+def check_data_tokenizer(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """A prepared corpus brings its tokenizer: cfg with data.tokenizer the spec of that tokenizer (so
+  config.json records the one used). An explicit data.tokenizer (other than the default) that is another
+  tokenizer is a one-line ConfigError naming both; a matching one is fine."""
+  ds = _prepared_corpus(cfg.data)
+  if ds is None:
+    return cfg
+  given = str(cfg.data.get("tokenizer", "")).strip()
+  used, info = prepared.tokenizer_spec(ds), ds.manifest["tokenizer"]
+  if given and given != used and given != config_lib.default_config().data.tokenizer:
+    same = (given == info.get("spec") == "bpe") or prepared.tokenizer_sha256(given) == info.get("sha256")
+    if not same:
+      raise config_lib.ConfigError(
+          f"data.tokenizer: {given} is not the tokenizer {ds.path} was prepared with ({info.get('spec')}, sha256 "
+          f"{str(info.get('sha256'))[:12]}): a prepared corpus brings its own; drop data.tokenizer, or prepare "
+          f"the data with --tokenizer={given}")
+  if given != used:
+    log.info("data.tokenizer: %s -> %s (the prepared corpus's own)", given or "(unset)", used)
+  out = cfg.copy_and_resolve_references()
+  with out.unlocked():
+    out.data.tokenizer = used
+  return out
+
+
 def with_source_architecture(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """cfg with the architecture (and tokenizer) of train.init_from; unchanged without one."""
+  """cfg with the architecture (and tokenizer) of train.init_from; unchanged without one. On a prepared
+  corpus the source's tokenizer must be the one the data was prepared with (one-line ConfigError
+  naming both), and the corpus's tokenizer stays."""
   source = str(cfg.train.get("init_from", "") or "")
   if not source:
     return cfg
   theirs, tokenizer = source_model_config(source)
+  corpus = _prepared_corpus(cfg.data)
+  if corpus is not None:
+    want, info = source_tokenizer_sha256(source, tokenizer), corpus.manifest["tokenizer"]
+    if want is not None and want != info.get("sha256"):
+      raise config_lib.ConfigError(
+          f"train.init_from={source}: its tokenizer ({tokenizer}, sha256 {want[:12]}) is not the one "
+          f"{corpus.path} was prepared with ({info.get('spec')}, sha256 {str(info.get('sha256'))[:12]}): the "
+          f"weights would read other token ids; prepare the data with --tokenizer={tokenizer}")
+    tokenizer = None
   ours = config_lib.ModelConfig.from_config(cfg.model)
   keep = {f: getattr(ours, f) for f in config_lib.NON_ARCHITECTURE_FIELDS}
   model = dataclasses.replace(theirs, **keep)

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from tformer_jax import backends, config as config_lib, decode
 from tformer_jax.checkpoint import Checkpointer
-from tformer_jax.data import pipeline
+from tformer_jax.data import pipeline, prepared as prepared_lib
 from tformer_jax.parallel import mesh as mesh_lib, pmap as pmap_lib
 from tformer_jax.train import init_from, objectives, setup as setup_lib, state as state_lib, workdir as workdir_lib
 from tformer_jax.train.metrics import MetricWriter, bytes_per_token, eval_summary
@@ -67,6 +67,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[st
   """Train (or resume) the experiment `cfg` in `workdir`. Returns the final metrics."""
   config_lib.validate(cfg)  # fail on config errors before touching data or compiling
   cfg = init_from.with_source_architecture(cfg)   # fine-tuning: the source's architecture and tokenizer
+  cfg = init_from.check_data_tokenizer(cfg)       # a prepared corpus: its own tokenizer (a mismatch is an error)
   cfg = config_lib.resolved(cfg)                  # model.vocab_size 0: the tokenizer's
   if cfg.model.vocab_size == 0:                   # ... known once the data is (a synthetic task's)
     cfg = cfg.copy_and_resolve_references()
@@ -121,6 +122,8 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
   objectives.check_mask_token(model.cfg, ds.vocab_size)   # encoders: a [MASK] id of their own
   rng = jax.random.PRNGKey(cfg.train.seed)
   ckpt = Checkpointer(work / "checkpoints", max_to_keep=cfg.train.max_to_keep)
+  # the prepared data: the same as when the run started (a resume), its shards intact (hashed once)
+  run_data = prepared_lib.check_run_data(work, pipeline.prepared_datasets(ds), resuming=ckpt.latest_step() is not None)
   restored = ckpt.restore(abstract, require_data_state=True)   # a step without its iterator is damage
   it = pipeline.train_iterator(ds, cfg.data, process_index=jax.process_index(),
                                process_count=jax.process_count())
@@ -141,6 +144,7 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
   if is_main:  # only now: a config that cannot restore this workdir has changed nothing in it
     (work / "config.json").write_text(cfg.to_json_best_effort(indent=2))
     (work / "runtime.json").write_text(json.dumps(runtime.as_dict(), indent=2))
+    prepared_lib.write_run_data(work, run_data)
 
   batch_sh = program.batch_sharding
   use_pmap = cfg.mesh.parallelism == "pmap"
