@@ -313,6 +313,7 @@ def default_config() -> ml_collections.ConfigDict:
       repetition_penalty=1.0,        # > 1 discourages tokens already in the text (CTRL); 1 = off
   ))
   # How this run executes the model; never changes what it computes (tformer_jax/backends/).
+      cache_dtype="",                # KV cache storage: '' (model dtype) | float32 | bfloat16 | int8 (absmax)
   c.runtime = ml_collections.ConfigDict(dict(
       backend="auto",                # auto (xla_cpu on CPU, else reference) | reference | xla_cpu
       attention="auto",              # auto | reference | chunked | blockwise | xla | cudnn
@@ -850,6 +851,8 @@ def _validate_decode(dc: Any) -> None:
 def validate_runtime(r: Any, m: ModelConfig, precision: str = "float32") -> None:
   """The runtime section against the model; the platform-dependent rules (cudnn needs a GPU, ...)
   are `backends.resolve_runtime`'s."""
+  if dc.get("cache_dtype", "") not in ("", "float32", "bfloat16", "int8"):
+    _fail("decode.cache_dtype", f"'' (the model dtype) | float32 | bfloat16 | int8, got {dc.cache_dtype!r}")
   for name, allowed in dict(moe_exchange=RUNTIME_MOE_EXCHANGE, moe_gmm=RUNTIME_MOE_GMM).items():
     if name in r:
       _check_choice("runtime." + name, r[name], allowed)

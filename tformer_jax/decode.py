@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tformer_jax.ops import sampling
+from tformer_jax.ops import kv_quant, sampling
 
 Array = jax.Array
 # (name, seconds) for every lower+compile done here; the benchmark reports compile time from it.
@@ -94,6 +94,20 @@ def _cache_shapes(model: nn.Module, batch_size: int, max_len: int) -> Any:
   tokens = jax.ShapeDtypeStruct((batch_size, max_len), jnp.int32)
   shapes = jax.eval_shape(lambda t: model.init(jax.random.PRNGKey(0), t, decode=True), tokens)
   return shapes["cache"]
+
+
+def with_cache_dtype(model: nn.Module, cache_dtype: str | None) -> nn.Module:
+  """The model whose decode cache stores K/V as `cache_dtype` ('' = compute dtype | float32 |
+  bfloat16 | int8); None keeps the model's own setting."""
+  if cache_dtype is None or cache_dtype == getattr(model, "cache_dtype", ""):
+    return model
+  kv_quant.storage_dtype(cache_dtype, "float32")   # ValueError naming the choices
+  return model.clone(cache_dtype=cache_dtype)
+
+
+def cache_bytes(model: nn.Module, batch_size: int, max_len: int) -> int:
+  """Bytes of the decode cache for `batch_size` rows of `max_len` slots (K/V, scales, index, mask)."""
+  return kv_quant.tree_bytes(_cache_shapes(model, batch_size, max_len))
 
 
 def init_cache(model: nn.Module, params: Any, batch_size: int, max_len: int) -> Any:
@@ -401,16 +415,17 @@ def make_request(model: nn.Module, prompt_tokens: Any, *, max_new_tokens: int, t
 def generate(model: nn.Module, params: Any, prompt_tokens: Any, *, max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
              stop_tokens: Sequence[int] = (), rng: Any = None, max_len: int | None = None, pad_id: int = 0,
-             bucket_prompts: bool = True, scan_layers: bool = True, return_lengths: bool = False
-             ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+             bucket_prompts: bool = True, scan_layers: bool = True, return_lengths: bool = False,
+             cache_dtype: str | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
   """(B, max_new_tokens) int32 new tokens with the KV cache (and (B,) lengths if return_lengths).
 
   temperature <= 1e-5 is greedy; top_k=0 / top_p=1 / repetition_penalty=1 are off. rng: a key, an
   int seed or None (seed 0). max_len: cache slots (default: the bucketed prompt length +
   max_new_tokens). bucket_prompts=False compiles for the exact prompt length. scan_layers=False
-  decodes in the model's own layout (`decode_layout`).
+  decodes in the model's own layout (`decode_layout`). cache_dtype: K/V storage ('' = compute dtype,
+  bfloat16, int8; None = the model's setting).
   """
-  model, params = decode_layout(model, nn.unbox(params), scan_layers)
+  model, params = decode_layout(with_cache_dtype(model, cache_dtype), nn.unbox(params), scan_layers)
   req = make_request(model, prompt_tokens, max_new_tokens=max_new_tokens, temperature=temperature,
                      top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                      stop_tokens=stop_tokens, rng=rng, max_len=max_len, pad_id=pad_id,
@@ -422,7 +437,8 @@ def generate(model: nn.Module, params: Any, prompt_tokens: Any, *, max_new_token
 
 
 def generate_stream(model: nn.Module, params: Any, prompt_tokens: Any, *, max_new_tokens: int,
-                    chunk_size: int = 16, scan_layers: bool = True, **kwargs: Any) -> Iterator[np.ndarray]:
+                    chunk_size: int = 16, scan_layers: bool = True, cache_dtype: str | None = None,
+                    **kwargs: Any) -> Iterator[np.ndarray]:
   """Like `generate`, but yields (B, c) chunks of new tokens as they are produced (c <= chunk_size).
 
   Stops after max_new_tokens or once every row has stopped; concatenating the chunks (and padding
@@ -430,7 +446,7 @@ def generate_stream(model: nn.Module, params: Any, prompt_tokens: Any, *, max_ne
   """
   if chunk_size < 1:
     raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-  model, params = decode_layout(model, nn.unbox(params), scan_layers)
+  model, params = decode_layout(with_cache_dtype(model, cache_dtype), nn.unbox(params), scan_layers)
   req = make_request(model, prompt_tokens, max_new_tokens=max_new_tokens, **kwargs)
   st = req.prefill(params)
   left = req.max_new_tokens
@@ -502,3 +518,223 @@ def generate_recompute(model: nn.Module, params: Any, prompt_tokens: Any, *, max
   out, lengths = _aot("recompute_loop", key, fn, *args)(*args)
   out = np.asarray(out)
   return (out, np.asarray(lengths)) if return_lengths else out
+
+
+# ------------------------------------------------------------------------- cache continuation
+
+
+def _append_fn(model: nn.Module, all_logits: bool) -> Callable:
+  """Feed tokens_BxN (the first n_real real, the rest right padding) at cache slot `start` = position."""
+
+  def run(params, cache, tokens_BxN, n_real, start):
+    b, n = tokens_BxN.shape
+    mask_BxN = jnp.broadcast_to(jnp.arange(n) < n_real, (b, n))
+    positions_BxN = jnp.broadcast_to(start + jnp.arange(n, dtype=jnp.int32), (b, n))
+    (h_BxNxD, unembed_DxV), upd = model.apply(
+        {"params": params, "cache": cache}, tokens_BxN, positions_BxL=positions_BxN,
+        attention_mask_BxL=mask_BxN, decode=True, return_hidden=True, mutable=["cache"])
+    new_cache = dict(upd["cache"])
+    new_cache["index"] = (start + n_real).astype(jnp.int32)   # the padding's slots are written again next
+    if all_logits:
+      return new_cache, jnp.einsum("bnd,dv->bnv", h_BxNxD, unembed_DxV).astype(jnp.float32)
+    h_BxD = jax.lax.dynamic_index_in_dim(h_BxNxD, n_real - 1, axis=1, keepdims=False)
+    return new_cache, jnp.einsum("bd,dv->bv", h_BxD, unembed_DxV).astype(jnp.float32)
+  return run
+
+
+def append_tokens(model: nn.Module, params: Any, cache: Any, tokens_BxN: np.ndarray, start: int, *,
+                  all_logits: bool = False) -> tuple[Any, Array]:
+  """Feed tokens into a cache whose rows hold `start` tokens (no padding: slot = position).
+
+  Returns (cache, logits): the last token's (B, V) float32 logits, or every fed token's (B, N, V)
+  with all_logits. The feed is right-padded to `prompt_bucket(N)` (capped by the free slots) so
+  calls of similar lengths share one executable; positions and ALiBi/T5 distances follow the cache.
+  """
+  tokens_BxN = np.asarray(tokens_BxN, np.int32)
+  b, n = tokens_BxN.shape
+  slots = int(cache["kv_valid"].shape[1])
+  if start + n > slots:
+    raise ValueError(f"{start} tokens in the cache + {n} new = {start + n} exceed its {slots} slots")
+  padded = max(n, min(prompt_bucket(n), slots - start))
+  feed = np.zeros((b, padded), np.int32)
+  feed[:, :n] = tokens_BxN
+  args = (params, cache, feed, np.int32(n), np.int32(start))
+  cache, logits = _aot("append", (_model_key(model), all_logits), _append_fn(model, all_logits), *args)(*args)
+  return cache, (logits[:, :n] if all_logits else logits)
+
+
+class Session:
+  """One conversation: a KV cache of `max_len` slots kept across turns.
+
+  `append(tokens)` feeds tokens after everything already in the cache (positions continue) and
+  returns the next-token logits; `generate(n, ...)` samples from there, the generated tokens staying
+  in the conversation; `reset()` starts a new conversation on a fresh zero cache (nothing of the old
+  one is visible). The last generated token is fed lazily, by the next append or generate.
+  """
+
+  def __init__(self, model: nn.Module, params: Any, *, max_len: int, cache_dtype: str | None = None,
+               scan_layers: bool = True):
+    self.cfg = _cfg(model)
+    if max_len < 1:
+      raise ValueError(f"max_len must be >= 1, got {max_len}")
+    if self.cfg.position == "learned" and max_len > self.cfg.max_len:
+      raise ValueError(f"max_len={max_len} exceeds the model's max_len={self.cfg.max_len} "
+                       "(learned positions cannot extrapolate)")
+    self.model, self.params = decode_layout(with_cache_dtype(model, cache_dtype), nn.unbox(params),
+                                            scan_layers)
+    self.max_len = int(max_len)
+    self.reset()
+
+  def reset(self) -> None:
+    """Forget the conversation: a fresh all-zero cache."""
+    self.cache = init_cache(self.model, None, 1, self.max_len)
+    self.fed: list[int] = []        # tokens in the cache
+    self.pending: list[int] = []    # generated, not yet fed
+    self.logits: np.ndarray | None = None   # (V,) after the last fed token
+
+  @property
+  def tokens(self) -> list[int]:
+    """The whole conversation so far (fed + pending)."""
+    return self.fed + self.pending
+
+  def rewind(self, n: int) -> None:
+    """Keep only the first n tokens of the conversation (e.g. a reply cut at a stop string); the
+    slots after them are rewritten by the next call and never seen before (causal attention)."""
+    if not 0 <= n <= len(self.tokens):
+      raise ValueError(f"rewind to {n}: the conversation has {len(self.tokens)} tokens")
+    if n == len(self.tokens):
+      return
+    kept = self.tokens[:n]
+    self.fed, self.pending = kept[:-1], kept[-1:]    # the last kept token is fed again: its logits
+    self.cache = dict(self.cache, index=jnp.asarray(len(self.fed), jnp.int32))
+    self.logits = None
+
+  def append(self, tokens: Sequence[int], *, all_logits: bool = False) -> np.ndarray:
+    """Feed tokens; returns the next-token logits (V,) float32 (or (N, V) for every new token,
+    the pending generated token first if there is one)."""
+    new = self.pending + [int(t) for t in np.asarray(tokens, np.int64).reshape(-1)]
+    if not new:
+      raise ValueError("append needs at least one token")
+    bad = [t for t in new if not 0 <= t < self.cfg.vocab_size]
+    if bad:
+      raise ValueError(f"token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
+    if len(self.fed) + len(new) > self.max_len:
+      raise ValueError(f"conversation of {len(self.fed) + len(new)} tokens exceeds the session's "
+                       f"max_len={self.max_len}")
+    self.cache, logits = append_tokens(self.model, self.params, self.cache, np.asarray([new]),
+                                       len(self.fed), all_logits=all_logits)
+    self.fed, self.pending = self.fed + new, []
+    self.logits = np.asarray(logits[0, -1] if all_logits else logits[0])
+    return np.asarray(logits[0])
+
+  def generate(self, max_new_tokens: int, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+               repetition_penalty: float = 1.0, stop_tokens: Sequence[int] = (), rng: Any = None,
+               chunk_size: int = 16) -> np.ndarray:
+    """Sample up to max_new_tokens tokens continuing the conversation (a stop token ends it and is
+    kept); returns them (n,) int32. They become part of the conversation."""
+    if self.pending or self.logits is None:
+      if not self.fed and not self.pending:
+        raise ValueError("generate needs a prompt: append tokens first")
+      self.append([])
+    start = len(self.fed)
+    _check(self.cfg, start, max_new_tokens, self.max_len, temperature, top_k, top_p,
+           repetition_penalty, stop_tokens)
+    spec = _spec(temperature, top_k, top_p, repetition_penalty)
+    knobs = (np.float32(temperature), np.float32(top_p), np.float32(repetition_penalty))
+    seen = sampling.seen_mask(jnp.asarray([self.fed], jnp.int32), self.cfg.vocab_size)
+    st = DecodeState(cache=self.cache, logits_BxV=jnp.asarray(self.logits)[None], seen_BxV=seen,
+                     pos_B=jnp.asarray([start], jnp.int32), done_B=jnp.zeros((1,), bool),
+                     lengths_B=jnp.zeros((1,), jnp.int32), step=jnp.zeros((), jnp.int32), rng=_rng(rng))
+    out: list[np.ndarray] = []
+    left = int(max_new_tokens)
+    while left > 0 and not bool(st.done_B[0]):
+      n = min(chunk_size, left)
+      left -= n
+      key = (_model_key(self.model), spec, chunk_size, True)
+      args = (self.params, st, np.int32(n), _stop_array(stop_tokens), np.int32(0), *knobs)
+      st, chunk = _aot("decode_loop", key, _loop_fn(self.model, spec, chunk_size, True), *args)(*args)
+      out.append(np.asarray(chunk)[0])
+    made = np.concatenate(out)[:int(st.lengths_B[0])].astype(np.int32)
+    # every generated token but the last is in the cache; the last is fed by the next call
+    cache = dict(st.cache)
+    cache["index"] = jnp.asarray(start + made.size - 1, jnp.int32)
+    self.cache, self.fed, self.pending, self.logits = cache, self.fed + made[:-1].tolist(), [int(made[-1])], None
+    return made
+
+
+# ------------------------------------------------------------------- scoring through the cache
+
+
+def _score_fn(model: nn.Module) -> Callable:
+  def run(params, tokens_BxL):
+    b, l = tokens_BxL.shape
+    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), _cache_shapes(model, b, l))
+
+    def body(cache, t):
+      feed_Bx1 = jax.lax.dynamic_slice_in_dim(tokens_BxL, t, 1, axis=1)
+      logits_Bx1xV, upd = model.apply({"params": params, "cache": cache}, feed_Bx1,
+                                      positions_BxL=jnp.full((b, 1), t, jnp.int32),
+                                      attention_mask_BxL=jnp.ones((b, 1), bool), decode=True,
+                                      mutable=["cache"])
+      logp_BxV = jax.nn.log_softmax(logits_Bx1xV[:, 0].astype(jnp.float32), axis=-1)
+      target_B = jax.lax.dynamic_index_in_dim(tokens_BxL, t + 1, axis=1, keepdims=False)
+      return upd["cache"], jnp.take_along_axis(logp_BxV, target_B[:, None], axis=-1)[:, 0]
+
+    _, logp_LxB = jax.lax.scan(body, cache, jnp.arange(l - 1))
+    return logp_LxB.T
+  return run
+
+
+def cache_logprobs(model: nn.Module, params: Any, tokens_BxL: Any, *, cache_dtype: str | None = None,
+                   scan_layers: bool = True) -> np.ndarray:
+  """Teacher-forced log p(token t+1 | tokens <= t) (B, L-1), fed one token at a time through the
+  decode cache (so a quantized cache's error is what is measured)."""
+  tokens_BxL = np.asarray(tokens_BxL, np.int32)
+  model, params = decode_layout(with_cache_dtype(model, cache_dtype), nn.unbox(params), scan_layers)
+  args = (params, tokens_BxL)
+  return np.asarray(_aot("score", _model_key(model), _score_fn(model), *args)(*args))
+
+
+# ------------------------------------------------------------------------ slots (continuous batching)
+
+
+def slot_caches(model: nn.Module, num_slots: int, max_len: int) -> Any:
+  """`num_slots` independent one-row caches stacked on a leading axis (each with its own index)."""
+  one = _cache_shapes(model, 1, max_len)
+  return jax.tree.map(lambda s: jnp.zeros((num_slots, *s.shape), s.dtype), one)
+
+
+def set_slot(caches: Any, i: Any, cache: Any) -> Any:
+  """caches with slot i replaced by the one-row `cache` (i may be traced)."""
+  return jax.tree.map(lambda c, x: jax.lax.dynamic_update_index_in_dim(c, x, i, 0), caches, cache)
+
+
+def _slot_step_fn(model: nn.Module) -> Callable:
+  vocab = model.cfg.vocab_size
+
+  def feed_one(params, cache, tok):
+    pos = cache["index"]
+    logits_1x1xV, upd = model.apply({"params": params, "cache": cache}, jnp.reshape(tok, (1, 1)),
+                                    positions_BxL=jnp.reshape(pos, (1, 1)),
+                                    attention_mask_BxL=jnp.ones((1, 1), bool), decode=True, mutable=["cache"])
+    return upd["cache"], logits_1x1xV[0, 0]
+
+  def step(params, caches, logits_SxV, keys_Sx2, counts_S, temperature_S, top_p_S, active_S):
+    keys = jax.vmap(jax.random.fold_in)(keys_Sx2, counts_S)
+    tok_S = sampling.sample_next(keys, logits_SxV, temperature=temperature_S, top_p=top_p_S)
+    tok_S = jnp.where(active_S, jnp.clip(tok_S, 0, vocab - 1), 0)
+    caches, logits_SxV = jax.vmap(feed_one, in_axes=(None, 0, 0))(params, caches, tok_S)
+    caches = dict(caches)
+    caches["index"] = jnp.where(active_S, caches["index"], 0)   # idle slots stay at slot 0
+    return caches, logits_SxV, tok_S
+  return step
+
+
+def slot_step(model: nn.Module, params: Any, caches: Any, logits_SxV: Any, keys_Sx2: Any, counts_S: Any,
+              temperature_S: Any, top_p_S: Any, active_S: Any) -> tuple[Any, Array, Array]:
+  """One decode step for every slot at once (one executable whatever the slots hold): sample slot
+  s's next token from logits_SxV[s] with its own key (fold_in(key, count): a request's tokens
+  depend on its seed and its own logits only), feed it at the slot's own position, return
+  (caches, next logits, tokens). Inactive slots compute garbage that is never read."""
+  args = (params, caches, logits_SxV, keys_Sx2, counts_S, temperature_S, top_p_S, active_S)
+  return _aot("slot_step", _model_key(model), _slot_step_fn(model), *args)(*args)

@@ -14,6 +14,8 @@ first_call_s the whole wait), then warm figures: ttft_ms (prefill + first token)
 per_token_ms and decode_tok_s of the compiled step loop, tok_s end to end; same_bucket_new_compiles
 counts compiles for a prompt one token shorter in the same prompt bucket (0 expected).
 Recompute: one full forward over the whole (prompt + new) buffer per token, no cache.
+cache_bytes: the KV cache of this request (--cache-dtype: int8 stores K/V with per-token scales), and
+cache_vs_bf16 its ratio to a bfloat16 cache.
 Warm times are medians over --runs after the first call. The slow recompute path has no warm-up: its
 first call counts, minus its logged compile time. The persistent compilation cache is not enabled
 here, so compile times are cold.
@@ -54,6 +56,8 @@ def define_flags(fv: flags.FlagValues) -> None:
                     "config's own layout", flag_values=fv)
   flags.DEFINE_string("dtype", None, "compute and weight dtype for inference (e.g. bfloat16; default: the "
                       "config's)", flag_values=fv)
+  flags.DEFINE_string("cache-dtype", None, "KV cache storage: '' (model dtype) | bfloat16 | int8 (default: the "
+                      "config's decode.cache_dtype)", flag_values=fv)
   flags.DEFINE_string("json", None, "also write the result dict to this file", flag_values=fv)
 
 
@@ -108,7 +112,8 @@ def _run(args: Any, cfg: Any, runtime: backends.Runtime) -> dict[str, Any]:
   init_s = time.perf_counter() - t0
   train_layout = "scanned" if model.cfg.scan_layers else "unrolled"
   t0 = time.perf_counter()
-  model, params = decode.decode_layout(model, params, args.scan)
+  cache_dtype = args.cache_dtype if args.cache_dtype is not None else cfg.decode.get("cache_dtype", "")
+  model, params = decode.decode_layout(decode.with_cache_dtype(model, cache_dtype), params, args.scan)
   jax.block_until_ready(params)
   layout_s = time.perf_counter() - t0
   m = model.cfg
@@ -121,6 +126,10 @@ def _run(args: Any, cfg: Any, runtime: backends.Runtime) -> dict[str, Any]:
         f"dtype={m.dtype} params={n_params / 1e6:.2f}M (init {init_s:.1f}s, layout {layout_s:.2f}s); "
         f"batch={b} prompt={p} (bucket {req.tokens_BxP.shape[1]}) new={n} cache_slots={req.slots} "
         f"{runtime.backend.describe()} on {jax.default_backend()}", flush=True)
+  cache_bytes = decode.cache_bytes(model, b, req.slots)
+  bf16_bytes = decode.cache_bytes(decode.with_cache_dtype(model, "bfloat16"), b, req.slots)
+  print(f"KV cache ({cache_dtype or m.dtype}): {cache_bytes / 2**20:.2f} MiB = {cache_bytes / bf16_bytes:.3f}x "
+        "the bfloat16 cache", flush=True)
 
   # first call: what a user waits for (compiles included), split into compile and run
   logged = len(decode.COMPILE_LOG)
@@ -158,7 +167,8 @@ def _run(args: Any, cfg: Any, runtime: backends.Runtime) -> dict[str, Any]:
       layout_s=round(layout_s, 3),
       compile_s=round(prefill_compile + decode_compile, 3), prefill_compile_s=round(prefill_compile, 3),
       decode_compile_s=round(decode_compile, 3), first_call_s=round(first_call_s, 3),
-      same_bucket_new_compiles=second_compiles,
+      same_bucket_new_compiles=second_compiles, cache_dtype=cache_dtype or m.dtype, cache_bytes=cache_bytes,
+      cache_vs_bf16=round(cache_bytes / bf16_bytes, 4),
       prefill_ms=round(1e3 * prefill_s, 3), ttft_ms=round(1e3 * statistics.median(ttft_times), 3),
       per_token_ms=round(1e3 * decode_s / n, 4), decode_tok_s=round(b * n / decode_s, 1),
       total_s=round(cached_total, 4), tok_s=round(b * n / cached_total, 1))

@@ -90,6 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
            "xla": xla, "ratio": (est.total / xla["total"]) if xla else None}
     if kv:
       out["kv_cache_bytes_fp16"] = est_lib.kv_cache_bytes(m.num_layers, kv[0], kv[1], m.kv_heads, m.hd, 2)
+      out["kv_cache_bytes_int8"] = est_lib.kv_cache_bytes_as(m, kv[0], kv[1], "int8")
     with open(args.json, "w") as f:
       json.dump(out, f, indent=2)
   return 0

@@ -72,6 +72,7 @@ import jax.numpy as jnp
 from tformer_jax import backends
 from tformer_jax.config import GLU_ACTIVATIONS, ModelConfig, default_config
 from tformer_jax.nn import Transformer
+from tformer_jax.ops import kv_quant
 from tformer_jax.ops.chunked_attention import chunk_table
 from tformer_jax.ops.moe import capacity as moe_capacity
 from tformer_jax.parallel import mesh as mesh_lib
@@ -220,6 +221,12 @@ def kv_cache_bytes(num_layers: int, batch: int, length: int, kv_heads: int, head
                    bytes_per_elem: int = 2) -> int:
   """2 (K, V) * layers * batch * length * kv_heads * head_dim * bytes."""
   return 2 * num_layers * batch * length * kv_heads * head_dim * bytes_per_elem
+
+
+def kv_cache_bytes_as(m: ModelConfig, batch: int, length: int, cache_dtype: str) -> int:
+  """The decode cache's K/V bytes stored as `cache_dtype` (decode.cache_dtype: '' = the compute dtype,
+  bfloat16, int8 with its per-token-and-head scales: ops/kv_quant.py)."""
+  return batch * length * kv_quant.cache_bytes_per_token(m.num_layers, m.kv_heads, m.hd, cache_dtype, m.dtype)
 
 
 # -- what a block keeps -------------------------------------------------------------------------------------
@@ -533,6 +540,9 @@ def format_report(m: ModelConfig, est: Estimate, batch: int, seq: int, xla: dict
       total = kv_cache_bytes(m.num_layers, b, length, m.kv_heads, m.hd, nbytes)
       lines.append(f"KV cache batch={b} len={length} {name}: {mb(total)} "
                    f"({total / m.num_layers / MiB:.2f} MiB per layer)")
+    q8 = kv_cache_bytes_as(m, b, length, "int8")
+    lines.append(f"KV cache batch={b} len={length} int8 (decode.cache_dtype=int8, scales included): {mb(q8)} "
+                 f"({q8 / kv_cache_bytes(m.num_layers, b, length, m.kv_heads, m.hd, 2):.3f}x bf16)")
   return "\n".join(lines)
 
 

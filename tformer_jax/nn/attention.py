@@ -5,6 +5,8 @@ at slot j. For left-padded batches, padding slots are simply invalid keys (`kv_v
 distances equal position distances among real tokens. RoPE uses the explicit `positions`.
 Which keys a query sees is one `ops.masks.Visibility`; the backend computes softmax(QK^T)V under it, or
 with model.attention='linear' phi(Q)phi(K)^T V normalised (ops/linear_attention.py).
+The cache stores K/V in `cache_dtype` ('' = the compute dtype, bfloat16, or int8 with one scale per
+token and KV head, ops/kv_quant.py); attention always sees them dequantised to the compute dtype.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import jax.numpy as jnp
 from tformer_jax import backends
 from tformer_jax.config import ModelConfig
 from tformer_jax.nn.common import dtypes, normal, param, residual_std
-from tformer_jax.ops import positions as pos_ops
+from tformer_jax.ops import kv_quant, positions as pos_ops
 from tformer_jax.ops.masks import RandomBlocks, Visibility
 from tformer_jax.ops.rope_scaling import rope_parameters
 
@@ -44,6 +46,7 @@ class Attention(nn.Module):
   cfg: ModelConfig
   deterministic: bool = True
   decode: bool = False
+  cache_dtype: str = ""   # KV cache storage: '' (compute dtype) | float32 | bfloat16 | int8
 
   @nn.compact
   def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, kv_valid_BxS: jax.Array | None,
@@ -76,10 +79,15 @@ class Attention(nn.Module):
       k_BxLxKxD += param(self, "bk", zeros, (kh, hd), ("kv_heads", "kv"), pdt).astype(dt)
       v_BxLxKxD += param(self, "bv", zeros, (kh, hd), ("kv_heads", "kv"), pdt).astype(dt)
 
+    quantized = self.cache_dtype == "int8"
     if self.decode:
       is_init = not self.has_variable("cache", "k")
-      ck = self.variable("cache", "k", jnp.zeros, (b, l, kh, hd), dt)
-      cv = self.variable("cache", "v", jnp.zeros, (b, l, kh, hd), dt)
+      store = kv_quant.storage_dtype(self.cache_dtype, dt)
+      ck = self.variable("cache", "k", jnp.zeros, (b, l, kh, hd), store)
+      cv = self.variable("cache", "v", jnp.zeros, (b, l, kh, hd), store)
+      if quantized:
+        ck_scale = self.variable("cache", "k_scale", jnp.zeros, (b, l, kh), kv_quant.SCALE_DTYPE)
+        cv_scale = self.variable("cache", "v_scale", jnp.zeros, (b, l, kh), kv_quant.SCALE_DTYPE)
     s_total = ck.value.shape[1] if self.decode else l
 
     if cfg.position == "rope":
@@ -91,9 +99,18 @@ class Attention(nn.Module):
 
     if self.decode and not is_init:
       start = (0, q_offset, 0, 0)
-      ck.value = jax.lax.dynamic_update_slice(ck.value, k_BxLxKxD.astype(dt), start)
-      cv.value = jax.lax.dynamic_update_slice(cv.value, v_BxLxKxD.astype(dt), start)
-      k_BxLxKxD, v_BxLxKxD = ck.value, cv.value
+      if quantized:
+        (k_q, k_s), (v_q, v_s) = kv_quant.quantize(k_BxLxKxD), kv_quant.quantize(v_BxLxKxD)
+        ck.value = jax.lax.dynamic_update_slice(ck.value, k_q, start)
+        cv.value = jax.lax.dynamic_update_slice(cv.value, v_q, start)
+        ck_scale.value = jax.lax.dynamic_update_slice(ck_scale.value, k_s, start[:3])
+        cv_scale.value = jax.lax.dynamic_update_slice(cv_scale.value, v_s, start[:3])
+        k_BxLxKxD = kv_quant.dequantize(ck.value, ck_scale.value, dt)
+        v_BxLxKxD = kv_quant.dequantize(cv.value, cv_scale.value, dt)
+      else:
+        ck.value = jax.lax.dynamic_update_slice(ck.value, k_BxLxKxD.astype(store), start)
+        cv.value = jax.lax.dynamic_update_slice(cv.value, v_BxLxKxD.astype(store), start)
+        k_BxLxKxD, v_BxLxKxD = ck.value.astype(dt), cv.value.astype(dt)
     else:
       q_offset = 0
 

@@ -18,13 +18,14 @@ class Block(nn.Module):
   deterministic: bool = True
   decode: bool = False
   use_moe: bool = False
+  cache_dtype: str = ""   # KV cache storage (nn/attention.py)
 
   @nn.compact
   def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, kv_valid_BxS: jax.Array | None,
                q_offset: jax.Array, bias_BxHxLxS: jax.Array | None, segment_ids_BxL: jax.Array | None = None):
     cfg = self.cfg
     x_BxLxD = backends.current().residual(x_BxLxD)   # the residual stream entering the block
-    attn = Attention(cfg, self.deterministic, self.decode, name="attn")
+    attn = Attention(cfg, self.deterministic, self.decode, self.cache_dtype, name="attn")
     if self.use_moe:
       moe = MoEFFN(cfg, name="moe")
       ffn = lambda y: moe(y, deterministic=self.deterministic)  # noqa: E731

@@ -31,6 +31,7 @@ def block_class(cfg: ModelConfig):
 
 class Transformer(nn.Module):
   cfg: ModelConfig
+  cache_dtype: str = ""   # KV cache storage when decoding: '' (compute dtype) | float32 | bfloat16 | int8
 
   @nn.compact
   def __call__(self, tokens_BxL: jax.Array, *, positions_BxL: jax.Array | None = None,
@@ -123,10 +124,12 @@ class Transformer(nn.Module):
       scanned = nn.scan(cls, variable_axes={c: 0 for c in SCANNED_COLLECTIONS},
                         split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * 5,
                         length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
-      x_BxLxD, _ = scanned(cfg, deterministic, decode, cfg.moe.num_experts > 0, name="layers")(x_BxLxD, *args)
+      x_BxLxD, _ = scanned(cfg, deterministic, decode, cfg.moe.num_experts > 0, self.cache_dtype,
+                             name="layers")(x_BxLxD, *args)
     else:
       for i in range(cfg.num_layers):
-        x_BxLxD, _ = cls(cfg, deterministic, decode, cfg.is_moe_layer(i), name=f"layers_{i}")(x_BxLxD, *args)
+        x_BxLxD, _ = cls(cfg, deterministic, decode, cfg.is_moe_layer(i), self.cache_dtype,
+                          name=f"layers_{i}")(x_BxLxD, *args)
 
     if cfg.final_norm:
       x_BxLxD = Norm(cfg, name="final_norm")(x_BxLxD)
