@@ -232,6 +232,15 @@ def test_imports_run_downward():
       assert not imported & TOOLS, f"{path.relative_to(PKG)} imports {imported & TOOLS}"
 
 
+def test_serve_sits_above_decode():
+  """The server uses decode; no service below reaches up into it (only the tools and cli may)."""
+  for path in PKG.rglob("*.py"):
+    unit = path.relative_to(PKG).parts[0]
+    if unit not in TOOLS and unit != "serve":
+      assert "serve" not in _imports(path), f"{path.relative_to(PKG)} imports tformer_jax.serve"
+  assert "decode" in _imports(PKG / "serve" / "engine.py")
+
+
 def test_eval_sits_above_decode():
   """The harness model class (tformer_jax/eval) uses decode and the loaders; only the tools and cli import it."""
   for path in PKG.rglob("*.py"):

@@ -306,3 +306,95 @@ def test_prompt_buckets_share_executables_and_keep_the_tokens():
   np.testing.assert_array_equal(got, decode.generate(model, params, prompt, bucket_prompts=False, **kw))
   req = decode.make_request(model, prompt, max_new_tokens=4, max_len=28)   # the cache leaves room for 24
   assert req.tokens_BxP.shape == (1, 24) and req.slots == 28
+
+
+# ----------------------------------------------------------------------------------- sessions
+
+
+SESSION_CASES = {"rope-gqa": CASES["rope-gqa"], "alibi-gqa": CASES["alibi-gqa"],
+                 "rope-gqa-scan-int8": tiny(num_kv_heads=2, scan_layers=True)}
+
+
+@pytest.mark.parametrize("name", ["rope-gqa", "alibi-gqa"])
+def test_session_two_turns_equal_a_full_forward_over_the_conversation(name):
+  """Positions follow the cache: turn 2 (after a generated reply) == a fresh forward over it all."""
+  model, params = build(SESSION_CASES[name])
+  s = decode.Session(model, params, max_len=32)
+  first = s.append([5, 9, 11, 3, 7])
+  reply = s.generate(6, temperature=0.0)
+  second = s.append([40, 2, 17], all_logits=True)          # the pending reply token, then the turn
+  conv = s.tokens
+  assert conv == [5, 9, 11, 3, 7, *reply.tolist(), 40, 2, 17] and len(second) == 4
+  full = np.asarray(jax.jit(model.apply)({"params": params}, np.asarray([conv])))[0]
+  np.testing.assert_allclose(first, full[4], atol=ATOL, rtol=0)
+  np.testing.assert_allclose(second, full[-4:], atol=ATOL, rtol=0)
+  # the reply is the greedy continuation of turn 1, as one-shot generate gives it
+  np.testing.assert_array_equal(reply, decode.generate(model, params, [[5, 9, 11, 3, 7]],
+                                                      max_new_tokens=6, temperature=0.0)[0])
+
+
+@pytest.mark.parametrize("name", ["rope-gqa", "alibi-gqa"])
+def test_reset_session_equals_a_new_one_bitwise(name):
+  """A second conversation does not taste of the first."""
+  model, params = build(SESSION_CASES[name])
+  s = decode.Session(model, params, max_len=32)
+  s.append([1, 2, 3, 4, 5, 6, 7, 8, 9])
+  s.generate(5, temperature=0.9, rng=3)
+  s.reset()
+  fresh = decode.Session(model, params, max_len=32)
+  a, b = s.append([40, 2, 17]), fresh.append([40, 2, 17])
+  np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(s.generate(6, temperature=0.8, rng=1), fresh.generate(6, temperature=0.8, rng=1))
+  for x, y in zip(jax.tree.leaves(s.cache), jax.tree.leaves(fresh.cache)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_session_stop_token_limits_and_int8_cache():
+  model, params = build(SESSION_CASES["rope-gqa-scan-int8"])
+  s = decode.Session(model, params, max_len=24, cache_dtype="int8")
+  assert s.cache["layers"]["attn"]["k"].dtype == jnp.int8
+  s.append([5, 9, 11])
+  free = s.generate(8, temperature=0.0)
+  s.reset()
+  s.append([5, 9, 11])
+  first = free.tolist().index(int(free[-1]))                 # where the last token first appears
+  stopped = s.generate(8, temperature=0.0, stop_tokens=[int(free[-1])])
+  np.testing.assert_array_equal(stopped, free[:first + 1])   # the stop token is kept, then nothing
+  assert len(s.tokens) == 3 + first + 1
+  with pytest.raises(ValueError, match="max_len=24"):
+    s.append(list(range(30)))
+  with pytest.raises(ValueError, match="append tokens first"):
+    decode.Session(model, params, max_len=8).generate(2)
+  with pytest.raises(ValueError, match="vocabulary"):
+    s.append([64])
+
+
+def test_cli_chat_keeps_the_conversation_in_one_cache(tmp_path, monkeypatch, capsys):
+  """tformer-generate --chat through stdin: plain turns; turn 2's reply is what a fresh generate over
+  the whole conversation text gives (the cache was reused, positions continued)."""
+  import io
+
+  from tformer_jax import cli_common, decode_io
+  from tformer_jax.cli import generate as cli
+  cfg_file = tmp_path / "tiny_cfg.py"
+  cfg_file.write_text(
+      "from tformer_jax.config import default_config\n"
+      "def get_config():\n"
+      "  c = default_config()\n"
+      "  c.model.update(dict(d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, max_len=96, position='rope'))\n"
+      "  return c\n")
+  monkeypatch.setattr("sys.stdin", io.StringIO("hello\n\nagain\n/reset\nhello\n"))
+  assert cli.main(["--random_init", f"--config={cfg_file}", "--chat", "--temperature=0",
+                   "--max_new_tokens=6"]) == 0
+  lines = capsys.readouterr().out.split("\n")
+  r1, r2, note, r3 = lines[:4]
+  assert note == "(new conversation)" and r3 == r1             # reset: the first turn again, exactly
+  model, params, tok = decode_io.random_init(cli_common.load_config_file(str(cfg_file)), 0)
+  turn1 = tok.encode("User: hello\nAssistant:").tolist()
+  first = decode.generate(model, params, [turn1], max_new_tokens=6, temperature=0.0)[0].tolist()
+  newline = tok.encode("\n").tolist()
+  kept = first[:first.index(newline[0]) + 1] if newline[0] in first else first + newline
+  assert tok.decode(kept).strip() == r1
+  conv = turn1 + kept + tok.encode("User: again\nAssistant:").tolist()
+  second = decode.generate(model, params, [conv], max_new_tokens=6, temperature=0.0)[0]
+  assert tok.decode(second).split("\n")[0].strip() == r2

@@ -1,9 +1,10 @@
-"""`python -m tformer_jax.bench {train,attention,compile,decode,moe,data,compare} [args]`.
+"""`python -m tformer_jax.bench {train,attention,compile,decode,serve,moe,data,compare} [args]`.
 
   train      throughput, FLOP/s and MFU of the real train step       (tformer_jax/bench/train.py)
   attention  memory and time of attention impls, fwd + bwd            (tformer_jax/bench/attention.py)
   compile    compile time of the train step, scan_layers vs unrolled  (tformer_jax/bench/compile.py)
   decode     KV-cache vs recompute generation                         (tformer_jax/bench/decode.py)
+  serve      HTTP server tokens/s at 1/4/16 clients vs sequential       (tformer_jax/bench/serve.py)
   moe        MoE FFN fwd + bwd throughput and memory vs dense         (tformer_jax/bench/moe.py)
   data       prepare / loader throughput, peak RSS on a 2 GB corpus   (tformer_jax/bench/data.py)
   compare    JAX vs PyTorch eager / torch.compile, interleaved        (benchmarks/compare_torch.py)
@@ -26,6 +27,7 @@ MODULES = {
     "attention": "tformer_jax.bench.attention",
     "compile": "tformer_jax.bench.compile",
     "decode": "tformer_jax.bench.decode",
+    "serve": "tformer_jax.bench.serve",
     "moe": "tformer_jax.bench.moe",
     "data": "tformer_jax.bench.data",
 }

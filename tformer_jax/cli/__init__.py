@@ -3,6 +3,7 @@
 
   tformer-train           train.py            train (and resume) from a config file
   tformer-generate        generate.py         sample from a workdir, an HF directory or random weights
+  tformer-serve           serve.py            an OpenAI-compatible HTTP server (continuous batching)
   tformer-eval            eval.py             loss / perplexity / bits per byte / accuracy on a corpus
   tformer-convert         convert.py          HF directory <-> training workdir
   tformer-prepare         ../data/prepare.py  text sources -> sharded token files

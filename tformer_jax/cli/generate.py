@@ -9,6 +9,11 @@ One source of weights: --workdir (its config.json; --config.a.b=v overrides appl
 
 Several --prompt (or --prompts_file, one prompt per line) run as one left-padded batch; a single
 prompt streams chunk by chunk. --stop strings end a row (the text is cut before the stop string).
+
+--chat: an interactive conversation on one `decode.Session` (the KV cache is kept across turns, only
+the new turn is prefilled): one user turn per stdin line, the reply printed on one line. With an HF
+tokenizer that has a chat template, the template renders the conversation; otherwise plain turns
+('User: ...' / 'Assistant: ...', a reply ends at a newline). '/reset' starts a new conversation.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from absl import flags
 
 from tformer_jax import backends, cli_common, config as config_lib, decode, decode_io
 from tformer_jax.checkpoint import CheckpointError, restore_params
+from tformer_jax.serve import api as chat_api
 
 
 def define_flags(fv: flags.FlagValues) -> None:
@@ -39,6 +45,9 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_bool("scan_layers", True, "decode with scanned layers (compiles once per layer body); "
                     "--noscan_layers: the model's own layout (faster per token on CPU, slower to compile)",
                     flag_values=fv)
+  flags.DEFINE_bool("chat", False, "interactive conversation: one user turn per stdin line", flag_values=fv)
+  flags.DEFINE_integer("max_len", 0, "--chat: tokens the conversation may hold (0: the model's max_len)",
+                       flag_values=fv)
 
 
 def parse_args(argv: Sequence[str] | None) -> Any:
@@ -106,7 +115,78 @@ def main(argv: Sequence[str] | None = None) -> int:
   runtime = backends.resolve_runtime(cfg, model=model.cfg, quiet=True)
   backends.enable_compilation_cache(cfg.data.get("cache_dir", "") if "data" in cfg else "")
   with backends.use(runtime.backend):   # traced lazily, inside the stream
+    if args.chat:
+      return chat(args, model, params, tok)
     return generate(args, model, params, tok, default_prompt)
+
+
+def _turn_tokens(session: decode.Session, messages: list, tok: Any, template: str | None) -> list[int]:
+  """The tokens to append for the last user message (resetting the session if the template's
+  rendering of the conversation no longer starts with what the cache holds)."""
+  if template is None:
+    held = session.tokens
+    sep = "\n" if held and not tok.decode(held[-1:]).endswith("\n") else ""   # a reply cut by the length
+    text = f"{sep}User: {messages[-1]['content']}\nAssistant:"
+    return [int(t) for t in tok.encode(text)]
+  ids = [int(t) for t in tok.encode(chat_api.render_chat(messages, tok, template))]
+  held = session.tokens
+  if ids[:len(held)] != held:
+    session.reset()
+    held = []
+  return ids[len(held):]
+
+
+def chat(args: Any, model: Any, params: Any, tok: Any) -> int:
+  """The --chat loop: read a turn, append it to the session, generate and print the reply."""
+  template = chat_api.chat_template(tok)
+  session = decode.Session(model, params, max_len=args.max_len or model.cfg.max_len,
+                           scan_layers=args.scan_layers)
+  eos = getattr(tok, "eos_id", None)
+  stops = list(args.stop) + ([] if template else ["\n"])
+  stop_ids = sorted({int(ids[0]) for ids in map(tok.encode, stops) if len(ids) == 1} | ({eos} - {None}))
+  messages: list[dict[str, str]] = []
+  interactive = sys.stdin.isatty()
+  while True:
+    if interactive:
+      sys.stdout.write("> ")
+      sys.stdout.flush()
+    line = sys.stdin.readline()
+    if not line:
+      return 0
+    line = line.rstrip("\n")
+    if line.strip() == "/reset":
+      session.reset()
+      messages = []
+      print("(new conversation)", flush=True)
+      continue
+    if not line.strip():
+      continue
+    messages.append({"role": "user", "content": line})
+    new = _turn_tokens(session, messages, tok, template)
+    room = session.max_len - len(session.tokens) - len(new)
+    if room < 1:
+      print(f"(the conversation is full: {session.max_len} tokens; /reset to start again)", flush=True)
+      messages.pop()
+      continue
+    session.append(new)
+    before = len(session.tokens)
+    ids = session.generate(min(args.max_new_tokens, room), temperature=args.temperature, top_k=args.top_k,
+                           top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                           stop_tokens=stop_ids, rng=args.seed + len(messages))
+    text = chat_api.TextStream(tok, stops)
+    kept = 0
+    for t in ids:
+      if eos is not None and int(t) == eos:
+        kept += 1
+        break
+      text.add(int(t))
+      kept += 1
+      if text.stopped:
+        break
+    session.rewind(before + kept)          # the reply ends at the stop string (kept in the cache)
+    reply = text.delta(final=True).strip()
+    messages.append({"role": "assistant", "content": reply})
+    print(reply, flush=True)
 
 
 def generate(args: Any, model: Any, params: Any, tok: Any, default_prompt: str) -> int:

@@ -1,0 +1,93 @@
+"""Serve a model over HTTP in the OpenAI format (/v1/completions, /v1/chat/completions, /health).
+
+  tformer-serve --workdir=runs/gpt2_tiny --port=8000
+  tformer-serve --hf=path/to/hf_model --slots=16 --max_len=2048 --cache_dtype=int8
+  tformer-serve --random_init --config=configs/gpt2_tiny.py            # smoke test
+
+Requests are continuously batched over --slots cache slots of --max_len tokens (default the model's
+max_len); at most --max_queue requests wait, beyond that the server answers 429.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Sequence
+
+from absl import flags
+
+from tformer_jax import backends, cli_common, config as config_lib, decode_io
+from tformer_jax.checkpoint import CheckpointError, restore_params
+from tformer_jax.ops import kv_quant
+
+
+def define_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_string("workdir", None, "training workdir (config.json + checkpoints/)", flag_values=fv)
+  flags.DEFINE_string("hf", None, "Hugging Face model directory", flag_values=fv)
+  flags.DEFINE_bool("random_init", False, "random weights from --config", flag_values=fv)
+  flags.DEFINE_integer("seed", 0, "random-init seed", flag_values=fv)
+  flags.DEFINE_string("host", "127.0.0.1", "interface to listen on", flag_values=fv)
+  flags.DEFINE_integer("port", 8000, "port (0: any free one, printed)", flag_values=fv)
+  flags.DEFINE_string("model_name", "tformer", "the model id clients name in requests", flag_values=fv)
+  flags.DEFINE_integer("slots", 8, "sequences decoded together (cache slots)", flag_values=fv)
+  flags.DEFINE_integer("max_len", 0, "tokens per slot, prompt + completion (0: the model's max_len)",
+                       flag_values=fv)
+  flags.DEFINE_integer("max_queue", 64, "requests allowed to wait for a slot", flag_values=fv)
+  flags.DEFINE_string("cache_dtype", None, "KV cache storage: '' (model dtype) | bfloat16 | int8 "
+                      "(default: the config's decode.cache_dtype)", flag_values=fv)
+  flags.DEFINE_bool("scan_layers", True, "decode with scanned layers", flag_values=fv)
+
+
+def parse_args(argv: Sequence[str] | None) -> Any:
+  args = cli_common.parse(argv, define_flags, doc=__doc__, prog="tformer-serve", config=True,
+                          from_workdir=True)
+  sources = [name for name in ("workdir", "hf", "random_init") if getattr(args, name)]
+  if len(sources) != 1:
+    cli_common.fail("pass exactly one of --workdir=RUN, --hf=DIR, --random_init")
+  if args.random_init and args.config is None:
+    cli_common.fail("--random_init needs --config=configs/<name>.py")
+  if args.slots < 1 or args.max_queue < 0 or args.max_len < 0:
+    cli_common.fail("--slots must be >= 1, --max_queue and --max_len >= 0")
+  if args.cache_dtype is not None and args.cache_dtype not in kv_quant.CACHE_DTYPES:
+    cli_common.fail(f"--cache_dtype: one of {kv_quant.CACHE_DTYPES[1:]} or '', got {args.cache_dtype!r}")
+  return args
+
+
+def load(args: Any) -> tuple[Any, Any, Any]:
+  if args.random_init:
+    return decode_io.random_init(args.config, args.seed)
+  if args.hf:
+    return decode_io.load_hf(args.hf)
+  _, params = restore_params(args.workdir)
+  model = decode_io.model_from_config(args.config)
+  return model, decode_io.check_params(model, params, args.workdir), decode_io.tokenizer_from_config(args.config)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = parse_args(argv)
+  try:
+    model, params, tok = load(args)
+  except (CheckpointError, config_lib.ConfigError) as e:
+    cli_common.fail(str(e))
+  from tformer_jax.serve import Engine, http  # noqa: PLC0415 (aiohttp: the 'serve' extra)
+  cfg = args.config if args.config is not None else config_lib.default_config()
+  cache_dtype = args.cache_dtype if args.cache_dtype is not None else cfg.decode.get("cache_dtype", "")
+  runtime = backends.resolve_runtime(cfg, model=model.cfg, quiet=True)
+  backends.enable_compilation_cache(cfg.data.get("cache_dir", "") if "data" in cfg else "")
+  with backends.use(runtime.backend):
+    engine = Engine(model, params, num_slots=args.slots, max_len=args.max_len or None,
+                    max_queue=args.max_queue, scan_layers=args.scan_layers, cache_dtype=cache_dtype)
+    engine.warmup()
+    engine.start()
+    try:
+      http.serve_forever(http.Service(engine, tok, args.model_name), args.host, args.port)
+    finally:
+      engine.close()
+  return 0
+
+
+def entry() -> None:
+  """The `tformer-serve` console command."""
+  sys.exit(cli_common.run_main(main))
+
+
+if __name__ == "__main__":
+  entry()
