@@ -23,10 +23,14 @@ transformers = pytest.importorskip("transformers", reason="the HF-backend refere
 pytest.importorskip("accelerate", reason="the harness's HF backend needs accelerate (the `eval` extra)")
 pytestmark = pytest.mark.reference
 
+import jax  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 
+from tformer_jax import decode, decode_io  # noqa: E402
 from tformer_jax.cli import convert, eval as eval_cli  # noqa: E402
+from tformer_jax.config import default_config  # noqa: E402
 from tformer_jax.data.corpora import load_corpus  # noqa: E402
 from tformer_jax.eval import harness  # noqa: E402
 
@@ -171,6 +175,30 @@ def test_cli_one_line_errors(trained, capsys):
       eval_cli.main(argv)
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err.startswith("error: ") and want in err and "\n" not in err, (argv, err)
+
+
+def test_byte_model_answers_equal_its_own_forward_and_decoder():
+  """A model on the byte tokenizer (no BOS/EOS: the prefix is the newline): a rolling request is the
+  full forward's log-likelihood after the prefix; generation is decode.generate's greedy text, cut."""
+  cfg = default_config()
+  cfg.model.update(d_model=32, num_layers=2, num_heads=4, max_len=64, position="rope", norm="rmsnorm")
+  model, params, tok = decode_io.random_init(cfg, seed=3)
+  lm = harness.TformerLM(model=model, params=params, tokenizer=tok, batch_size=1)   # decode.generate's shapes
+  assert (lm.prefix_token_id, lm.eot_token_id, lm.max_length) == (10, None, 64)
+  text = "But soft, what light through yonder window breaks?"
+  ids = [10] + list(tok.encode(text))
+  logp = jax.nn.log_softmax(model.apply({"params": params}, np.asarray([ids[:-1]], np.int32))[0], -1)
+  want = float(np.sum(np.asarray(logp)[np.arange(len(ids) - 1), ids[1:]]))
+  req = [Instance("loglikelihood_rolling", {}, (text,), 0), Instance("loglikelihood_rolling", {}, ("x" * 150,), 1)]
+  got = lm.loglikelihood_rolling(req, disable_tqdm=True)
+  assert abs(got[0] - want) < LL_TOL and np.isfinite(got[1])
+  prompt = "ROMEO:\n"
+  gen = lm.generate_until([Instance("generate_until", {}, (prompt, {"until": ["\n"], "max_gen_toks": 20}), 0)],
+                          disable_tqdm=True)
+  out = decode.generate(model, params, [tok.encode(prompt)], max_new_tokens=20, temperature=0.0, stop_tokens=[10],
+                        pad_id=-1)[0]
+  out = out[out >= 0]
+  assert gen == [tok.decode(out).split("\n")[0]]
 
 
 def test_length_buckets_bound_the_compiled_shapes():
