@@ -35,9 +35,11 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 DTYPES = ("float32", "bfloat16", "float16")
 MOE_DISPATCH = ("dropless", "capacity")
 RUNTIME_BACKENDS = ("auto", "reference", "xla_cpu")
-RUNTIME_ATTENTION = ("auto", "reference", "chunked", "blockwise", "xla", "cudnn")
-TILED_ATTENTION = ("chunked", "blockwise")   # no dense bias, no global tokens, no dropout
+RUNTIME_ATTENTION = ("auto", "reference", "chunked", "blockwise", "xla", "cudnn", "splash")
+TILED_ATTENTION = ("chunked", "blockwise", "splash")   # no dense bias, no global tokens, no dropout
+CONTEXT_STRATEGIES = ("all_gather", "ring")   # mesh.context_strategy (ops/context_parallel.py)
 AUTO_ON_OFF = ("auto", "on", "off")
+DECODE_LAYOUTS = ("auto", "scanned", "unrolled")   # runtime.decode_layout (backends/runtime.py)
 RUNTIME_MOE_EXCHANGE = ("auto", "global", "all_to_all", "ragged")   # backends/moe.py
 RUNTIME_MOE_GMM = ("auto", "ragged_dot", "megablox")
 # The values of the other sections, as the modules that read them spell them (tests/test_config_errors.py
@@ -305,21 +307,25 @@ def default_config() -> ml_collections.ConfigDict:
       rules="dp",                    # dp | fsdp | tp | fsdp_tp | a name in tformer_jax.parallel.rules
       parallelism="jit",             # jit (NamedSharding, what pjit became) | pmap (data parallel)
       num_devices=0,                 # 0 = all devices; N = the first N (single-process runs)
+      context_strategy="all_gather", # a 'context' axis splits each sequence: all_gather (K/V gathered) | ring
   ))
   c.decode = ml_collections.ConfigDict(dict(   # sampling of the end-of-training sample and scripts/generate.py
       temperature=0.8,               # 0 = greedy
       top_k=0,                       # sample from the k most likely tokens; 0 = all
       top_p=1.0,                     # nucleus: the smallest set holding this probability mass; 1 = all
       repetition_penalty=1.0,        # > 1 discourages tokens already in the text (CTRL); 1 = off
+      cache_dtype="",                # KV cache storage: '' (model dtype) | float32 | bfloat16 | int8 (absmax)
   ))
   # How this run executes the model; never changes what it computes (tformer_jax/backends/).
-      cache_dtype="",                # KV cache storage: '' (model dtype) | float32 | bfloat16 | int8 (absmax)
   c.runtime = ml_collections.ConfigDict(dict(
       backend="auto",                # auto (xla_cpu on CPU, else reference) | reference | xla_cpu
       attention="auto",              # auto | reference | chunked | blockwise | xla | cudnn
       attention_block_q=128,         # blockwise query tile; chunked: the query chunk
       attention_block_k=128,         # blockwise key tile
+      splash_block_q=512,            # splash query tile (clipped to the sequence)
+      splash_block_kv=512,           # splash key tile
       cpu_kernels="auto",            # auto | on | off: the xla_cpu backend's C++ kernels (float32)
+      decode_layout="auto",          # auto | scanned | unrolled: the layers when decoding (CPU: unrolled)
       moe_exchange="auto",           # auto | global | all_to_all | ragged: MoE token exchange over 'expert'
       moe_gmm="auto",                # auto | ragged_dot | megablox: the experts' grouped matmul
   ))
@@ -833,6 +839,7 @@ def _validate_mesh(mh: Any) -> None:
   elif not all(isinstance(r, (tuple, list)) and len(r) == 2 and isinstance(r[0], str) for r in rules):
     _fail("mesh.rules", f"a preset name {RULE_PRESETS} or (logical_axis, mesh_axis) pairs, got {rules!r}")
   _check_choice("mesh.parallelism", mh.parallelism, PARALLELISMS)
+  _check_choice("mesh.context_strategy", mh.get("context_strategy", "all_gather"), CONTEXT_STRATEGIES)
   if mh.get("num_devices", 0) < 0:
     _fail("mesh.num_devices", f"must be >= 0 (0 = all devices), got {mh.num_devices}")
 
@@ -846,14 +853,15 @@ def _validate_decode(dc: Any) -> None:
     _fail("decode.top_p", f"must be in (0, 1] (1 = off), got {dc.top_p}")
   if dc.repetition_penalty <= 0:
     _fail("decode.repetition_penalty", f"must be > 0 (1 = off), got {dc.repetition_penalty}")
+  if dc.get("cache_dtype", "") not in ("", "float32", "bfloat16", "int8"):
+    _fail("decode.cache_dtype", f"'' (the model dtype) | float32 | bfloat16 | int8, got {dc.cache_dtype!r}")
 
 
 def validate_runtime(r: Any, m: ModelConfig, precision: str = "float32") -> None:
   """The runtime section against the model; the platform-dependent rules (cudnn needs a GPU, ...)
   are `backends.resolve_runtime`'s."""
-  if dc.get("cache_dtype", "") not in ("", "float32", "bfloat16", "int8"):
-    _fail("decode.cache_dtype", f"'' (the model dtype) | float32 | bfloat16 | int8, got {dc.cache_dtype!r}")
-  for name, allowed in dict(moe_exchange=RUNTIME_MOE_EXCHANGE, moe_gmm=RUNTIME_MOE_GMM).items():
+  for name, allowed in dict(moe_exchange=RUNTIME_MOE_EXCHANGE, moe_gmm=RUNTIME_MOE_GMM,
+                            decode_layout=DECODE_LAYOUTS).items():
     if name in r:
       _check_choice("runtime." + name, r[name], allowed)
   for name, allowed in dict(backend=RUNTIME_BACKENDS, attention=RUNTIME_ATTENTION,
@@ -872,6 +880,11 @@ def validate_runtime(r: Any, m: ModelConfig, precision: str = "float32") -> None
     _fail("runtime.attention", f"{a!r} has no global tokens; model.num_global_tokens needs 'reference'")
   if m.random_blocks and a in TILED_ATTENTION:
     _fail("runtime.attention", f"{a!r} has no random blocks; model.random_blocks needs 'reference' or 'xla'")
+  if m.position == "alibi" and a == "splash":
+    _fail("runtime.attention", "'splash' takes no ALiBi bias; position='alibi' needs 'blockwise', 'xla' or 'auto'")
+  for name in ("splash_block_q", "splash_block_kv"):
+    if r.get(name, 512) <= 0 or r.get(name, 512) % 128:
+      _fail("runtime." + name, f"must be a positive multiple of 128 (the TPU lane width), got {r[name]}")
   if r.cpu_kernels == "on":
     if r.backend == "reference":
       _fail("runtime.cpu_kernels", "'on' needs runtime.backend 'xla_cpu' (or 'auto' on CPU)")

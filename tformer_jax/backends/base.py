@@ -12,14 +12,16 @@ Subclasses (backends/xla_cpu.py) change how these run, never what they compute.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
 import optax
+from flax.linen import partitioning as flax_partitioning
 
-from tformer_jax.backends import moe as moe_backend
-from tformer_jax.ops import attention as attn_ops, norms as norm_ops, positions as pos_ops
+from tformer_jax.backends import moe as moe_backend, splash as splash_lib
+from tformer_jax.ops import attention as attn_ops, context_parallel as cp_ops, norms as norm_ops, positions as pos_ops
 from tformer_jax.ops.blockwise import blockwise_attention
 from tformer_jax.ops.chunked_attention import chunked_attention
 from tformer_jax.ops.linear_attention import linear_attention, linear_attention_quadratic
@@ -29,8 +31,10 @@ Array = jax.Array
 PyTree = Any
 
 # reference: one dense softmax; chunked / blockwise: tiled, exact (ops/chunked_attention.py,
-# ops/blockwise.py); xla / cudnn: jax.nn.dot_product_attention.
-ATTENTION_IMPLS = ("reference", "chunked", "blockwise", "xla", "cudnn")
+# ops/blockwise.py); xla / cudnn: jax.nn.dot_product_attention; splash: jax's Pallas TPU kernel
+# (backends/splash.py).
+ATTENTION_IMPLS = ("reference", "chunked", "blockwise", "xla", "cudnn", "splash")
+CONTEXT_STRATEGIES = ("all_gather", "ring")   # ops/context_parallel.py
 MOE_EXCHANGES = ("global", "all_to_all", "ragged")
 MOE_GMMS = ("ragged_dot", "megablox")
 
@@ -62,12 +66,28 @@ class Backend:
   moe_exchange: str = "global"
   moe_gmm: str = "ragged_dot"
   moe_interpret: bool = False
+  # splash (backends/splash.py): its query / key tiles (clipped to the sequence) and Pallas interpret
+  # mode (a target other than TPU). context_strategy: how attention runs when the traced mesh shards
+  # the logical 'length' axis (context parallelism, ops/context_parallel.py).
+  splash_block_q: int = 512
+  splash_block_kv: int = 512
+  splash_interpret: bool = True
+  context_strategy: str = "all_gather"
+  # '' : a call cuDNN cannot serve is an error (the user asked for 'cudnn'); else the impl it runs
+  # instead ('auto' on a GPU).
+  cudnn_fallback: str = ""
+  # decoding (decode.decode_layout): 'scanned' (one compiled layer body) | 'unrolled' (the layers one
+  # by one: no per-step copy of each layer's weights out of the stack, faster per token on XLA:CPU)
+  decode_layout: str = "scanned"
   name: ClassVar[str] = "reference"
 
   def __post_init__(self):
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f"attention: unknown implementation {self.attention_impl!r}; expected one of "
                        f"{ATTENTION_IMPLS}")
+    if self.context_strategy not in CONTEXT_STRATEGIES:
+      raise ValueError(f"context_strategy: unknown {self.context_strategy!r}; expected one of "
+                       f"{CONTEXT_STRATEGIES}")
     if self.moe_exchange not in MOE_EXCHANGES or self.moe_gmm not in MOE_GMMS:
       raise ValueError(f"moe: unknown exchange {self.moe_exchange!r} or grouped matmul {self.moe_gmm!r}; "
                        f"expected one of {MOE_EXCHANGES} and {MOE_GMMS}")
@@ -117,6 +137,22 @@ class Backend:
         raise ValueError("linear attention takes no bias, ALiBi slopes, scale or dropout")
       return self.linear_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, vis, want_weights=want_weights)
     impl = self.attention_impl
+    layout = attention_layout()
+    l, s = q_BxLxHxD.shape[1], k_BxSxKxD.shape[1]
+    if layout is not None:
+      layout = layout.fit(q_BxLxHxD.shape[0], l, q_BxLxHxD.shape[2], k_BxSxKxD.shape[2])
+    why_not = splash_lib.unsupported(vis, l, s, bias=bias_BxHxLxS is not None,
+                                     alibi=alibi_slopes_H is not None, dropout=dropout_rate > 0.0)
+    if layout is not None and layout.context_size > 1 and vis.static_offset and vis.q_offset == 0 and l == s:
+      if bias_BxHxLxS is not None or dropout_rate > 0.0 or vis.num_global or vis.random is not None:
+        raise ValueError("context parallelism: attention with a dense bias, dropout, global tokens or random "
+                         "blocks cannot split the sequence; use a mesh without a 'context' axis")
+      return self.context_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, vis, layout, alibi_slopes_H=alibi_slopes_H,
+                                    scale=scale, splash_ok=why_not is None), None
+    if impl == "splash" and why_not is None and l % splash_lib.LANES == 0 and s % splash_lib.LANES == 0:
+      return self.splash_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, vis, layout, scale=scale), None
+    if impl == "splash":
+      impl = "blockwise"   # lengths off the 128 grid, or decoding (config validation refuses the rest)
     tiled = (vis.static_offset and bias_BxHxLxS is None and not vis.num_global and vis.random is None
              and dropout_rate == 0.0)
     if impl in ("chunked", "blockwise") and tiled:
@@ -128,11 +164,56 @@ class Backend:
         return blockwise_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, block_q=self.block_q,
                                    block_k=self.block_k, **kw), None
       return self.chunked_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, chunk=self.block_q, **kw), None
+    if impl == "cudnn":
+      impl = self._cudnn_or_fallback(vis)
     if impl not in ("xla", "cudnn") or dropout_rate > 0.0:
       impl = "reference"  # decoding against a cache (one query step: dense is already O(S)), etc.
     return dense_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, vis, impl=impl, bias_BxHxLxS=bias_BxHxLxS,
                            alibi_slopes_H=alibi_slopes_H, scale=scale, dropout_rate=dropout_rate,
                            dropout_rng=dropout_rng, want_weights=want_weights)
+
+  def _cudnn_or_fallback(self, vis: Visibility) -> str:
+    """'cudnn', or what runs a call cuDNN cannot serve: the fallback under 'auto', an error when the
+    user asked for 'cudnn'. Decoding steps (a traced offset: one query, O(S)) run 'xla'."""
+    if not vis.static_offset:
+      return "xla"
+    why = cudnn_unsupported(vis)
+    if why is None:
+      return "cudnn"
+    if not self.cudnn_fallback:
+      raise ValueError(f"runtime.attention: 'cudnn' cannot serve {why} (it takes causal and sliding-window "
+                       "masks); use 'auto' (falls back to xla for these calls), 'xla' or 'blockwise'")
+    return self.cudnn_fallback
+
+  def splash_attention(self, q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, vis: Visibility,
+                       layout: AttentionLayout | None, *, scale: float | None) -> Array:
+    """The splash kernel per batch/head shard (and query shard under context parallelism)."""
+    kw = {} if layout is None else dict(mesh=layout.mesh, batch_axes=layout.batch, head_axes=layout.heads,
+                                        context_axes=layout.context)
+    return splash_lib.splash_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, vis, scale=scale,
+                                       block_q=self.splash_block_q, block_kv=self.splash_block_kv,
+                                       interpret=self.splash_interpret, **kw)
+
+  def context_attention(self, q_BxLxHxD: Array, k_BxLxKxD: Array, v_BxLxKxD: Array, vis: Visibility,
+                        layout: AttentionLayout, *, alibi_slopes_H: Array | None, scale: float | None,
+                        splash_ok: bool) -> Array:
+    """Self-attention with the sequence split over the mesh's context axis: splash with its query
+    tiles sharded ('all_gather' under runtime.attention='splash', shards of whole 128-key tiles), else
+    `ops.context_parallel` (blockwise tiles) with `context_strategy`."""
+    c = q_BxLxHxD.shape[1] // layout.context_size
+    if (self.attention_impl == "splash" and self.context_strategy == "all_gather" and splash_ok
+        and c % splash_lib.LANES == 0):
+      return self.splash_attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, vis, layout, scale=scale)
+    if not isinstance(layout.context, str):
+      raise ValueError(f"context parallelism: the logical 'length' axis must map to one mesh axis, got "
+                       f"{layout.context}")
+    kw = dict(causal=vis.causal, window=vis.window, alibi_slopes_H=alibi_slopes_H, kv_valid_BxS=vis.kv_valid_BxS,
+              q_segment_ids_BxL=vis.q_segment_ids_BxL, kv_segment_ids_BxS=vis.kv_segment_ids_BxS, scale=scale,
+              block_q=self.block_q, block_k=self.block_k)
+    return cp_ops.context_parallel_attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, mesh=layout.mesh,
+                                             axis=layout.context, strategy=self.context_strategy,
+                                             batch_axes=layout.batch, head_axes=layout.heads,
+                                             kv_head_axes=layout.kv_heads, **kw)
 
   def chunked_attention(self, q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, **kw) -> Array:
     return chunked_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, **kw)
@@ -151,16 +232,78 @@ class Backend:
     return out if want_weights else (out, None)
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionLayout:
+  """Where the traced mesh puts attention's logical axes (mesh axis names or None)."""
+  mesh: Any
+  batch: Any
+  context: Any
+  heads: Any
+  kv_heads: Any
+
+  def ways(self, axes: Any) -> int:
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.prod(dict(self.mesh.shape)[a] for a in axes)
+
+  @property
+  def context_size(self) -> int:
+    return self.ways(self.context)
+
+  def fit(self, b: int, l: int, h: int, kh: int) -> AttentionLayout:
+    """This layout with every axis that does not split its dimension evenly left unsharded (a batch
+    of one traced at initialisation, fewer KV heads than the tensor axis)."""
+    keep = lambda axes, n: axes if n % self.ways(axes) == 0 else None  # noqa: E731
+    heads = keep(self.heads, h) if keep(self.kv_heads, kh) is not None else None
+    return AttentionLayout(self.mesh, keep(self.batch, b), keep(self.context, l), heads,
+                           self.kv_heads if heads is not None else None)
+
+
+def attention_layout() -> AttentionLayout | None:
+  """The mesh being traced under (parallel/mesh.py `traced_under`) and the mesh axes of the logical
+  ('batch', 'length', 'heads') and 'kv_heads' axes under its rules; None without a mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return None
+  q = flax_partitioning.logical_to_mesh_axes(("batch", "length", "heads", "kv_heads"))
+  q = tuple(q) + (None,) * (4 - len(q))
+  return AttentionLayout(mesh, q[0], q[1], q[2], q[3])
+
+
+def cudnn_unsupported(vis: Visibility) -> str | None:
+  """What of `vis` the cuDNN path cannot express (None when it can: causality and a sliding window
+  become is_causal / local_window_size, no mask tensor)."""
+  if vis.q_segment_ids_BxL is not None:
+    return "packed documents (segment ids)"
+  if vis.kv_valid_BxS is not None:
+    return "padding masks"
+  if vis.num_global or vis.random is not None:
+    return "global tokens or random blocks"
+  return None
+
+
+def fused_mask_args(vis: Visibility, impl: str) -> tuple[bool, tuple[int, int] | None]:
+  """(is_causal, local_window_size) for jax.nn.dot_product_attention when causality and a window are
+  all that hide keys (offset 0), else (False, None): the visibility goes as a dense mask."""
+  structural = (impl in ("xla", "cudnn") and vis.static_offset and vis.q_offset == 0
+                and cudnn_unsupported(vis) is None)
+  if not structural or not (vis.causal or vis.window):
+    return False, None
+  if not vis.window:
+    return True, None
+  return vis.causal, (vis.window - 1, 0 if vis.causal else vis.window - 1)
+
+
 def dense_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, vis: Visibility, *,
                     impl: str = "reference", bias_BxHxLxS: Array | None = None,
                     alibi_slopes_H: Array | None = None, scale: float | None = None,
                     dropout_rate: float = 0.0, dropout_rng: Array | None = None,
                     want_weights: bool = False) -> tuple[Array, Array | None]:
   """`ops.attention.dot_product_attention` with the visibility as a dense mask and ALiBi as a dense
-  bias. A plain causal visibility reaches 'xla'/'cudnn' as is_causal (cuDNN skips masked tiles)."""
+  bias. Causality and a sliding window reach 'xla'/'cudnn' as is_causal / local_window_size
+  (`fused_mask_args`: cuDNN skips the masked tiles), the rest as a mask ('cudnn' refuses those)."""
   l, s = q_BxLxHxD.shape[1], k_BxSxKxD.shape[1]
-  is_causal = impl in ("xla", "cudnn") and vis.is_plain_causal
-  mask = None if is_causal else vis.mask(l, s)
+  is_causal, window = fused_mask_args(vis, impl)
+  mask = None if (is_causal or window) else vis.mask(l, s)
   bias = bias_BxHxLxS
   if alibi_slopes_H is not None:
     q_idx = vis.q_offset + jnp.arange(l)
@@ -170,5 +313,5 @@ def dense_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, vis: V
   if want_weights and impl == "reference":
     return attn_ops.dot_product_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, return_weights=True, **kw)
   out = attn_ops.dot_product_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, impl=impl, is_causal=is_causal,
-                                       **kw)
+                                       local_window_size=window, **kw)
   return out, None

@@ -64,7 +64,8 @@ def dot_product_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, 
                           mask: Array | None = None, bias: Array | None = None,
                           scale: float | None = None, return_weights: bool = False,
                           impl: Impl = "reference", dropout_rate: float = 0.0,
-                          dropout_rng: Array | None = None, is_causal: bool = False):
+                          dropout_rng: Array | None = None, is_causal: bool = False,
+                          local_window_size: tuple[int, int] | None = None):
   """Multi-head attention core. Returns (B, L, H, D) (and weights (B, H, L, S) if asked).
 
   mask: bool, broadcastable to (B, H|1, L, S), True = attend. bias: additive float, same shapes.
@@ -72,6 +73,8 @@ def dot_product_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, 
   kernel's causal mode (cuDNN skips the masked tiles) instead of a dense mask tensor.
   impl: 'reference' (this einsum path), or 'xla' / 'cudnn' through `jax.nn.dot_product_attention`
   (same semantics; weights are not available there; no attention dropout).
+  local_window_size (left, right): query i sees only keys i - left <= j <= i + right (with
+  is_causal, right is 0): a sliding window without a mask tensor, which cuDNN turns into skipped tiles.
   """
   h, kh = _check_shapes(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD)
   if impl in ("xla", "cudnn"):
@@ -87,7 +90,8 @@ def dot_product_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, 
     return jax.nn.dot_product_attention(
         q_BxLxHxD, k_BxSxKxD, v_BxSxKxD,
         bias=None if bias is None else bias.astype(q_BxLxHxD.dtype),
-        mask=mask, scale=scale, is_causal=is_causal, implementation=impl)
+        mask=mask, scale=scale, is_causal=is_causal, local_window_size=local_window_size,
+        implementation=impl)
   if impl != "reference":
     raise ValueError(f"unknown attention impl {impl!r}; expected 'reference', 'xla' or 'cudnn'")
 
@@ -96,6 +100,11 @@ def dot_product_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, 
   if is_causal:
     causal = causal_mask(l, k_BxSxKxD.shape[1])
     mask = causal if mask is None else mask & causal
+  if local_window_size is not None:
+    left, right = local_window_size
+    dist = jnp.arange(l)[:, None] - jnp.arange(k_BxSxKxD.shape[1])[None, :]
+    band = ((dist <= left) & (-dist <= right))[None, None]
+    mask = band if mask is None else mask & band
   weights_BxHxLxS = attention_weights(q_BxLxHxD, k_BxSxKxD, mask=mask, bias=bias, scale=scale)
   probs = weights_BxHxLxS
   if dropout_rate > 0.0 and dropout_rng is not None:

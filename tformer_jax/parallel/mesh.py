@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from typing import Any, Callable, Sequence
 
@@ -18,7 +19,9 @@ from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from tformer_jax.config import ConfigError
+from tformer_jax.parallel import rules as rules_lib
 
+log = logging.getLogger("tformer_jax")
 BATCH_AXES = ("data", "fsdp")  # the batch is split over both (FSDP is data parallel too)
 
 
@@ -144,10 +147,33 @@ def check_layout(cfg, mesh: Mesh) -> None:
       raise ConfigError(f"model.num_heads: {m.num_heads} heads are not divisible by the tensor size {tp}")
     if kv % tp:
       raise ConfigError(f"model.num_kv_heads: {kv} kv heads are not divisible by the tensor size {tp}")
+  _check_axes_used(cfg.mesh.get("rules", "dp"), mesh)
+  cp = mesh.shape.get("context", 1)
+  if cp > 1 and cfg.data.seq_len % cp:
+    raise ConfigError(f"data.seq_len: {cfg.data.seq_len} is not divisible by the context axis size {cp}")
+  if cp > 1 and (m.get("attn_dropout", 0) > 0 or m.get("position") == "t5" or m.get("num_global_tokens", 0)
+                 or m.get("random_blocks", 0)):
+    raise ConfigError("mesh.axes: context parallelism (a 'context' axis) takes no attention dropout, T5 bias, "
+                      "global tokens or random blocks")
   ep = mesh.shape.get("expert", 1)
   if ep > 1 and m.moe.num_experts % ep:
     raise ConfigError(f"model.moe.num_experts: {m.moe.num_experts} experts are not divisible by the "
                       f"expert axis size {ep}")
+
+
+def _check_axes_used(rules_cfg: Any, mesh: Mesh) -> None:
+  """A mesh axis of size > 1 that no rule maps a logical axis to would repeat its shard's work: a
+  ConfigError, except 'tensor' under a preset without tensor parallelism (dp, fsdp), which the preset
+  names as its choice: logged."""
+  rules = rules_lib.get_rules(rules_cfg, tuple(mesh.axis_names))
+  for axis in rules_lib.unused_axes(rules, dict(mesh.shape)):
+    if isinstance(rules_cfg, str) and axis == "tensor":
+      log.warning("mesh: the %r axis (size %d) is unused by mesh.rules=%r: its devices replicate the work",
+                  axis, mesh.shape[axis], rules_cfg)
+      continue
+    raise ConfigError(f"mesh.axes: axis {axis!r} (size {mesh.shape[axis]}) is used by no rule of "
+                      f"mesh.rules={rules_cfg!r}: its devices would repeat the same work; map a logical axis "
+                      "to it, or give it size 1")
 
 
 def _check_pmap(mesh: Mesh) -> None:

@@ -9,12 +9,14 @@ Rules = tuple[tuple[str, object], ...]
 _BATCH = (("batch", ("data", "fsdp")),)
 _TP = (("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"))
 _EXPERT = (("expert", "expert"),)
+# context parallelism: activations' sequence axis over 'context' (attention: ops/context_parallel.py)
+_CONTEXT = (("length", "context"),)
 
 PRESETS: dict[str, Rules] = {
-    "dp": _BATCH + _EXPERT,
-    "fsdp": _BATCH + (("embed", "fsdp"),) + _EXPERT,
-    "tp": _BATCH + _TP + _EXPERT,
-    "fsdp_tp": _BATCH + (("embed", "fsdp"),) + _TP + _EXPERT,
+    "dp": _BATCH + _EXPERT + _CONTEXT,
+    "fsdp": _BATCH + (("embed", "fsdp"),) + _EXPERT + _CONTEXT,
+    "tp": _BATCH + _TP + _EXPERT + _CONTEXT,
+    "fsdp_tp": _BATCH + (("embed", "fsdp"),) + _TP + _EXPERT + _CONTEXT,
 }
 PRESETS["fsdp+tp"] = PRESETS["fsdp_tp"]
 
@@ -34,3 +36,12 @@ def get_rules(name_or_rules, mesh_axes: tuple[str, ...]) -> Rules:
     kept = tuple(t for t in targets if t is not None and t in mesh_axes)
     out.append((logical, kept if len(kept) > 1 else (kept[0] if kept else None)))
   return tuple(out)
+
+
+def unused_axes(rules: Rules, mesh_shape: dict[str, int]) -> list[str]:
+  """Mesh axes of size > 1 that no rule maps a logical axis to (their devices would replicate the
+  work). The batch axes ('data', 'fsdp') always split the batch."""
+  used = {"data", "fsdp"}
+  for _, target in rules:
+    used.update(target if isinstance(target, tuple) else (target,))
+  return [a for a, n in mesh_shape.items() if n > 1 and a not in used]

@@ -1,0 +1,152 @@
+"""Splash attention: jax's Pallas TPU kernel (`jax.experimental.pallas.ops.tpu.splash_attention`) as
+`runtime.attention='splash'`.
+
+The one `ops.masks.Visibility` rule becomes the kernel's static mask: causal -> `CausalMask`, a sliding
+window w -> `LocalMask` (w - 1 keys back; also w - 1 ahead when not causal), neither -> `FullMask`;
+packed documents and padding become `SegmentIds` (a query sees only keys with its id). GQA runs
+natively (the kernel maps query head h to K/V head h // G: K/V are never repeated). The kernel takes
+one sequence (H, L, D): it is vmapped over the batch and run per shard inside `jax.shard_map` over
+the mesh axes the logical 'batch' and 'heads' axes map to; with the 'length' axis sharded too
+(context parallelism, strategy 'all_gather') queries stay sharded, K/V are gathered and the mask's
+block tables are split over the query shards, as the kernel's `manual_sharding_spec` describes.
+
+`interpret` comes from the target platform (resolve_runtime): native Mosaic on TPU, the Pallas
+interpreter elsewhere (exact, slow: tests). Splash applies no softmax scale: q is pre-scaled.
+What the kernel cannot express (a dense bias, ALiBi, dropout, global tokens, random blocks, a traced
+decode offset) is `unsupported(...)`'s reason; config validation refuses those for 'splash'.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import splash_attention as sa
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from tformer_jax.ops.masks import Visibility
+
+Array = jax.Array
+LANES = 128   # the kernel's key tiles are multiples of the TPU lane width, interpret mode included
+
+
+def unsupported(vis: Visibility, l: int, s: int, *, bias: bool, alibi: bool, dropout: bool) -> str | None:
+  """Why splash cannot compute this call (None when it can)."""
+  if bias or alibi or dropout:
+    return "a dense bias, ALiBi or attention dropout"
+  if vis.num_global or vis.random is not None:
+    return "global tokens or random blocks"
+  if not vis.static_offset or vis.q_offset != 0 or l != s:
+    return "decoding against a cache (a query offset)"
+  return None
+
+
+def block_size(block: int, length: int) -> int:
+  """The largest tile <= block that divides `length` (a multiple of LANES)."""
+  return math.gcd(min(block, length), length)
+
+
+def _mask(vis: Visibility, l: int, s: int, heads: int, shards: int) -> sa.MultiHeadMask:
+  shape = (l, s)
+  if vis.window:
+    right = 0 if vis.causal else vis.window - 1
+    one = sa.LocalMask(shape, window_size=(vis.window - 1, right), offset=0, shard_count=shards)
+  elif vis.causal:
+    one = sa.CausalMask(shape, shard_count=shards)
+  else:
+    one = sa.FullMask(shape)
+  return sa.MultiHeadMask([one] * heads)
+
+
+def make_kernel(causal: bool, window: int, l: int, s: int, heads: int, head_shards: int, q_seq_shards: int,
+                block_q: int, block_kv: int, interpret: bool):
+  """The splash kernel for one (L, S) self-attention over `heads` query heads; tiles of block_q
+  queries over L / q_seq_shards and block_kv keys, forward and backward. Built per trace (its mask
+  tables become constants of that trace: a cached one would leak them into the next)."""
+  vis = Visibility(causal=causal, window=window)
+  bq, bk = block_size(block_q, l // q_seq_shards), block_size(block_kv, s)
+  sizes = sa.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
+                        block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
+  return sa.make_splash_mha(_mask(vis, l, s, heads, q_seq_shards), block_sizes=sizes,
+                            head_shards=head_shards, q_seq_shards=q_seq_shards, interpret=interpret)
+
+
+def _segments(vis: Visibility, b: int, l: int, s: int) -> tuple[Array, Array] | None:
+  """(q ids (B, L), kv ids (B, S)) for the kernel, or None. Our padding (segment 0, invalid keys)
+  gets kv id -1, which no query carries; queries of segment 0 see nothing (zeroed by `_seen`)."""
+  if vis.q_segment_ids_BxL is None and vis.kv_valid_BxS is None:
+    return None
+  if vis.q_segment_ids_BxL is not None:
+    q_ids = vis.q_segment_ids_BxL.astype(jnp.int32)
+    kv = vis.kv_segment_ids_BxS if vis.kv_segment_ids_BxS is not None else vis.q_segment_ids_BxL
+    kv_ids = jnp.where(kv == 0, -1, kv.astype(jnp.int32))
+  else:
+    q_ids, kv_ids = jnp.ones((b, l), jnp.int32), jnp.ones((b, s), jnp.int32)
+  if vis.kv_valid_BxS is not None:
+    kv_ids = jnp.where(vis.kv_valid_BxS.astype(bool), kv_ids, -1)
+  return q_ids, kv_ids
+
+
+def _seen(vis: Visibility, l: int) -> Array | None:
+  """(B, L) bool: the query sees at least one key (the reference returns zeros for the others; the
+  kernel would average over masked keys). Self-attention at offset 0 only."""
+  seen = None
+  if vis.q_segment_ids_BxL is not None:
+    seen = vis.q_segment_ids_BxL != 0
+  if vis.kv_valid_BxS is not None:   # a valid key within the query's band: cumulative counts
+    c = jnp.cumsum(vis.kv_valid_BxS.astype(jnp.int32), axis=1)
+    c = jnp.pad(c, ((0, 0), (1, 0)))
+    i = jnp.arange(l)
+    hi = (i + 1) if vis.causal else jnp.minimum(l, i + vis.window) if vis.window else jnp.full((l,), l)
+    lo = jnp.maximum(0, i - vis.window + 1) if vis.window else jnp.zeros((l,), jnp.int32)
+    any_valid = (c[:, hi] - c[:, lo]) > 0
+    seen = any_valid if seen is None else seen & any_valid
+  return seen
+
+
+def splash_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, vis: Visibility, *,
+                     scale: float | None, block_q: int, block_kv: int, interpret: bool,
+                     mesh=None, batch_axes=None, head_axes=None, context_axes=None) -> Array:
+  """softmax(q k^T * scale) v under `vis` with the splash kernel; (B, L, H, D) like q.
+
+  mesh (an abstract mesh) with the mesh axes of the logical batch / heads / length axes: the kernel
+  runs per shard inside shard_map (context_axes: queries sharded, K/V gathered). Without a mesh,
+  one program. L must be a multiple of 128 per shard, S a multiple of 128."""
+  b, l, h, d = q_BxLxHxD.shape
+  s = k_BxSxKxD.shape[1]
+  scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+  sizes = dict(mesh.shape) if mesh is not None else {}
+
+  def ways(axes) -> int:
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.prod(sizes.get(a, 1) for a in axes)
+
+  head_shards, q_shards = ways(head_axes), ways(context_axes)
+  kernel = make_kernel(bool(vis.causal), int(vis.window), l, s, h, head_shards, q_shards, block_q,
+                       block_kv, bool(interpret))
+  segs = _segments(vis, b, l, s)
+  seen_BxL = _seen(vis, l)
+  q_BxHxLxD = jnp.transpose(q_BxLxHxD * jnp.asarray(scale, q_BxLxHxD.dtype), (0, 2, 1, 3))
+  k_BxKxSxD = jnp.transpose(k_BxSxKxD, (0, 2, 1, 3))
+  v_BxKxSxD = jnp.transpose(v_BxSxKxD, (0, 2, 1, 3))
+
+  def per_shard(kern, q, k, v, segs):
+    seg = None if segs is None else sa.SegmentIds(*segs)
+    def run(q1, k1, v1, s1):
+      return kern(q1, k1, v1, segment_ids=s1)
+
+    return jax.vmap(run, in_axes=(0, 0, 0, None if seg is None else 0))(q, k, v, seg)
+
+  if mesh is None or not mesh.shape:
+    out_BxHxLxD = per_shard(kernel, q_BxHxLxD, k_BxKxSxD, v_BxKxSxD, segs)
+  else:
+    q_spec = P(batch_axes, head_axes, context_axes, None)
+    kv_spec = P(batch_axes, head_axes, None, None)
+    kern_spec = kernel.manual_sharding_spec(NamedSharding(mesh, P(head_axes, context_axes)))
+    seg_spec = None if segs is None else (P(batch_axes, context_axes), P(batch_axes, None))
+    out_BxHxLxD = jax.shard_map(per_shard, mesh=mesh, in_specs=(kern_spec, q_spec, kv_spec, kv_spec, seg_spec),
+                                out_specs=q_spec, check_vma=False)(kernel, q_BxHxLxD, k_BxKxSxD, v_BxKxSxD, segs)
+  out_BxLxHxD = jnp.transpose(out_BxHxLxD, (0, 2, 1, 3))
+  if seen_BxL is not None:
+    out_BxLxHxD = jnp.where(seen_BxL[:, :, None, None], out_BxLxHxD, 0.0).astype(q_BxLxHxD.dtype)
+  return out_BxLxHxD
