@@ -68,7 +68,7 @@ import numpy as np
 import tqdm
 
 from tformer_jax.data import sources as sources_lib
-from tformer_jax.data.corpora import DataError, sha256_file, write_atomic
+from tformer_jax.data.corpora import DataError, cache_root, sha256_file, write_atomic
 from tformer_jax.data.sources import EMPTY, NOT_UTF8, Position, Unit
 from tformer_jax.data.tokenizers import (
     ByteTokenizer,
@@ -861,6 +861,8 @@ def prepare(sources: Sequence[str] | str, out_dir: str | os.PathLike, *, tokeniz
       _remove_ours(target)                         # the replaced dataset (all ours: checked above)
       _fsync_dir(root.parent)
       stats["path"] = str(root)
+    log.info("prepared %s: %d documents, %d tokens in %d shards (%.1f MB/s of text, %.1f s)", root,
+             stats["documents"], stats["tokens"], stats["shards"], stats["mb_per_s"], stats["seconds"])
     done = True
     return stats
   except OSError as e:
@@ -980,8 +982,6 @@ def _prepare(srcs: Sequence[sources_lib.Source], root: pathlib.Path, fields: sou
            "shards": len(state["shards"]), "workers": workers, "units": dict(pool.units), "resumed": resumed,
            "already_prepared": False,
            "path": str(root)}
-  log.info("prepared %s: %d documents, %d tokens in %d shards (%.1f MB/s of text, %.1f s)", root,
-           stats["documents"], stats["tokens"], stats["shards"], stats["mb_per_s"], seconds)
   return stats
 
 
@@ -1065,13 +1065,14 @@ def dataset_identity(ds: PreparedDataset) -> dict[str, Any]:
 
 def check_shards(ds: PreparedDataset, known: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
   """Every token shard of `ds` checked against the manifest (sha256, and every id inside the vocabulary)
-  unless its size and mtime match `known` (an earlier check's record); the offsets are checked at open.
+  unless its size, mtime, ctime and inode match `known` (an earlier check's record); the offsets are
+  checked at open.
   DataError naming the shard (and, for an id outside the vocabulary, its offset). Returns the record."""
   out = {}
   for entry in ds.manifest["shards"]:
     file = ds.path / entry["tokens"]
     st = file.stat()
-    stamp = [st.st_size, st.st_mtime_ns]
+    stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]     # ctime: no write leaves it as it was
     if (known or {}).get(entry["tokens"]) != stamp:
       tokens = ds.shards[len(out)][0]
       if len(tokens) and int(tokens.max()) >= ds.vocab_size:
@@ -1086,12 +1087,18 @@ def check_shards(ds: PreparedDataset, known: dict[str, list[int]] | None = None)
   return out
 
 
-def check_run_data(workdir: str | os.PathLike, datasets: Sequence[PreparedDataset], *,
-                   resuming: bool) -> dict[str, Any]:
+def _checked_file(ds: PreparedDataset, cache_dir: str | os.PathLike | None) -> pathlib.Path:
+  key = hashlib.sha256(str(ds.path.absolute()).encode()).hexdigest()[:20]
+  return cache_root(cache_dir) / "checked" / f"{key}.json"
+
+
+def check_run_data(workdir: str | os.PathLike, datasets: Sequence[PreparedDataset], *, resuming: bool,
+                   cache_dir: str | os.PathLike | None = None) -> dict[str, Any]:
   """Before a run changes anything in `workdir`: a resumed run's prepared datasets are the ones it started
   on (a directory prepared again with other text or another tokenizer is a DataError naming it), and
-  each dataset's shards pass `check_shards` (hashed once, then again only when a file changed). Returns
-  the record `write_run_data` keeps in WORKDIR/data.json."""
+  each dataset's shards pass `check_shards`: hashed once, then again only when a file changed (the
+  record is kept in the workdir and, for other runs on the same data, in the cache). Returns the record
+  `write_run_data` keeps in WORKDIR/data.json."""
   file = pathlib.Path(workdir) / RUN_DATA
   old = _json_of(file) if file.is_file() else None
   old = old if isinstance(old, dict) and old.get("format") == RUN_DATA_FORMAT else {}
@@ -1108,8 +1115,17 @@ def check_run_data(workdir: str | os.PathLike, datasets: Sequence[PreparedDatase
                         f"sha256 {was['sha256'][:12]} then, {new['sha256'][:12]} now): resume on the data the run "
                         "started on, or start a new --workdir")
   t0 = time.perf_counter()
-  known = old.get("verified", {})
-  verified = {str(ds.path.absolute()): check_shards(ds, known.get(str(ds.path.absolute()))) for ds in datasets}
+  known, verified = old.get("verified", {}), {}
+  for ds in datasets:
+    path = str(ds.path.absolute())
+    shared = _checked_file(ds, cache_dir)
+    earlier = known.get(path) or (_json_of(shared) if shared.is_file() else None)
+    verified[path] = check_shards(ds, earlier if isinstance(earlier, dict) else None)
+    if verified[path] != earlier:
+      try:
+        write_atomic(shared, json.dumps(verified[path]).encode())
+      except OSError as e:
+        log.warning("data: could not record the check of %s in %s (%s)", path, shared, e)
   if datasets:
     log.info("data: %d prepared dataset(s) checked (%.2f s)", len(datasets), time.perf_counter() - t0)
   return {"format": RUN_DATA_FORMAT, "datasets": ids, "verified": verified}

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from tformer_jax import backends, config as config_lib, decode
 from tformer_jax.checkpoint import Checkpointer
 from tformer_jax.data import pipeline, prepared as prepared_lib
+from tformer_jax.eval.in_training import HarnessEval, task_names
 from tformer_jax.parallel import mesh as mesh_lib, pmap as pmap_lib
 from tformer_jax.train import init_from, objectives, setup as setup_lib, state as state_lib, workdir as workdir_lib
 from tformer_jax.train.metrics import MetricWriter, bytes_per_token, eval_summary
@@ -123,7 +124,8 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
   rng = jax.random.PRNGKey(cfg.train.seed)
   ckpt = Checkpointer(work / "checkpoints", max_to_keep=cfg.train.max_to_keep)
   # the prepared data: the same as when the run started (a resume), its shards intact (hashed once)
-  run_data = prepared_lib.check_run_data(work, pipeline.prepared_datasets(ds), resuming=ckpt.latest_step() is not None)
+  run_data = prepared_lib.check_run_data(work, pipeline.prepared_datasets(ds), resuming=ckpt.latest_step() is not None,
+                                         cache_dir=cfg.data.get("cache_dir") or None)
   restored = ckpt.restore(abstract, require_data_state=True)   # a step without its iterator is damage
   it = pipeline.train_iterator(ds, cfg.data, process_index=jax.process_index(),
                                process_count=jax.process_count())
@@ -160,6 +162,9 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
       ds, cfg.data, cfg.train.eval_batches, process_index=jax.process_index(),
       process_count=jax.process_count())]
   bpt = bytes_per_token(ds)
+  # train.eval_tasks: harness tasks with the loss (names checked here, before the first step)
+  harness_eval = (HarnessEval(cfg, model, ds.tokenizer) if task_names(cfg.train.get("eval_tasks", ""))
+                  else None)
 
   def evaluate(params) -> dict[str, float]:
     sums = [jeval(params, b) for b in eval_set]
@@ -218,6 +223,8 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
         finish_step(*pending)
         pending = None
         ev = evaluate(state.params)
+        if harness_eval is not None:
+          ev.update(harness_eval(mesh_lib.to_host(state.params)))
         writer.write(done, ev)
         final.update(ev)
         if is_main and not model.cfg.causal:
