@@ -232,6 +232,10 @@ def test_a_full_disk_is_one_line_and_resumes_once_there_is_room(books, small_dis
 
 
 def test_a_read_only_disk_is_one_line(books, small_disk, capsys):
+  small = (f"--source={books / '000.txt'}", f"--out={small_disk / 'done'}", "--tokenizer=byte")   # fits the disk
+  assert _cli(*small, capsys=capsys)[0] == 0
   subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
   rc, err = _cli(f"--source={books}", f"--out={small_disk / 'prep'}", "--tokenizer=byte", capsys=capsys)
   assert rc == 2 and "Read-only file system" in _one_line(err) and "not writable" in err
+  rc, err = _cli(*small, capsys=capsys)                  # already prepared: nothing to write
+  assert rc == 0, err

@@ -15,6 +15,9 @@ eos_id when the tokenizer has one (no BOS is added); the byte tokenizer has none
 concatenated with no separator (the offsets hold the boundaries).
 
 Reading: `open_prepared(DIR)` -> `PreparedDataset` (shards memory-mapped; `verify()` checks the sha256s).
+Training: `check_run_data` (at a run's start) hashes each token shard once and checks its ids against the
+vocabulary, records the datasets' identity (shard checksums + tokenizer sha256) in WORKDIR/data.json, and
+refuses a resumed run whose directory was prepared again.
 Writing: `prepare(sources, DIR, tokenizer=...)` streams documents (`tformer_jax.data.sources`), tokenizes
 batches of them in `workers` processes (the main process and workers - 1 spawned ones), and writes the
 results in input order, so the output is byte-identical for any worker count. Each shard is committed
@@ -832,6 +835,9 @@ def prepare(sources: Sequence[str] | str, out_dir: str | os.PathLike, *, tokeniz
     root.mkdir(parents=True, exist_ok=True)
     lock = _Lock(root).acquire()
   except OSError as e:
+    found = _json_of(root / MANIFEST) if (root / MANIFEST).is_file() else None
+    if not overwrite and isinstance(found, dict) and found.get("arguments") == args:
+      return _already_prepared(root, workers)      # finished, on a read-only disk: nothing to write
     raise _disk_error(root, e) from None
   done = started = False
   try:
