@@ -242,11 +242,14 @@ def test_serve_sits_above_decode():
 
 
 def test_eval_sits_above_decode():
-  """The harness model class (tformer_jax/eval) uses decode and the loaders; only the tools and cli import it."""
+  """The harness model class (tformer_jax/eval) uses decode and the loaders, never train; only train (its
+  train.eval_tasks hook), the tools and cli import it."""
   for path in PKG.rglob("*.py"):
     unit = path.relative_to(PKG).parts[0]
-    if unit not in TOOLS and unit != "eval":
+    if unit not in TOOLS and unit not in ("eval", "train"):
       assert "eval" not in _imports(path), f"{path.relative_to(PKG)} imports tformer_jax.eval"
+  for path in (PKG / "eval").rglob("*.py"):
+    assert "train" not in _imports(path), f"{path.relative_to(PKG)} imports tformer_jax.train"
   assert {"decode", "decode_io"} <= _imports(PKG / "eval" / "harness.py")
 
 

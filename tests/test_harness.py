@@ -122,7 +122,8 @@ def test_tiny_llama_matches_the_hf_backend(hf_llama, manager):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
-  """(workdir, its HF export): 20 steps of tformer-train on Shakespeare with the BPE above, float32."""
+  """(workdir, its HF export): 20 steps of tformer-train on Shakespeare with the BPE above, float32, the
+  harness's shakespeare_next_line at its evaluation (train.eval_tasks)."""
   root = tmp_path_factory.mktemp("trained")
   write_tokenizer(root / "tok")
   work, hf_dir = root / "work", root / "hf"
@@ -130,7 +131,8 @@ def trained(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
            "model.max_len": 128, "model.dtype": "float32", "model.param_dtype": "float32",
            "data.tokenizer": f"hf:{root / 'tok' / 'tokenizer.json'}", "data.seq_len": 64, "data.batch_size": 8,
            "optim.peak_lr": 3e-3, "optim.warmup_steps": 3, "train.steps": 20, "train.eval_every": 20,
-           "train.ckpt_every": 20, "train.eval_batches": 1, "train.sample_tokens": 0, "train.log_every": 10}
+           "train.ckpt_every": 20, "train.eval_batches": 1, "train.sample_tokens": 0, "train.log_every": 10,
+           "train.eval_tasks": "shakespeare_next_line", "train.eval_tasks_limit": LIMIT}
   cmd = [sys.executable, str(REPO / "scripts" / "train.py"), f"--config={REPO / 'configs' / 'llama_tiny.py'}",
          f"--workdir={work}", *[f"--config.{k}={v}" for k, v in flags.items()]]
   p = run(cmd, timeout=300)
@@ -149,6 +151,16 @@ def trained_results(trained, manager) -> tuple[dict, dict]:
 
 def test_trained_model_matches_the_hf_backend_on_its_export(trained_results):
   assert_same(*trained_results)
+
+
+def test_train_eval_tasks_logs_the_harness_metrics_with_the_loss(trained, trained_results):
+  work, _ = trained
+  rows = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines() if line.strip()]
+  row = next(r for r in rows if "harness/shakespeare_next_line/acc" in r)
+  assert row["step"] == 20 and "val_loss" in row
+  api = trained_results[0]["results"]["shakespeare_next_line"]     # the step-20 checkpoint, the same documents
+  assert row["harness/shakespeare_next_line/acc"] == api["acc,none"]
+  assert row["harness/shakespeare_next_line/acc_norm"] == api["acc_norm,none"]
 
 
 def test_cli_prints_the_table_and_writes_the_json(trained, trained_results, tmp_path, capsys):
@@ -199,6 +211,14 @@ def test_byte_model_answers_equal_its_own_forward_and_decoder():
                         pad_id=-1)[0]
   out = out[out >= 0]
   assert gen == [tok.decode(out).split("\n")[0]]
+
+
+def test_train_eval_tasks_limit_is_checked():
+  from tformer_jax.config import ConfigError, validate
+  cfg = default_config()
+  cfg.train.eval_tasks, cfg.train.eval_tasks_limit = "shakespeare_ppl", -1
+  with pytest.raises(ConfigError, match="train.eval_tasks_limit: must be >= 0"):
+    validate(cfg)
 
 
 def test_length_buckets_bound_the_compiled_shapes():

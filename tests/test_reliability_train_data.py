@@ -86,6 +86,8 @@ def test_resume_on_a_directory_prepared_again_with_other_text_is_refused(texts, 
   record = json.loads((work / RUN_DATA).read_text())
   assert record["datasets"][0]["path"] == str(prep.absolute())
   assert json.loads((work / "config.json").read_text())["data"]["tokenizer"] == "byte"
+  # a workdir as train.init_from names the tokenizer its data had
+  assert init_from.source_tokenizer_sha256(str(work), "byte") == open_prepared(prep).manifest["tokenizer"]["sha256"]
   prepare([str(_corpus(tmp_path / "b", texts[::-1][:1000]))], prep, tokenizer="byte", overwrite=True,
           progress=False)
   cfg.train.steps = 2

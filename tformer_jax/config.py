@@ -300,6 +300,8 @@ def default_config() -> ml_collections.ConfigDict:
       loggers="jsonl,tensorboard",   # metric sinks: jsonl (the run's record, required) | tensorboard | wandb
       wandb_project="tformer_jax",   # W&B project (wandb logger; offline unless WANDB_MODE=online)
       loss_chunk=0,                  # > 0: the loss holds ~this many tokens' logits at a time (ops/losses.py)
+      eval_tasks="",                 # lm-evaluation-harness tasks at each evaluation, comma-separated (the eval extra)
+      eval_tasks_limit=0,            # documents per eval_tasks task at each evaluation (0 = all)
   ))
   c.mesh = ml_collections.ConfigDict(dict(
       shape=(-1, 1, 1),              # sizes of `axes`; -1 = the rest of the devices
@@ -798,6 +800,10 @@ def _validate_train(t: Any, check_paths: bool) -> None:
           "tformer-eval and the plots read it)")
   if "wandb" in loggers and importlib.util.find_spec("wandb") is None:
     _fail("train.loggers", "'wandb' needs the wandb package (pip install wandb); it is not installed")
+  if str(t.get("eval_tasks", "") or "").strip(",\t ") and importlib.util.find_spec("lm_eval") is None:
+    _fail("train.eval_tasks", "needs lm-evaluation-harness (pip install 'tformer-jax[eval]'); it is not installed")
+  if t.get("eval_tasks_limit", 0) < 0:
+    _fail("train.eval_tasks_limit", f"must be >= 0 (0 = every document), got {t.eval_tasks_limit}")
   init_from = str(t.get("init_from", "") or "")
   if check_paths and init_from.startswith("hf:"):
     src = pathlib.Path(init_from[3:]).expanduser()
