@@ -204,3 +204,14 @@ def test_mixtral_tiny_trains_the_same_on_data2_expert4(tmp_path):
   assert sorted(one) == sorted(ep) and len(one) == 30
   for step in one:
     assert abs(one[step] - ep[step]) <= 1e-4, (step, one[step], ep[step])
+
+
+def test_emulated_ragged_all_to_all_follows_the_documented_example():
+  """jax.lax.ragged_all_to_all's docstring example (axis of size 2), through the dense emulation."""
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]), ("x",), axis_types=(AxisType.Auto,))
+  args = [np.array(a, np.int32) for a in (
+      [[1], [2], [2], [3], [4], [0]], [[0]] * 8, [0, 1, 0, 1], [1, 2, 1, 1], [0, 0, 1, 2], [1, 1, 2, 1])]
+  fn = jax.shard_map(lambda *a: moe_parallel.emulated_ragged_all_to_all(*a, axis_name="x", chunk=2),
+                     mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x"))
+  out = jax.jit(fn)(*args)
+  np.testing.assert_array_equal(np.asarray(out)[:, 0], [1, 3, 0, 0, 2, 2, 4, 0])

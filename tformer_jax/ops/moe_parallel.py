@@ -163,7 +163,9 @@ def _local_ffn(x_TxD: Array, w_TxK: Array, e_TxK: Array, keep_TxK: Array, params
   xs_NxD = jnp.take(x_TxD, order_N // k, axis=0)
   chunk = min(rows, n, t * e_l)
   go = (pl["in_off"][me], pl["allowed"][me], pl["out_off"][me], pl["allowed"][:, me])
-  recv_RxD = _exchange(exchange, chunk, axis, xs_NxD, jnp.zeros((rows, x_TxD.shape[-1]), x_TxD.dtype),
+  # buffers made like a device-varying array: a fresh jnp.zeros is mesh-invariant, and its implicit
+  # cast to varying transposes into an all-reduce of the whole buffer in the backward pass
+  recv_RxD = _exchange(exchange, chunk, axis, xs_NxD, jnp.zeros_like(xs_NxD, shape=(rows, x_TxD.shape[-1])),
                        *go)
   # local expert of each received row: sources in order, each source's rows by local expert
   a_SxL = pl["allowed_SxJxL"][:, me]
