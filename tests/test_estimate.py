@@ -91,3 +91,59 @@ def test_report_without_xla():
   m = setup_lib.resolve_model_config(_config("dense"), check_paths=False)
   text = est_lib.format_report(m, est_lib.estimate_config(_config("dense")), 8, 128, kv=(1, 128))
   assert "parameters:" in text and "KV cache" in text and "estimated for: xla_cpu" in text
+
+
+def test_layout_gives_the_per_device_state_of_the_run_shardings():
+  """layout_of (nothing allocated, no devices) gives exactly the bytes each device holds of the state the
+  run builds over a mesh of 8 (CPU) devices, with fsdp x tensor rules splitting the parameters."""
+  import math
+
+  import jax
+
+  from tformer_jax import backends
+  from tformer_jax.parallel import mesh as mesh_lib
+  cfg = _config("dense", **{"mesh.shape": "(1,4,2)", "mesh.rules": "fsdp_tp", "model.num_kv_heads": 2})
+  lay = est_lib.layout_of(cfg, 8)
+  mesh = mesh_lib.make_mesh(cfg.mesh, devices=jax.devices()[:8])
+  program = setup_lib.build(cfg, mesh, backends.resolve_runtime(cfg, quiet=True).backend, check_paths=False)
+
+  def shard_bytes(tree):
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+  assert lay.params == shard_bytes(program.abstract.params)
+  assert lay.optimizer == shard_bytes(program.abstract.opt_state)
+  assert (lay.split("batch"), lay.split("embed"), lay.split("heads"), lay.split("vocab")) == (4, 4, 2, 2)
+  assert 1 / 8 <= lay.param_share < 1 / 4              # the norm scales are replicated
+
+
+def test_per_device_estimate_follows_the_mesh():
+  """No compile: more devices split the state and the batch; a tensor axis splits the logits and FFN;
+  the peak phase is named; the FLOPs are bench/flops.py's with the remat recompute."""
+  from tformer_jax.bench import flops as flops_lib
+  cfg = _config("dense", **{"model.remat": "full", "model.scan_layers": True, "train.precision": "bf16",
+                            "mesh.shape": "(1,-1,1)", "mesh.rules": "fsdp"})
+  one, four = est_lib.estimate_on_mesh(cfg, 1), est_lib.estimate_on_mesh(cfg, 4, platform="tpu")
+  assert four.bytes["params"] == pytest.approx(one.bytes["params"] / 4, rel=0.02)
+  assert four.bytes["activations"] == one.bytes["activations"] // 4          # 8 sequences over 4 devices
+  assert set(four.phases) == {"loss", "backward"} and four.bytes["working"] == max(four.phases.values())
+  two = est_lib.estimate_on_mesh(_config("dense", **{"mesh.shape": "(1,2,1)", "mesh.rules": "fsdp"}), 2)
+  tp = est_lib.estimate_on_mesh(_config("dense", **{"mesh.shape": "(1,2,2)", "mesh.rules": "fsdp_tp"}), 4)
+  assert tp.phases["loss"] == pytest.approx(two.phases["loss"] / 2)         # the same batch, vocab split 2 ways
+  m = setup_lib.resolve_model_config(cfg, check_paths=False)
+  assert four.flops_per_token == pytest.approx(flops_lib.with_recompute(m, 8, 128)["with_recompute"] / (8 * 128))
+
+
+def test_cli_per_device_without_libtpu_noise(tmp_path):
+  """--devices estimates per device of the mesh; libtpu installed on a CPU host (the tpu-aot extra) is
+  not probed: stderr stays empty."""
+  import json
+  import os
+  import subprocess
+  import sys
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  out = tmp_path / "e.json"
+  run = subprocess.run([sys.executable, "-m", "tformer_jax.cli.estimate_memory", "--config=llama_tiny",
+                        "--platform=tpu", "--devices=4", "--no-compile", f"--json={out}"],
+                       env=env, capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stderr
+  assert run.stderr == "" and "per device of 4" in run.stdout
+  assert json.loads(out.read_text())["estimate_total"] > 0

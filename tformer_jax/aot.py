@@ -16,14 +16,16 @@ compiled by XLA:TPU for the topology.
 Printed, per device: XLA's memory analysis (argument, output, aliased, temporary bytes, their sum, and
 XLA:TPU's own peak, which `per_device_bytes` and `fits` use) against the chip's HBM (`HBM_GIB_PER_CHIP`);
 the state's share of the arguments (parameters, optimizer, rest: sharded sizes computed from the
-shardings; the remainder is TPU tile padding); the step's FLOPs from bench/flops.py's formula (with
-the remat policy's recompute), from the compiled HLO's dots, convolutions and TPU kernels (`hlo_flops`:
-ragged_dot, megablox gmm, splash attention, by their operand shapes; loops trip-counted) and from XLA's
-cost analysis (which counts a while-loop body once: scanned layers, collective matmuls); their ratio
-HLO / formula per device, with a one-line WARNING above `REPLICATED_RATIO` (devices repeating work
-instead of splitting it); and the collectives of the compiled HLO (count and bytes per step, by kind:
-`hlo_collectives`). The last line is one JSON object (`topology`, `devices`, `fits`,
-`per_device_bytes`, `hbm_bytes`, `flops_ratio`, `replicated_work`, ...).
+shardings; the remainder is TPU tile padding); tformer-estimate's per-device figure for the same mesh
+(diagnostics/estimate.py `estimate_on_mesh`, nothing compiled) and its ratio to the peak; the step's
+FLOPs from bench/flops.py's formula (with the remat policy's recompute), from the compiled HLO's dots,
+convolutions and TPU kernels (`hlo_flops`: ragged_dot, megablox gmm, splash attention, by their operand
+shapes; loops trip-counted) and from XLA's cost analysis (which counts a while-loop body once: scanned
+layers, collective matmuls); their ratio HLO / formula per device, with a one-line WARNING above
+`REPLICATED_RATIO` (devices repeating work instead of splitting it); and the collectives of the
+compiled HLO (count and bytes per step, by kind: `hlo_collectives`). The last line is one JSON object
+(`topology`, `devices`, `fits`, `per_device_bytes`, `hbm_bytes`, `estimate_bytes`, `estimate_ratio`,
+`flops_ratio`, `replicated_work`, ...).
 
 Exit status: 0 it fits; 3 it does not fit (XLA:TPU refuses a program larger than its HBM with
 RESOURCE_EXHAUSTED: the figure it needed is reported); 2 a config or topology error (one line).
@@ -48,6 +50,7 @@ from jax.experimental import topologies
 from tformer_jax import backends, cli_common
 from tformer_jax.bench import flops as flops_lib
 from tformer_jax.config import ConfigError
+from tformer_jax.diagnostics import estimate as estimate_lib
 from tformer_jax.parallel import mesh as mesh_lib
 from tformer_jax.train import setup as setup_lib
 
@@ -518,6 +521,7 @@ class Report:
   flops_hlo_parts: dict[str, Any] = dataclasses.field(default_factory=dict)   # `hlo_flops`, by part
   flops_formula: dict[str, Any] = dataclasses.field(default_factory=dict)
   collectives: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+  estimate: dict[str, Any] = dataclasses.field(default_factory=dict)   # tformer-estimate's per-device figure
   lower_s: float = 0.0
   compile_s: float = 0.0
 
@@ -530,6 +534,18 @@ class Report:
     the work; well above it (> `REPLICATED_RATIO`) when they repeat it."""
     f = self.flops_formula.get("with_recompute") if self.flops_formula else None
     return None if not f or self.flops_hlo is None else self.flops_hlo / (f / self.devices)
+
+
+def _estimate(cfg: ml_collections.ConfigDict, devices: int, state: dict[str, int]) -> dict[str, Any]:
+  """tformer-estimate's per-device peak for this mesh (diagnostics/estimate.py: nothing compiled),
+  with the exact state this build computed."""
+  try:
+    layout = dataclasses.replace(estimate_lib.layout_of(cfg, devices), params=state["params"],
+                                 optimizer=state["opt_state"])
+    est = estimate_lib.estimate_on_mesh(cfg, devices, platform="tpu", layout=layout)
+  except Exception as e:   # noqa: BLE001 - the compile's report stands without the estimate
+    return {"error": cli_common.one_line(e)}
+  return {"bytes": est.total, "parts": est.bytes, "phases": est.phases, "notes": est.notes}
 
 
 def compile_for_topology(cfg: ml_collections.ConfigDict, topology: str, num_slices: int = 1, *,
@@ -557,6 +573,7 @@ def compile_for_topology(cfg: ml_collections.ConfigDict, topology: str, num_slic
                     runtime=f"{runtime.backend.describe()}", hbm_bytes=hbm_bytes_per_device(devices),
                     state_bytes=state, batch_bytes=_shard_bytes(batch))
     report.flops_formula = formula_flops(program.model_config, int(cfg.data.batch_size), int(cfg.data.seq_len))
+    report.estimate = _estimate(cfg, len(devices), state)
     t0 = time.perf_counter()
     lowered = program.train_step.lower(abstract, batch)
     report.lower_s = time.perf_counter() - t0
@@ -634,6 +651,9 @@ def format_report(r: Report) -> str:
     lines += [f"  params (sharded)            {b(s['params'])}",
               f"  optimizer state             {b(s['opt_state'])}",
               f"  XLA:TPU needs               {b(r.per_device_bytes)}   ({r.compiler_error})"]
+  if r.estimate.get("bytes") and r.per_device_bytes:
+    lines.append(f"  tformer-estimate            {b(r.estimate['bytes'])}   (estimate / XLA:TPU "
+                 f"{'peak' if r.memory else 'needs'}: {r.estimate['bytes'] / r.per_device_bytes:.3f})")
   share = ("" if not r.hbm_bytes or r.per_device_bytes is None
            else f"   ({100 * r.per_device_bytes / r.hbm_bytes:.1f}% used)")
   lines += [f"  HBM                         {b(r.hbm_bytes)}{share}",
@@ -679,6 +699,9 @@ def summary(r: Report) -> dict[str, Any]:
           "flops_hlo_per_device": r.flops_hlo,
           "flops_hlo_parts_per_device": r.flops_hlo_parts,
           "flops_ratio": r.flops_ratio, "replicated_work": bool(r.flops_ratio and r.flops_ratio > REPLICATED_RATIO),
+          "estimate_bytes": r.estimate.get("bytes"),
+          "estimate_ratio": (r.estimate["bytes"] / r.per_device_bytes
+                             if r.estimate.get("bytes") and r.per_device_bytes else None),
           "collectives": r.collectives, "compile_s": round(r.compile_s, 1), "compiler_error": r.compiler_error}
 
 

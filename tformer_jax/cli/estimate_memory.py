@@ -20,14 +20,17 @@ counts no custom call, e.g. the C++ kernels, and a loop body once); --no-flops s
 """
 from __future__ import annotations
 
+import glob
+import importlib.util
 import json
+import os
 import sys
 from typing import Sequence
 
 import jax
 from absl import flags
 
-from tformer_jax import cli_common
+from tformer_jax import cli_common, host_alloc
 from tformer_jax.config import ConfigError
 from tformer_jax.diagnostics import estimate as est_lib
 from tformer_jax.train import setup as setup_lib
@@ -43,9 +46,22 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer("kv-len", None, "KV cache: length", flag_values=fv)
   flags.DEFINE_enum("platform", None, list(PLATFORMS), "estimate for this platform's runtime (default this "
                     "machine's); XLA compiles only for this machine's", flag_values=fv)
+  flags.DEFINE_integer("devices", 0, "estimate per device of cfg's mesh over this many devices (the rules "
+                       "split the state, batch, heads, vocab; default: one unsharded device)", flag_values=fv)
   flags.DEFINE_bool("no-compile", False, "skip the XLA side", flag_values=fv)
   flags.DEFINE_bool("no-flops", False, "skip the second (FLOPs) compile", flag_values=fv)
   flags.DEFINE_string("json", None, "also write the numbers to this file", flag_values=fv)
+
+
+def _no_idle_tpu() -> None:
+  """Keep jax off libtpu when it is installed without TPU devices (the tpu-aot extra on a CPU host):
+  probing it prints libtpu's start-up errors and nothing here needs it."""
+  if os.environ.get("JAX_PLATFORMS") or importlib.util.find_spec("libtpu") is None:
+    return
+  if any(importlib.util.find_spec(p) for p in host_alloc.ACCELERATOR_MODULES if p != "libtpu"):
+    return                                        # a GPU host: its plugin chooses
+  if not any(glob.glob(g) for g in host_alloc.TPU_DEVICE_GLOBS):
+    jax.config.update("jax_platforms", "cpu")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -60,11 +76,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg.data.seq_len = args.seq
   if args.remat:
     cfg.model.remat, cfg.model.scan_layers = "full", True
+  if args.devices < 0:
+    raise cli_common.UsageError(f"--devices: must be >= 0, got {args.devices}")
+  _no_idle_tpu()
   here = jax.default_backend()
   platform = args.platform or here
   try:
     m = setup_lib.resolve_model_config(cfg, check_paths=False)   # the run's files need not exist here
-    est = est_lib.estimate_config(cfg, platform=platform)
+    if args.devices > 1:
+      est = est_lib.estimate_on_mesh(cfg, args.devices, platform=platform)
+    else:
+      est = est_lib.estimate_config(cfg, platform=platform)
   except ConfigError as e:
     hint = "" if args.platform else " (--platform=gpu|tpu estimates for another platform's runtime)"
     raise ConfigError(f"{cli_common.one_line(e)}{hint}") from None
@@ -72,6 +94,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   xla, skipped = None, ""
   if args.no_compile:
     skipped = "--no-compile"
+  elif args.devices > 1:
+    skipped = (f"--devices={args.devices}: XLA compiles one device here; tformer-aot compiles the sharded step "
+               "for a TPU topology")
   elif platform != here:
     skipped = (f"--platform={platform}: XLA compiles for this machine's platform ({here}) only; "
                "tformer-aot compiles for TPU topologies")

@@ -35,11 +35,18 @@ Per block (each array counted from XLA's buffer assignment; see "Calibration" be
 XLA:CPU specifics (platform 'cpu'): half-precision matmuls run in float32 (their float32 result is kept
 next to the half copy), a scanned half-precision stack keeps float32 residuals, an unrolled
 rematerialised graph keeps its activations, ragged_dot expands in float32. GPU and TPU estimates use
-the same arrays without these (ragged_dot native on TPU only); they are not checked against a compile
-here (tformer-aot compiles for TPU topologies). The estimate is for one device (no sharding).
+the same arrays without these (ragged_dot native on TPU only). `estimate` is for one device (no sharding).
 
-FLOPs per token (training = forward + backward = 3 x forward):
-  6 * N_matmul + 12 * n * L * h * hd          (remat 'full': 8 * N_matmul + 16 * n * L * h * hd)
+Per device on a mesh (`estimate_on_mesh(cfg, devices)`, tformer-estimate --devices, printed by tformer-aot
+next to XLA:TPU's compiled peak): the state exact from the shardings the rules give (`layout_of`), the
+batch, sequence, heads, FFN, vocabulary and experts split as the rules split them, and what XLA:TPU
+keeps at the peak of a remat'd, scanned step (read off its buffer assignment; see FFN_KEPT_TPU):
+  params + optimizer + batch + compute_params + grads (float32) + activations (n x T x D) + working
+  working = max(loss: the (T, V) logits in float32 + compute dtype,
+                backward: the compute-dtype logits gradient + one recomputed layer's arrays)
+
+FLOPs per token (training = forward + backward = 3 x forward), bench/flops.py's formula:
+  6 * N_matmul + 12 * n * L * h * hd          (remat 'full': the layers' share x 4/3, `flops.with_recompute`)
   N_matmul = parameters in a matmul per token (layer weights with top_k of the experts, the LM head); the
   second term is QK^T and AV over all L keys (dense attention computes every score). The executed FLOPs
   add what the step runs beyond that: the MoE dispatch (ragged_dot's expansion off TPU runs every
@@ -70,12 +77,13 @@ import jax
 import jax.numpy as jnp
 
 from tformer_jax import backends
+from tformer_jax.bench import flops as flops_lib
 from tformer_jax.config import GLU_ACTIVATIONS, ModelConfig, default_config
 from tformer_jax.nn import Transformer
-from tformer_jax.ops import kv_quant
+from tformer_jax.ops import kv_quant, moe_parallel
 from tformer_jax.ops.chunked_attention import chunk_table
 from tformer_jax.ops.moe import capacity as moe_capacity
-from tformer_jax.parallel import mesh as mesh_lib
+from tformer_jax.parallel import mesh as mesh_lib, rules as rules_lib
 from tformer_jax.train import optim, precision, setup as setup_lib, state as state_lib, step as step_lib
 
 MiB = 1024 * 1024
@@ -118,16 +126,17 @@ class Execution:
   grad_accum: int = 1               # optim.grad_accum: micro-batches per step
   optim: Any = None                 # the optim config section (None: the defaults, AdamW)
   batch_arrays: tuple[tuple[str, int], ...] = (("inputs", 4), ("targets", 4))   # (name, bytes per token)
+  moe_exchange: str = "global"      # runtime.moe_exchange resolved: global | all_to_all | ragged
 
   def attention_path(self, m: ModelConfig) -> str:
-    """What the layers run (backends/base.py Backend.attention): 'dense', 'chunked_cpu' (the C++
-    kernel), 'chunked' (XLA), 'blockwise' or 'flash' (cuDNN)."""
+    """What the layers run (backends/base.py Backend.attention): 'dense' (reference, xla), 'chunked_cpu'
+    (the C++ kernel), 'chunked' (XLA), 'blockwise' or 'flash' (cuDNN, splash: online softmax kernels)."""
     if m.attn_dropout > 0 or m.position == "t5" or m.num_global_tokens:
       return "dense"                       # the tiled paths need a static mask and no dense bias
     if self.attention == "chunked":
       kernel = self.backend == "xla_cpu" and self.cpu_kernels and m.dtype == "float32"
       return "chunked_cpu" if kernel else "chunked"
-    return {"blockwise": "blockwise", "cudnn": "flash"}.get(self.attention, "dense")   # reference, xla
+    return {"blockwise": "blockwise", "cudnn": "flash", "splash": "flash"}.get(self.attention, "dense")
 
   def optim_name(self) -> str:
     return str((self.optim if self.optim is not None else default_config().optim).name)
@@ -143,7 +152,7 @@ class Estimate:
   params: int                          # parameter count (exact)
   bytes: dict[str, int]                # the terms of the peak phase (module docstring)
   activation_per_layer: int            # what the largest block keeps (no remat)
-  flops_per_token: float               # model FLOPs: 6 N_matmul + attention (remat 'full': 8 and 16)
+  flops_per_token: float               # model FLOPs: 6 N_matmul + attention (+ remat's recompute)
   remat: bool
   executed_flops_per_token: float = 0.0   # + the MoE dispatch and the chunked loss's recompute
   phases: dict[str, int] = dataclasses.field(default_factory=dict)   # {'backward', 'update'}: their totals
@@ -337,10 +346,11 @@ def loss_working_bytes(m: ModelConfig, ex: Execution, batch: int, seq: int) -> i
 # -- FLOPs --------------------------------------------------------------------------------------------------
 
 def flops_per_token(m: ModelConfig, seq: int, remat: bool = False) -> float:
-  """Training FLOPs per token: 6 * N_matmul + 12 * n * L * h * hd (remat recomputes the layers'
-  forward: 8 and 16 instead)."""
-  k = 4.0 if remat else 3.0
-  return 2.0 * k * matmul_params(m) + 4.0 * k * m.num_layers * seq * m.num_heads * m.hd
+  """Training FLOPs per token, bench/flops.py's formula (6 * N_matmul + 12 * n * L * h * hd); remat:
+  + the recomputed forward of the layers (remat 'full': x 4/3 on the layers, not the embedding and
+  head: `flops.with_recompute`, the figure tformer-aot compares the compiled HLO with)."""
+  mm = dataclasses.replace(m, remat="full" if remat else "none")
+  return float(flops_lib.with_recompute(mm, 1, seq)["with_recompute"]) / seq
 
 
 def extra_flops_per_token(m: ModelConfig, ex: Execution, batch: int, seq: int) -> float:
@@ -417,18 +427,151 @@ def estimate(m: ModelConfig, batch: int, seq: int, *, remat: bool | None = None,
                   model_flops + extra_flops_per_token(m, ex, mb, seq), phases, notes, ex.describe(m))
 
 
+# -- per device on a mesh (GPU / TPU) ---------------------------------------------------------------------
+
+# What XLA:TPU keeps at the peak of a sharded step, read off its buffer assignment (tformer-aot with
+# XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text: the buffers of *-buffer-assignment.txt over the
+# schedule of *-live-range.txt) on the scale presets. Besides the state, the float32 gradients, the
+# compute-dtype weights and the saved layer inputs, the peak is one of two phases:
+#   loss      the (T, V) logits in float32 and in the compute dtype (its gradient)
+#   backward  the compute-dtype logits gradient, still live (XLA schedules the head's weight gradient
+#             after the layers' backward), and one recomputed layer: FFN_KEPT_TPU (T, F) compute-dtype
+#             arrays; dense attention's (B, H, L, S) scores in float32 and probabilities in the compute
+#             dtype (the online-softmax kernels, splash and blockwise, keep (T, H) statistics only).
+# The weights are not gathered whole: XLA:TPU streams the FSDP shards through collective matmuls.
+FFN_KEPT_TPU = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How a mesh splits a train step (`layout_of`): the ways the rules split each logical axis and the
+  exact per-device state."""
+  devices: int = 1
+  splits: tuple[tuple[str, int], ...] = ()   # (logical axis, mesh devices it is split over)
+  params: int = 0                             # per-device bytes of the parameters (from the shardings)
+  optimizer: int = 0                          # and of the optimizer state
+  param_share: float = 1.0                    # per-device parameters / all parameters
+
+  def split(self, axis: str) -> int:
+    return dict(self.splits).get(axis, 1)
+
+
+def _shard_bytes(leaf: Any, names: Any, rules: Any, sizes: dict[str, int]) -> int:
+  dims = list(leaf.shape)
+  mesh_axes = tuple(nn.logical_to_mesh_axes(tuple(names), rules)) if names is not None else ()
+  for i, target in enumerate(mesh_axes[:len(dims)]):
+    axes = () if target is None else target if isinstance(target, tuple) else (target,)
+    dims[i] = -(-dims[i] // math.prod(sizes.get(a, 1) for a in axes))
+  return math.prod(dims) * jnp.dtype(leaf.dtype).itemsize
+
+
+def layout_of(cfg: Any, devices: int) -> Layout:
+  """cfg's mesh over `devices` devices: each logical axis's split (cfg.mesh.rules over the resolved
+  mesh.shape) and the per-device state, exact (the shardings the run gives every leaf; nothing is
+  allocated)."""
+  axes = tuple(cfg.mesh.axes)
+  sizes = dict(zip(axes, mesh_lib.resolve_shape(tuple(cfg.mesh.shape), devices)))
+  rules = rules_lib.get_rules(cfg.mesh.rules, axes)
+  splits = tuple((logical, math.prod(sizes[a] for a in (t if isinstance(t, tuple) else (t,)) if a))
+                 for logical, t in rules if t is not None)
+  m = setup_lib.resolve_model_config(cfg, check_paths=False)
+  tx, _ = optim.make_optimizer(cfg.optim, 1000)
+  init = state_lib.init_fn(Transformer(m), tx, precision.get_policy(cfg.train.precision).initial_loss_scale(),
+                           int(cfg.data.seq_len))
+  boxed = jax.eval_shape(init, jax.ShapeDtypeStruct((2,), jnp.uint32))
+  specs, plain = nn.get_partition_spec(boxed), state_lib.unbox_plain(boxed)
+  is_spec = lambda x: x is None or isinstance(x, jax.sharding.PartitionSpec)   # noqa: E731
+  per_device = lambda sub_specs, sub: sum(jax.tree.leaves(jax.tree.map(         # noqa: E731
+      lambda n, x: _shard_bytes(x, n, rules, sizes), sub_specs, sub, is_leaf=is_spec)))
+  params = per_device(specs.params, plain.params)
+  full = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(plain.params))
+  return Layout(devices, splits, int(params), int(per_device(specs.opt_state, plain.opt_state)),
+                params / max(full, 1))
+
+
+def estimate_on_mesh(cfg: Any, devices: int, *, platform: str = "tpu", layout: Layout | None = None) -> Estimate:
+  """The per-device peak of cfg's train step on `devices` devices of `platform` (its mesh, rules and
+  runtime as the run resolves them): the state exact (`layout_of`), the rest from what XLA keeps at
+  the peak (module constants above)."""
+  lay = layout or layout_of(cfg, devices)
+  m = setup_lib.resolve_model_config(cfg, check_paths=False)
+  ex = execution_of(cfg, platform=platform, mesh_devices=devices)
+  return estimate_sharded(m, int(cfg.data.batch_size), int(cfg.data.seq_len), ex, lay)
+
+
+def _sharded_layer_bytes(m: ModelConfig, ex: Execution, lay: Layout, t: float, seqs: float, s: float,
+                        moe: bool, batch_tokens: int) -> float:
+  """What one recomputed layer's backward adds on a device (`FFN_KEPT_TPU`, the scores); a MoE layer:
+  the FFN arrays over the rows its experts run, their input/output buffers and the router's."""
+  w, tp_h, tp_f = _bytes(m.dtype), lay.split("heads"), lay.split("mlp")
+  if moe:
+    mo, ep = m.moe, lay.split("expert")
+    tokens = batch_tokens // max(ex.grad_accum, 1)
+    cap = moe_capacity(tokens, mo.num_experts, mo.top_k, mo.capacity_factor) if mo.dispatch == "capacity" else None
+    if ex.moe_exchange != "global" and ep > 1:     # the rows a device receives (ops/moe_parallel.py)
+      rows = moe_parallel.receive_rows(tokens, mo.num_experts, mo.top_k, ep,
+                                       lay.split("batch") * lay.split("length"), capacity=cap,
+                                       buffer_factor=mo.ep_buffer_factor)
+    else:                                           # the global dispatch: every device runs every row
+      rows = mo.num_experts * cap if cap else tokens * mo.top_k
+    ffn = FFN_KEPT_TPU * rows * (mo.d_ff or m.ff) / tp_f * w + 4 * rows * m.d_model * w + 3 * t * mo.num_experts * F32
+  else:
+    ffn = FFN_KEPT_TPU * t * m.ff / tp_f * w
+  scores = 0.0
+  if ex.attention_path(m) == "dense":
+    scores = seqs * m.num_heads / tp_h * s * seq_kv(m, s, lay) * (F32 + w)
+  return ffn + scores
+
+
+def seq_kv(m: ModelConfig, s: float, lay: Layout) -> float:
+  """Keys each query block is scored against on a device: the whole sequence (context shards gather it)."""
+  return s * lay.split("length")
+
+
+def estimate_sharded(m: ModelConfig, batch: int, seq: int, ex: Execution, lay: Layout) -> Estimate:
+  """`estimate_on_mesh` for a model, batch and execution: the state, float32 gradients (and the
+  accumulation's running sum), compute-dtype weights and saved layer inputs, plus the larger of the
+  loss phase and a recomputed layer's backward (module constants above)."""
+  notes: list[str] = []
+  n, w, share = param_count(m), _bytes(m.dtype), lay.param_share
+  seqs = max(batch // max(ex.grad_accum, 1) / lay.split("batch"), 1.0)   # sequences a device runs at once
+  s = seq / lay.split("length")
+  t = seqs * s
+  fixed = {"params": lay.params, "optimizer": lay.optimizer,
+           "batch": int(sum(b for _, b in ex.batch_arrays) * batch * seq / lay.split("batch") / lay.split("length")),
+           "compute_params": int(compute_cast_params(m) * share * w) if m.dtype != m.param_dtype else 0}
+  if not (m.remat == "full" and m.scan_layers):
+    notes.append(f"remat {m.remat!r}, scan_layers {m.scan_layers}: the per-device figure models remat 'full' "
+                 "over scanned layers (only each layer's input kept)")
+  activations = int(m.num_layers * t * m.d_model * w)
+  grads = int(n * share * F32)                          # float32 gradients (or the accumulation's sum)
+  v = m.vocab_size / lay.split("vocab") if m.lm_head else 0
+  if ex.loss_chunk > 0 and m.lm_head:
+    rows = min(t, max(1.0, ex.loss_chunk / lay.split("batch")))
+    loss, kept = rows * v * (F32 + w) + m.d_model * v * F32, 0.0
+  else:
+    loss, kept = t * v * (F32 + w), t * v * w
+  layer = max(_sharded_layer_bytes(m, ex, lay, t, seqs, s, m.is_moe_layer(i), batch * seq)
+              for i in range(m.num_layers))
+  phases = {"loss": int(loss), "backward": int(kept + layer)}
+  parts = dict(fixed, activations=activations, grads=grads, working=max(phases.values()))
+  model_flops = flops_per_token(m, seq, m.remat == "full")
+  return Estimate(n, parts, int(layer), model_flops, m.remat != "none", model_flops, phases, notes,
+                  ex.describe(m) + f"; per device of {lay.devices}")
+
+
 # -- from a config ------------------------------------------------------------------------------------------
 
-def execution_of(cfg: Any, *, platform: str | None = None) -> Execution:
+def execution_of(cfg: Any, *, platform: str | None = None, mesh_devices: int = 1) -> Execution:
   """The Execution of cfg's run: cfg.runtime resolved as backends.resolve_runtime does on `platform`
-  (default this process's, one device), the loss, accumulation, optimizer and batch arrays of cfg."""
-  rt = backends.resolve_runtime(cfg, platform=platform, quiet=True)
+  (default this process's) and `mesh_devices`, the loss, accumulation, optimizer and batch arrays of cfg."""
+  rt = backends.resolve_runtime(cfg, platform=platform, mesh_devices=mesh_devices, quiet=True)
   b = rt.backend
   arrays = tuple((name, jnp.dtype(dt).itemsize) for name, (_, dt) in setup_lib.batch_spec(cfg.data).items())
   return Execution(backend=b.name, attention=b.attention_impl, block_q=b.block_q, block_k=b.block_k,
                    cpu_kernels=bool(getattr(b, "cpu_kernels", False)), platform=rt.platform,
                    loss_chunk=int(cfg.train.get("loss_chunk", 0) or 0), grad_accum=int(cfg.optim.grad_accum),
-                   optim=cfg.optim, batch_arrays=arrays)
+                   optim=cfg.optim, batch_arrays=arrays, moe_exchange=str(getattr(b, "moe_exchange", "global")))
 
 
 def estimate_config(cfg: Any, *, platform: str | None = None) -> Estimate:
@@ -519,9 +662,14 @@ def format_report(m: ModelConfig, est: Estimate, batch: int, seq: int, xla: dict
     if v or k in ("params", "optimizer", "activations"):
       lines.append(f"  {k:<15}{mb(v)}")
   phase = max(est.phases, key=est.phases.get) if est.phases else "backward"
-  lines.append(f"  {'total':<15}{mb(est.total)}   (peak in the {phase} phase; the largest block keeps "
-               f"{est.activation_per_layer / scale:.2f} {unit}; one device: Estimate.per_device for a sharded run)")
-  formula = "8 N_matmul + 16 n L h hd" if est.remat and m.remat == "full" else "6 N_matmul + 12 n L h hd"
+  if "per device of" in est.execution:        # estimate_on_mesh: activation_per_layer is one layer's backward
+    lines.append(f"  {'total':<15}{mb(est.total)}   (per device; peak in the {phase} phase, one recomputed "
+                 f"layer's backward adds {est.activation_per_layer / scale:.2f} {unit})")
+  else:
+    lines.append(f"  {'total':<15}{mb(est.total)}   (peak in the {phase} phase; the largest block keeps "
+                 f"{est.activation_per_layer / scale:.2f} {unit}; one device: --devices=N for a mesh)")
+  formula = ("6 N_matmul + 12 n L h hd, the layers x4/3 (remat 'full')" if est.remat and m.remat == "full"
+             else "6 N_matmul + 12 n L h hd")
   lines.append(f"  FLOPs/token    {est.flops_per_token:,.0f}  ({formula})")
   executed = est.executed_flops_per_token or est.flops_per_token
   if executed != est.flops_per_token:
