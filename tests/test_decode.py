@@ -398,3 +398,26 @@ def test_cli_chat_keeps_the_conversation_in_one_cache(tmp_path, monkeypatch, cap
   conv = turn1 + kept + tok.encode("User: again\nAssistant:").tolist()
   second = decode.generate(model, params, [conv], max_new_tokens=6, temperature=0.0)[0]
   assert tok.decode(second).split("\n")[0].strip() == r2
+
+
+def test_decode_layout_is_a_runtime_choice_per_platform():
+  from tformer_jax import backends
+  from tformer_jax.config import ConfigError, default_config
+  cfg = default_config()
+  cpu = backends.resolve_runtime(cfg, platform="cpu", quiet=True)
+  assert cpu.backend.decode_layout == "unrolled" and any("decode unrolled" in r for r in cpu.reasons)
+  for platform in ("gpu", "tpu"):
+    assert backends.resolve_runtime(cfg, platform=platform, quiet=True).backend.decode_layout == "scanned"
+  cfg.runtime.decode_layout = "scanned"
+  assert backends.resolve_runtime(cfg, platform="cpu", quiet=True).backend.decode_layout == "scanned"
+  cfg.runtime.decode_layout = "sideways"
+  with pytest.raises(ConfigError, match="runtime.decode_layout"):
+    backends.resolve_runtime(cfg, platform="cpu", quiet=True)
+  # scanned params unrolled for decoding (and back) give the same tokens
+  model, params = build(CASES["rope-mha-scan"])
+  with backends.use(cpu.backend):
+    umodel, uparams = decode.decode_layout(model, params)
+    got = decode.generate(model, params, PROMPTS, max_new_tokens=N_NEW, temperature=0.0)
+  assert not umodel.cfg.scan_layers and "layers_1" in uparams
+  np.testing.assert_array_equal(got, decode.generate(model, params, PROMPTS, max_new_tokens=N_NEW,
+                                                     temperature=0.0, scan_layers=True))

@@ -159,3 +159,24 @@ def test_engine_bounds_its_queue_and_prompt_length(server):
     engine.check([1] * 30, 3)
   with pytest.raises(EngineError, match="empty"):
     engine.check([], 3)
+
+
+def test_chat_template_from_tokenizer_config(tmp_path):
+  from tformer_jax.serve import api
+  template = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+              "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+
+  class Tok:   # the attributes the server reads from an HF tokenizer
+    path, bos_id, eos_id = tmp_path / "tokenizer.json", 1, None
+
+    def decode(self, ids):
+      return "<s>" if list(ids) == [1] else "?"
+  tok = Tok()
+  assert api.chat_template(tok) == template
+  msgs = api.check_messages([{"role": "developer", "content": "Be brief."},
+                             {"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
+  assert api.render_chat(msgs, tok, template) == "<s><|system|>Be brief.\n<|user|>Hi\n<|assistant|>"
+  assert api.render_chat(msgs, tok, None) == "System: Be brief.\nUser: Hi\nAssistant:"
+  with pytest.raises(api.RequestError, match="refused"):
+    api.render_chat(msgs, tok, "{{ raise_exception('no system role') }}")

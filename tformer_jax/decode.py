@@ -8,8 +8,9 @@ logits, exiting early once every row has produced a stop token. Every request st
 zero cache, so consecutive requests never see each other's keys ("conversations bleeding together").
 
 What keeps compilation short:
-- the layers are scanned for decoding whatever the training layout (`decode_layout`: one compiled
-  layer body; unscanned params are stacked once and the result reused), and never remat'd;
+- the layers are scanned or unrolled for decoding whatever the training layout, as the runtime
+  decides per platform (`decode_layout`: scanned compiles one layer body, unrolled runs faster per
+  token on XLA:CPU; params are converted once and the result reused), and never remat'd;
 - P is rounded up to a prompt bucket (a power of two, at least 16: `prompt_bucket`), so a prompt of
   another length in the same bucket reuses the executables (the extra left padding is masked);
 - the CLIs enable JAX's persistent compilation cache (`backends.enable_compilation_cache`).
@@ -23,6 +24,7 @@ Output: (B, max_new_tokens) int32 numpy; after a row's stop token (which is kept
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
@@ -31,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tformer_jax import backends
 from tformer_jax.ops import kv_quant, sampling
 
 Array = jax.Array
@@ -74,15 +77,16 @@ def _model_key(model: nn.Module) -> Any:
     return id(model)
 
 
-def _aot(name: str, key: Any, fn: Callable, *args: Any) -> Any:
-  """Lower+compile `fn` once per (name, key, argument shapes/dtypes); cached in `_COMPILED`."""
+def _aot(name: str, key: Any, fn: Callable, *args: Any, donate: tuple[int, ...] = ()) -> Any:
+  """Lower+compile `fn` once per (name, key, argument shapes/dtypes); cached in `_COMPILED`.
+  donate: argument positions whose buffers the executable may reuse (then invalid after the call)."""
   leaves, tree = jax.tree_util.tree_flatten(args)
   avals = tuple((np.shape(x), str(getattr(x, "dtype", None) or np.result_type(x))) for x in leaves)
   full_key = (name, key, tree, avals)
   exe = _COMPILED.get(full_key)
   if exe is None:
     t0 = time.perf_counter()
-    exe = jax.jit(fn).lower(*args).compile()
+    exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
     COMPILE_LOG.append((name, time.perf_counter() - t0))
     if len(_COMPILED) >= _MAX_COMPILED:
       _COMPILED.pop(next(iter(_COMPILED)))
@@ -90,10 +94,18 @@ def _aot(name: str, key: Any, fn: Callable, *args: Any) -> Any:
   return exe
 
 
+_SHAPES: dict[Any, Any] = {}
+
+
 def _cache_shapes(model: nn.Module, batch_size: int, max_len: int) -> Any:
-  tokens = jax.ShapeDtypeStruct((batch_size, max_len), jnp.int32)
-  shapes = jax.eval_shape(lambda t: model.init(jax.random.PRNGKey(0), t, decode=True), tokens)
-  return shapes["cache"]
+  key = (_model_key(model), int(batch_size), int(max_len))
+  if key not in _SHAPES:   # tracing model.init takes a while: once per model and cache size
+    tokens = jax.ShapeDtypeStruct((batch_size, max_len), jnp.int32)
+    shapes = jax.eval_shape(lambda t: model.init(jax.random.PRNGKey(0), t, decode=True), tokens)
+    if len(_SHAPES) >= _MAX_COMPILED:
+      _SHAPES.pop(next(iter(_SHAPES)))
+    _SHAPES[key] = shapes["cache"]
+  return _SHAPES[key]
 
 
 def with_cache_dtype(model: nn.Module, cache_dtype: str | None) -> nn.Module:
@@ -262,32 +274,50 @@ def stack_layers(params: Any, num_layers: int) -> Any:
 _LAYOUT: list[tuple[Any, list[Any], Any]] = []   # (key, the source leaves kept alive, result): one entry
 
 
-def decode_layout(model: nn.Module, params: Any, scan: bool = True) -> tuple[nn.Module, Any]:
-  """(model, params) as decoding compiles them: scanned layers (scan=True) and no remat.
+def unstack_layers(params: Any, num_layers: int) -> Any:
+  """Scanned params ('layers', leading axis) -> the unrolled layout ('layers_0' .. 'layers_{n-1}')."""
+  if "layers" not in params:
+    raise ValueError("params have no 'layers': not the scanned layout")
+  out = {k: v for k, v in params.items() if k != "layers"}
+  for i in range(num_layers):
+    out[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], params["layers"])
+  return out
 
-  Scanning compiles one layer body instead of num_layers copies (the decode loop's compile time falls
-  by the layer count's share). Unscanned params are stacked into the scanned layout (a copy of the
-  layer weights); the last conversion is kept, so repeated calls with the same params reuse it. A
-  stack whose layers differ (MoE every k-th layer) stays unrolled. scan=False keeps the training
-  layout: on XLA:CPU each scanned step slices every layer's weights out of the stack (a copy), so an
-  unscanned model decodes faster per token there (0.9B bf16, 2 cores: 64 vs 208 ms/token) but compiles
-  2.6x longer (4.7 vs 1.8 s).
-  """
-  cfg = _cfg(model)
-  if not scan:
-    return (model if cfg.remat == "none" else model.clone(cfg=dataclasses.replace(cfg, remat="none"))), params
-  scan = cfg.scan_layers or _uniform_layers(cfg)
-  new_cfg = dataclasses.replace(cfg, scan_layers=scan, remat="none")
-  out_model = model if new_cfg == cfg else model.clone(cfg=new_cfg)
-  if cfg.scan_layers or not scan:
-    return out_model, params
+
+def _converted(model: nn.Module, params: Any, convert: Callable[[], Any]) -> Any:
+  """`convert()` of these params, the last conversion kept (repeated calls reuse it)."""
   leaves = jax.tree.leaves(params)
   key = (_model_key(model), tuple(id(x) for x in leaves))
   if _LAYOUT and _LAYOUT[0][0] == key:
-    return out_model, _LAYOUT[0][2]
-  stacked = stack_layers(params, cfg.num_layers)
-  _LAYOUT[:] = [(key, leaves, stacked)]
-  return out_model, stacked
+    return _LAYOUT[0][2]
+  out = convert()
+  _LAYOUT[:] = [(key, leaves, out)]
+  return out
+
+
+def decode_layout(model: nn.Module, params: Any, scan: bool | None = None) -> tuple[nn.Module, Any]:
+  """(model, params) as decoding compiles them: scanned (scan=True) or unrolled (False) layers, no
+  remat; None = the runtime's choice (`backends.current().decode_layout`, decided per platform by
+  `resolve_runtime`; outside a `backends.use` block: scanned).
+
+  Scanning compiles one layer body instead of num_layers copies (the decode loop's compile time falls
+  by the layer count's share); on XLA:CPU each scanned step slices every layer's weights out of the
+  stack (a copy), so unrolled layers decode faster per token there (0.9B bf16, 2 cores: 64 vs 208
+  ms/token) but compile 2.6x longer (4.7 vs 1.8 s). Params are converted to the chosen layout (a copy
+  of the layer weights), the last conversion kept. A stack whose layers differ (MoE every k-th layer)
+  stays unrolled.
+  """
+  cfg = _cfg(model)
+  if scan is None:
+    scan = backends.current().decode_layout != "unrolled"
+  scan = bool(scan) and (cfg.scan_layers or _uniform_layers(cfg))
+  new_cfg = dataclasses.replace(cfg, scan_layers=scan, remat="none")
+  out_model = model if new_cfg == cfg else model.clone(cfg=new_cfg)
+  if cfg.scan_layers == scan:
+    return out_model, params
+  if scan:
+    return out_model, _converted(model, params, lambda: stack_layers(params, cfg.num_layers))
+  return out_model, _converted(model, params, lambda: unstack_layers(params, cfg.num_layers))
 
 
 # --------------------------------------------------------------------------------- cached path
@@ -415,14 +445,14 @@ def make_request(model: nn.Module, prompt_tokens: Any, *, max_new_tokens: int, t
 def generate(model: nn.Module, params: Any, prompt_tokens: Any, *, max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
              stop_tokens: Sequence[int] = (), rng: Any = None, max_len: int | None = None, pad_id: int = 0,
-             bucket_prompts: bool = True, scan_layers: bool = True, return_lengths: bool = False,
+             bucket_prompts: bool = True, scan_layers: bool | None = None, return_lengths: bool = False,
              cache_dtype: str | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
   """(B, max_new_tokens) int32 new tokens with the KV cache (and (B,) lengths if return_lengths).
 
   temperature <= 1e-5 is greedy; top_k=0 / top_p=1 / repetition_penalty=1 are off. rng: a key, an
   int seed or None (seed 0). max_len: cache slots (default: the bucketed prompt length +
-  max_new_tokens). bucket_prompts=False compiles for the exact prompt length. scan_layers=False
-  decodes in the model's own layout (`decode_layout`). cache_dtype: K/V storage ('' = compute dtype,
+  max_new_tokens). bucket_prompts=False compiles for the exact prompt length. scan_layers: True
+  scanned, False unrolled, None the runtime's choice (`decode_layout`). cache_dtype: K/V storage ('' = compute dtype,
   bfloat16, int8; None = the model's setting).
   """
   model, params = decode_layout(with_cache_dtype(model, cache_dtype), nn.unbox(params), scan_layers)
@@ -437,7 +467,7 @@ def generate(model: nn.Module, params: Any, prompt_tokens: Any, *, max_new_token
 
 
 def generate_stream(model: nn.Module, params: Any, prompt_tokens: Any, *, max_new_tokens: int,
-                    chunk_size: int = 16, scan_layers: bool = True, cache_dtype: str | None = None,
+                    chunk_size: int = 16, scan_layers: bool | None = None, cache_dtype: str | None = None,
                     **kwargs: Any) -> Iterator[np.ndarray]:
   """Like `generate`, but yields (B, c) chunks of new tokens as they are produced (c <= chunk_size).
 
@@ -573,7 +603,7 @@ class Session:
   """
 
   def __init__(self, model: nn.Module, params: Any, *, max_len: int, cache_dtype: str | None = None,
-               scan_layers: bool = True):
+               scan_layers: bool | None = None):
     self.cfg = _cfg(model)
     if max_len < 1:
       raise ValueError(f"max_len must be >= 1, got {max_len}")
@@ -686,7 +716,7 @@ def _score_fn(model: nn.Module) -> Callable:
 
 
 def cache_logprobs(model: nn.Module, params: Any, tokens_BxL: Any, *, cache_dtype: str | None = None,
-                   scan_layers: bool = True) -> np.ndarray:
+                   scan_layers: bool | None = None) -> np.ndarray:
   """Teacher-forced log p(token t+1 | tokens <= t) (B, L-1), fed one token at a time through the
   decode cache (so a quantized cache's error is what is measured)."""
   tokens_BxL = np.asarray(tokens_BxL, np.int32)
@@ -704,12 +734,19 @@ def slot_caches(model: nn.Module, num_slots: int, max_len: int) -> Any:
   return jax.tree.map(lambda s: jnp.zeros((num_slots, *s.shape), s.dtype), one)
 
 
+@functools.partial(jax.jit, donate_argnums=0)
 def set_slot(caches: Any, i: Any, cache: Any) -> Any:
-  """caches with slot i replaced by the one-row `cache` (i may be traced)."""
+  """caches with slot i replaced by the one-row `cache` (one executable for every slot; `caches` is
+  donated: updated in place)."""
   return jax.tree.map(lambda c, x: jax.lax.dynamic_update_index_in_dim(c, x, i, 0), caches, cache)
 
 
-def _slot_step_fn(model: nn.Module) -> Callable:
+def slot_buckets(num_slots: int) -> list[int]:
+  """The slot-count branches of the step: powers of two below num_slots, then num_slots."""
+  return [b for b in (1 << i for i in range(num_slots.bit_length())) if b < num_slots] + [num_slots]
+
+
+def _slot_step_fn(model: nn.Module, num_slots: int) -> Callable:
   vocab = model.cfg.vocab_size
 
   def feed_one(params, cache, tok):
@@ -719,14 +756,26 @@ def _slot_step_fn(model: nn.Module) -> Callable:
                                     attention_mask_BxL=jnp.ones((1, 1), bool), decode=True, mutable=["cache"])
     return upd["cache"], logits_1x1xV[0, 0]
 
+  def first(k, params, caches, logits_SxV, keys_Sx2, counts_S, temperature_S, top_p_S, active_S):
+    """The step on slots [0, k) only (the others keep their state)."""
+    sub = jax.tree.map(lambda c: c[:k], caches)
+    keys = jax.vmap(jax.random.fold_in)(keys_Sx2[:k], counts_S[:k])
+    tok_K = sampling.sample_next(keys, logits_SxV[:k], temperature=temperature_S[:k], top_p=top_p_S[:k])
+    tok_K = jnp.where(active_S[:k], jnp.clip(tok_K, 0, vocab - 1), 0)
+    sub, logits_KxV = jax.vmap(feed_one, in_axes=(None, 0, 0))(params, sub, tok_K)
+    sub = dict(sub)
+    sub["index"] = jnp.where(active_S[:k], sub["index"], 0)   # idle slots stay at slot 0
+    caches = jax.tree.map(lambda c, x: jax.lax.dynamic_update_slice_in_dim(c, x, 0, 0), caches, sub)
+    logits_SxV = jax.lax.dynamic_update_slice_in_dim(logits_SxV, logits_KxV.astype(logits_SxV.dtype), 0, 0)
+    return caches, logits_SxV, jnp.zeros((num_slots,), jnp.int32).at[:k].set(tok_K)
+
   def step(params, caches, logits_SxV, keys_Sx2, counts_S, temperature_S, top_p_S, active_S):
-    keys = jax.vmap(jax.random.fold_in)(keys_Sx2, counts_S)
-    tok_S = sampling.sample_next(keys, logits_SxV, temperature=temperature_S, top_p=top_p_S)
-    tok_S = jnp.where(active_S, jnp.clip(tok_S, 0, vocab - 1), 0)
-    caches, logits_SxV = jax.vmap(feed_one, in_axes=(None, 0, 0))(params, caches, tok_S)
-    caches = dict(caches)
-    caches["index"] = jnp.where(active_S, caches["index"], 0)   # idle slots stay at slot 0
-    return caches, logits_SxV, tok_S
+    live = jnp.max(jnp.where(active_S, jnp.arange(num_slots) + 1, 0))     # slots [0, live) matter
+    buckets = slot_buckets(num_slots)
+    branch = jnp.searchsorted(jnp.asarray(buckets), live)
+    fns = [functools.partial(first, k) for k in buckets]
+    return jax.lax.switch(branch, fns, params, caches, logits_SxV, keys_Sx2, counts_S, temperature_S,
+                          top_p_S, active_S)
   return step
 
 
@@ -735,6 +784,10 @@ def slot_step(model: nn.Module, params: Any, caches: Any, logits_SxV: Any, keys_
   """One decode step for every slot at once (one executable whatever the slots hold): sample slot
   s's next token from logits_SxV[s] with its own key (fold_in(key, count): a request's tokens
   depend on its seed and its own logits only), feed it at the slot's own position, return
-  (caches, next logits, tokens). Inactive slots compute garbage that is never read."""
+  (caches, next logits, tokens). Only slots [0, k) are computed, k the smallest of `slot_buckets`
+  covering the last active slot (a `lax.switch` inside the one executable), so a lone request does
+  not pay for idle slots; inactive slots below k compute garbage that is never read. `caches` is
+  donated: updated in place, the array passed in is invalid afterwards."""
   args = (params, caches, logits_SxV, keys_Sx2, counts_S, temperature_S, top_p_S, active_S)
-  return _aot("slot_step", _model_key(model), _slot_step_fn(model), *args)(*args)
+  fn = _slot_step_fn(model, int(np.shape(logits_SxV)[0]))
+  return _aot("slot_step", _model_key(model), fn, *args, donate=(1,))(*args)

@@ -8,7 +8,8 @@ weights. Greedy decoding, no stop tokens, so every run makes exactly --new-token
   python -m tformer_jax.bench decode --config=configs/bench/llama_1b_gpu.py --dtype=bfloat16 \
       --config.runtime.attention=xla --batch 1 --prompt-len 128 --new-tokens 256 --no-recompute
 
-The model decodes in `decode.decode_layout` (layers scanned whatever the config's layout).
+The model decodes in `decode.decode_layout`: scanned or unrolled layers as --scan says, else as the
+runtime decides for the platform (runtime.decode_layout: unrolled on CPU, scanned elsewhere).
 Cached: the first call (compiles included: compile_s = prefill_compile_s + decode_compile_s, and
 first_call_s the whole wait), then warm figures: ttft_ms (prefill + first token), prefill_ms,
 per_token_ms and decode_tok_s of the compiled step loop, tok_s end to end; same_bucket_new_compiles
@@ -52,8 +53,8 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer("recompute-runs", 2, "timed runs of the recompute path", flag_values=fv)
   flags.DEFINE_bool("no-recompute", False, "skip the (slow) recompute baseline", flag_values=fv)
   flags.DEFINE_integer("seed", 0, "weights and prompts seed", flag_values=fv)
-  flags.DEFINE_bool("scan", True, "decode with scanned layers (decode.decode_layout); --noscan: the "
-                    "config's own layout", flag_values=fv)
+  flags.DEFINE_bool("scan", None, "decode with scanned layers (decode.decode_layout); --noscan: unrolled; "
+                    "default: the runtime's choice (runtime.decode_layout)", flag_values=fv)
   flags.DEFINE_string("dtype", None, "compute and weight dtype for inference (e.g. bfloat16; default: the "
                       "config's)", flag_values=fv)
   flags.DEFINE_string("cache-dtype", None, "KV cache storage: '' (model dtype) | bfloat16 | int8 (default: the "

@@ -42,9 +42,9 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer("seed", 0, "sampling (and random-init) seed", flag_values=fv)
   flags.DEFINE_multi_string("stop", [], "a stop string", flag_values=fv)
   flags.DEFINE_integer("chunk_size", 16, "tokens per streamed chunk", flag_values=fv)
-  flags.DEFINE_bool("scan_layers", True, "decode with scanned layers (compiles once per layer body); "
-                    "--noscan_layers: the model's own layout (faster per token on CPU, slower to compile)",
-                    flag_values=fv)
+  flags.DEFINE_bool("scan_layers", None, "decode with scanned layers (compiles one layer body); "
+                    "--noscan_layers: unrolled (faster per token on CPU, slower to compile); default: the "
+                    "runtime's choice for the platform (runtime.decode_layout)", flag_values=fv)
   flags.DEFINE_bool("chat", False, "interactive conversation: one user turn per stdin line", flag_values=fv)
   flags.DEFINE_integer("max_len", 0, "--chat: tokens the conversation may hold (0: the model's max_len)",
                        flag_values=fv)

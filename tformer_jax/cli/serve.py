@@ -33,7 +33,8 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer("max_queue", 64, "requests allowed to wait for a slot", flag_values=fv)
   flags.DEFINE_string("cache_dtype", None, "KV cache storage: '' (model dtype) | bfloat16 | int8 "
                       "(default: the config's decode.cache_dtype)", flag_values=fv)
-  flags.DEFINE_bool("scan_layers", True, "decode with scanned layers", flag_values=fv)
+  flags.DEFINE_bool("scan_layers", None, "decode with scanned (or --noscan_layers unrolled) layers; "
+                    "default: the runtime's choice (runtime.decode_layout)", flag_values=fv)
 
 
 def parse_args(argv: Sequence[str] | None) -> Any:

@@ -13,7 +13,7 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                         "tool_choice", "parallel_tool_calls", "store", "metadata", "modalities"}
-DEFAULT_MAX_TOKENS = 16
+DEFAULT_MAX_TOKENS = 16   # /v1/completions without max_tokens (OpenAI's default); chat: the rest of max_len
 
 
 class RequestError(ValueError):
@@ -52,10 +52,9 @@ def parse_sampling(body: dict, known: set[str], served_model: str) -> dict[str, 
   for name in ("presence_penalty", "frequency_penalty"):
     if body.get(name) not in (None, 0, 0.0):
       raise RequestError(f"{name} is not supported (only 0)", name)
-  max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-  if max_tokens is None:
-    max_tokens = DEFAULT_MAX_TOKENS
-  if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+  max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))   # None: the endpoint's default
+  if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                 or max_tokens < 1):
     raise RequestError(f"max_tokens must be an integer >= 1, got {max_tokens!r}", "max_tokens")
   stop = body.get("stop")
   stop = [] if stop is None else [stop] if isinstance(stop, str) else stop

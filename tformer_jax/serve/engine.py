@@ -52,7 +52,7 @@ class Engine:
   """Serve `model` with `num_slots` slots of `max_len` tokens each; at most `max_queue` jobs wait."""
 
   def __init__(self, model: Any, params: Any, *, num_slots: int = 8, max_len: int | None = None,
-               max_queue: int = 64, scan_layers: bool = True, cache_dtype: str | None = None):
+               max_queue: int = 64, scan_layers: bool | None = None, cache_dtype: str | None = None):
     cfg = decode._cfg(model)
     self.max_len = int(max_len or cfg.max_len)
     if num_slots < 1 or self.max_len < 2:
@@ -121,9 +121,9 @@ class Engine:
     """Compile the prefill (shortest bucket) and the step before serving."""
     fresh = decode.init_cache(self.model, None, 1, self.max_len)
     decode.append_tokens(self.model, self.params, fresh, np.zeros((1, 1), np.int32), 0)
-    decode.slot_step(self.model, self.params, self.caches, self.logits, self.keys,
-                     np.zeros((self.num_slots,), np.int32), self.temps, self.top_p,
-                     np.zeros((self.num_slots,), bool))
+    self.caches, _, _ = decode.slot_step(self.model, self.params, self.caches, self.logits, self.keys,
+                                         np.zeros((self.num_slots,), np.int32), self.temps, self.top_p,
+                                         np.zeros((self.num_slots,), bool))   # idle slots: garbage
 
   # ------------------------------------------------------------------------------ the loop
 
@@ -140,7 +140,7 @@ class Engine:
         self.slots[i] = job
       fresh = decode.init_cache(self.model, None, 1, self.max_len)
       cache, logits = decode.append_tokens(self.model, self.params, fresh, np.asarray([job.prompt]), 0)
-      self.caches = decode.set_slot(self.caches, i, cache)
+      self.caches = decode.set_slot(self.caches, np.int32(i), cache)
       self.logits[i] = np.asarray(logits[0])
       self.keys[i] = np.asarray(jax.random.PRNGKey(job.seed % (2 ** 31)), np.uint32)
       self.temps[i], self.top_p[i] = job.temperature, job.top_p

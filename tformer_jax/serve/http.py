@@ -76,6 +76,8 @@ class Service:
       body = api.parse_json(await request.read())
       s = api.parse_sampling(body, api.CHAT_FIELDS if chat else api.COMPLETION_FIELDS, self.name)
       prompt = self._prompt(body, chat)
+      if s["max_tokens"] is None:
+        s["max_tokens"] = max(1, self.engine.max_len - len(prompt)) if chat else api.DEFAULT_MAX_TOKENS
       loop, queue = asyncio.get_running_loop(), asyncio.Queue()
       job = Job(prompt=prompt, max_tokens=s["max_tokens"], temperature=s["temperature"], top_p=s["top_p"],
                 seed=s["seed"], stop_ids=self.stop_ids,
