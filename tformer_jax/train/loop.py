@@ -26,7 +26,6 @@ from tformer_jax import backends, config as config_lib, decode
 from tformer_jax.checkpoint import Checkpointer
 from tformer_jax.data import pipeline, prepared as prepared_lib
 from tformer_jax.eval.in_training import HarnessEval, task_names
-from tformer_jax.eval.in_training import HarnessEval, task_names
 from tformer_jax.parallel import mesh as mesh_lib, pmap as pmap_lib
 from tformer_jax.train import init_from, objectives, setup as setup_lib, state as state_lib, workdir as workdir_lib
 from tformer_jax.train.metrics import MetricWriter, bytes_per_token, eval_summary
@@ -166,9 +165,6 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
   # train.eval_tasks: harness tasks with the loss (names checked here, before the first step)
   harness_eval = (HarnessEval(cfg, model, ds.tokenizer) if task_names(cfg.train.get("eval_tasks", ""))
                   else None)
-  # train.eval_tasks: harness tasks with the loss (names checked here, before the first step)
-  harness_eval = (HarnessEval(cfg, model, ds.tokenizer) if task_names(cfg.train.get("eval_tasks", ""))
-                  else None)
 
   def evaluate(params) -> dict[str, float]:
     sums = [jeval(params, b) for b in eval_set]
@@ -227,8 +223,6 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
         finish_step(*pending)
         pending = None
         ev = evaluate(state.params)
-        if harness_eval is not None:
-          ev.update(harness_eval(mesh_lib.to_host(state.params)))
         if harness_eval is not None:
           ev.update(harness_eval(mesh_lib.to_host(state.params)))
         writer.write(done, ev)
