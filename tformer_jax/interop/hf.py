@@ -812,6 +812,15 @@ def check_target(d: pathlib.Path, overwrite: bool, marker: str, fmt: str, what: 
   if not names:
     return True
   if not owned_dir(d, marker, fmt):
+    try:
+      info = json.loads((d / marker).read_text())
+      listed = info["files"] + [marker] if info.get("format") == fmt else None
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+      listed = None
+    if listed is not None:            # one of ours, with files added since: those are the user's
+      extra = [n for n in names if n not in listed]
+      raise FileExistsError(f"{d} holds files tformer-convert did not write ({', '.join(extra[:5])}): move them "
+                            "away to replace it, or choose another directory")
     held = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
     raise FileExistsError(f"{d} is not empty and is not {what} written by tformer-convert (it holds {held}): "
                           "choose an empty or new directory")
