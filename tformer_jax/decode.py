@@ -746,7 +746,8 @@ def slot_buckets(num_slots: int) -> list[int]:
   return [b for b in (1 << i for i in range(num_slots.bit_length())) if b < num_slots] + [num_slots]
 
 
-def _slot_step_fn(model: nn.Module, num_slots: int) -> Callable:
+def _slot_step_fn(model: nn.Module, num_slots: int, k: int) -> Callable:
+  """The step on slots [0, k) of num_slots (the others keep their state)."""
   vocab = model.cfg.vocab_size
 
   def feed_one(params, cache, tok):
@@ -756,8 +757,7 @@ def _slot_step_fn(model: nn.Module, num_slots: int) -> Callable:
                                     attention_mask_BxL=jnp.ones((1, 1), bool), decode=True, mutable=["cache"])
     return upd["cache"], logits_1x1xV[0, 0]
 
-  def first(k, params, caches, logits_SxV, keys_Sx2, counts_S, temperature_S, top_p_S, active_S):
-    """The step on slots [0, k) only (the others keep their state)."""
+  def step(params, caches, logits_SxV, keys_Sx2, counts_S, temperature_S, top_p_S, active_S):
     sub = jax.tree.map(lambda c: c[:k], caches)
     keys = jax.vmap(jax.random.fold_in)(keys_Sx2[:k], counts_S[:k])
     tok_K = sampling.sample_next(keys, logits_SxV[:k], temperature=temperature_S[:k], top_p=top_p_S[:k])
@@ -768,14 +768,6 @@ def _slot_step_fn(model: nn.Module, num_slots: int) -> Callable:
     caches = jax.tree.map(lambda c, x: jax.lax.dynamic_update_slice_in_dim(c, x, 0, 0), caches, sub)
     logits_SxV = jax.lax.dynamic_update_slice_in_dim(logits_SxV, logits_KxV.astype(logits_SxV.dtype), 0, 0)
     return caches, logits_SxV, jnp.zeros((num_slots,), jnp.int32).at[:k].set(tok_K)
-
-  def step(params, caches, logits_SxV, keys_Sx2, counts_S, temperature_S, top_p_S, active_S):
-    live = jnp.max(jnp.where(active_S, jnp.arange(num_slots) + 1, 0))     # slots [0, live) matter
-    buckets = slot_buckets(num_slots)
-    branch = jnp.searchsorted(jnp.asarray(buckets), live)
-    fns = [functools.partial(first, k) for k in buckets]
-    return jax.lax.switch(branch, fns, params, caches, logits_SxV, keys_Sx2, counts_S, temperature_S,
-                          top_p_S, active_S)
   return step
 
 
@@ -785,9 +777,14 @@ def slot_step(model: nn.Module, params: Any, caches: Any, logits_SxV: Any, keys_
   s's next token from logits_SxV[s] with its own key (fold_in(key, count): a request's tokens
   depend on its seed and its own logits only), feed it at the slot's own position, return
   (caches, next logits, tokens). Only slots [0, k) are computed, k the smallest of `slot_buckets`
-  covering the last active slot (a `lax.switch` inside the one executable), so a lone request does
-  not pay for idle slots; inactive slots below k compute garbage that is never read. `caches` is
-  donated: updated in place, the array passed in is invalid afterwards."""
-  args = (params, caches, logits_SxV, keys_Sx2, counts_S, temperature_S, top_p_S, active_S)
-  fn = _slot_step_fn(model, int(np.shape(logits_SxV)[0]))
-  return _aot("slot_step", _model_key(model), fn, *args, donate=(1,))(*args)
+  covering the last active slot, so a lone request does not pay for idle slots: one executable per
+  bucket (log2(slots) + 1 of them, the same whatever the requests; `Engine.warmup` compiles them
+  all); inactive slots below k compute garbage that is never read. `caches` is donated: updated in
+  place, the array passed in is invalid afterwards."""
+  active = np.asarray(active_S)
+  num_slots = int(active.shape[0])
+  live = int(np.max(np.nonzero(active)[0], initial=-1)) + 1
+  k = next(b for b in slot_buckets(num_slots) if b >= live)
+  args = (params, caches, logits_SxV, keys_Sx2, counts_S, temperature_S, top_p_S, active)
+  fn = _slot_step_fn(model, num_slots, k)
+  return _aot("slot_step", (_model_key(model), k), fn, *args, donate=(1,))(*args)

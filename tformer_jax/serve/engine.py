@@ -118,12 +118,16 @@ class Engine:
                   completed=sum(self.finished.values()), cancelled=self.finished["cancelled"])
 
   def warmup(self) -> None:
-    """Compile the prefill (shortest bucket) and the step before serving."""
+    """Compile the prefill (shortest prompt bucket) and the step for every slot bucket before serving
+    (afterwards no request compiles a step)."""
     fresh = decode.init_cache(self.model, None, 1, self.max_len)
     decode.append_tokens(self.model, self.params, fresh, np.zeros((1, 1), np.int32), 0)
-    self.caches, _, _ = decode.slot_step(self.model, self.params, self.caches, self.logits, self.keys,
-                                         np.zeros((self.num_slots,), np.int32), self.temps, self.top_p,
-                                         np.zeros((self.num_slots,), bool))   # idle slots: garbage
+    for k in decode.slot_buckets(self.num_slots):
+      active = np.arange(self.num_slots) == k - 1                          # compiles bucket k
+      self.caches, _, _ = decode.slot_step(self.model, self.params, self.caches, self.logits, self.keys,
+                                           np.zeros((self.num_slots,), np.int32), self.temps, self.top_p,
+                                           active)
+    self.caches = decode.slot_caches(self.model, self.num_slots, self.max_len)   # back to empty
 
   # ------------------------------------------------------------------------------ the loop
 
