@@ -195,16 +195,22 @@ def _operands(rest: str) -> list[str]:
 
 
 def _trip_count(while_rest: str, comps: dict[str, list[tuple[str, str, str, str]]], where: str) -> int:
+  """Iterations of a while loop (`_loop_trips`), 1 when they are not known statically."""
+  return _loop_trips(while_rest, comps, where) or 1
+
+
+def _loop_trips(while_rest: str, comps: dict[str, list[tuple[str, str, str, str]]], where: str) -> int | None:
   """Iterations of a while loop (in computation `where`): its known_trip_count, else from the loop
   counter: the condition's `counter < N`, the body's `counter + step` and the counter's initial constant
-  (XLA:TPU's collective-matmul loops step by 2). 1 when the pattern is not there."""
+  (XLA:TPU's collective-matmul loops step by 2). None when the pattern is not there (a bound computed at
+  run time, e.g. a causal loop over the visible key blocks)."""
   known = re.search(r"known_trip_count\D*(\d+)", while_rest)
   if known:
     return int(known.group(1))
   cond = re.search(r"condition=%([\w.\-]+)", while_rest)
   body = re.search(r"body=%([\w.\-]+)", while_rest)
   if not cond or not body:
-    return 1
+    return None
 
   def table(comp: str) -> dict[str, tuple[str, str]]:
     return {name: (op, rest) for name, _, op, rest in comps.get(comp, [])}
@@ -226,7 +232,7 @@ def _trip_count(while_rest: str, comps: dict[str, list[tuple[str, str, str, str]
       a, b = (_operands(rest) + [None, None])[:2]
       counter, bound = index(ct, a), const(ct, b)
   if counter is None or bound is None:
-    return 1
+    return None
   step, start = 1, 0
   bt = table(body.group(1))
   root = [rest for name, _, op, rest in comps.get(body.group(1), []) if op == "tuple"]
@@ -435,13 +441,19 @@ def hlo_flops(hlo_text: str) -> dict[str, Any]:
   included, by part (`HLO_FLOPS_PARTS`) and their 'total': 2 x the multiply-adds of the dots (output
   elements x contracted size) and convolutions (output elements x input features x the window taps on
   real input, `_valid_taps`), and the TPU kernels (`_kernel_flops`: ragged_dot, megablox, splash
-  attention); 'uncounted': the names of kernel calls whose FLOPs are not known. XLA's cost analysis
-  counts each while-loop body once (scanned layers, XLA:TPU's collective-matmul loops): this does not."""
+  attention); 'uncounted': the names of kernel calls whose FLOPs are not known; 'dynamic_loops': the
+  loops holding matmuls whose trip count is set at run time (blockwise attention's causal loop over the
+  visible key blocks), counted once: the total is short of what runs. XLA's cost analysis counts each
+  while-loop body once (scanned layers, XLA:TPU's collective-matmul loops): this does not."""
   comps, entry = parse_hlo(hlo_text)
   shapes = {(c, name): shape for c, ins in comps.items() for name, shape, _, _ in ins}
   parts = dict.fromkeys(HLO_FLOPS_PARTS, 0.0)
   uncounted: set[str] = set()
+  dynamic_loops = 0
   for comp, (name, shape, op, rest), times in _executed(comps, entry):
+    if op == "while" and _loop_trips(rest, comps, comp) is None:
+      body = re.search(r"body=%([\w.\-]+)", rest)
+      dynamic_loops += bool(body and _holds_matmuls(comps, body.group(1)))
     if op not in ("dot", "convolution", "custom-call"):
       continue
     operands = _operands(rest)
@@ -466,7 +478,18 @@ def hlo_flops(hlo_text: str) -> dict[str, Any]:
     else:
       macs = _conv_macs(lhs, rhs, out, rest)
     parts[op] += 2.0 * macs * times
-  return parts | {"total": sum(parts.values()), "uncounted": sorted(uncounted)}
+  return parts | {"total": sum(parts.values()), "uncounted": sorted(uncounted), "dynamic_loops": dynamic_loops}
+
+
+def _holds_matmuls(comps: dict[str, list[Instr]], name: str, seen: frozenset = frozenset()) -> bool:
+  """Whether computation `name` (or one it calls) runs a dot, convolution or TPU kernel."""
+  for _, _, op, rest in comps.get(name, []):
+    if op in ("dot", "convolution") or 'custom_call_target="tpu_custom_call"' in rest:
+      return True
+    for attr, callee in _CALLS.findall(rest):
+      if attr in ("calls", "body") and callee not in seen and _holds_matmuls(comps, callee, seen | {name}):
+        return True
+  return False
 
 
 def hlo_matmul_flops(hlo_text: str) -> float:
@@ -673,7 +696,9 @@ def format_report(r: Report) -> str:
       p = r.flops_hlo_parts
       lines.append("    " + ", ".join(f"{k} {p[k]:.4g}" for k in HLO_FLOPS_PARTS if p.get(k))
                    + (f"; not counted: {len(p['uncounted'])} kernel(s) {', '.join(p['uncounted'][:3])}"
-                      if p.get("uncounted") else ""))
+                      if p.get("uncounted") else "")
+                   + (f"; {p['dynamic_loops']} loop(s) with a run-time trip count counted once (short of what "
+                      "runs)" if p.get("dynamic_loops") else ""))
       if r.flops_ratio > REPLICATED_RATIO:
         lines.append(f"WARNING: per-device HLO FLOPs are {r.flops_ratio:.2f}x the {which} / {n} devices "
                      f"(> {REPLICATED_RATIO}): the devices repeat work instead of splitting it")

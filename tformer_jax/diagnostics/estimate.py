@@ -436,10 +436,12 @@ def estimate(m: ModelConfig, batch: int, seq: int, *, remat: bool | None = None,
 #   loss      the (T, V) logits in float32 and in the compute dtype (its gradient)
 #   backward  the compute-dtype logits gradient, still live (XLA schedules the head's weight gradient
 #             after the layers' backward), and one recomputed layer: FFN_KEPT_TPU (T, F) compute-dtype
-#             arrays; dense attention's (B, H, L, S) scores in float32 and probabilities in the compute
-#             dtype (the online-softmax kernels, splash and blockwise, keep (T, H) statistics only).
+#             arrays; dense attention's (B, H, L, S) scores: DENSE_SCORES_F32 float32 copies (the
+#             scores and their normalised exponentials, in the forward and again in the recompute; the
+#             online-softmax kernels, splash and blockwise, keep (T, H) statistics only).
 # The weights are not gathered whole: XLA:TPU streams the FSDP shards through collective matmuls.
 FFN_KEPT_TPU = 4
+DENSE_SCORES_F32 = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -519,7 +521,7 @@ def _sharded_layer_bytes(m: ModelConfig, ex: Execution, lay: Layout, t: float, s
     ffn = FFN_KEPT_TPU * t * m.ff / tp_f * w
   scores = 0.0
   if ex.attention_path(m) == "dense":
-    scores = seqs * m.num_heads / tp_h * s * seq_kv(m, s, lay) * (F32 + w)
+    scores = seqs * m.num_heads / tp_h * s * seq_kv(m, s, lay) * DENSE_SCORES_F32 * F32
   return ffn + scores
 
 
