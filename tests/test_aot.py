@@ -192,3 +192,44 @@ def test_kernel_flops_are_counted_from_their_operand_shapes():
   # the formula's attention term for one layer, fwd + bwd: 12 * heads * hd * seq (keys) * seq (queries)
   assert parts["splash_attention"] == 12 * heads * hd * seq * seq
   assert parts["total"] == parts["splash_attention"] and not parts["uncounted"]
+
+
+DYNAMIC_LOOP_HLO = """
+%body (p: (s32[], f32[8,16], s32[])) -> (s32[], f32[8,16], s32[]) {
+  %p = (s32[], f32[8,16], s32[]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8,16] get-tuple-element(%p), index=1
+  %n = s32[] get-tuple-element(%p), index=2
+  %y = f32[8,16] dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[8,16], s32[]) tuple(%j, %y, %n)
+}
+
+%cond (p: (s32[], f32[8,16], s32[])) -> pred[] {
+  %p = (s32[], f32[8,16], s32[]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] get-tuple-element(%p), index=2
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (x: f32[8,16], n: s32[]) -> f32[8,16] {
+  %x = f32[8,16] parameter(0)
+  %n = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,16], s32[]) tuple(%zero, %x, %n)
+  %w = (s32[], f32[8,16], s32[]) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[8,16] get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_a_loop_with_a_run_time_trip_count_is_reported():
+  """A loop bounded by a run-time value (blockwise attention's causal loop over the visible key blocks)
+  runs its dot an unknown number of times: counted once, and reported."""
+  parts = aot.hlo_flops(DYNAMIC_LOOP_HLO)
+  assert parts["dot"] == 2 * (8 * 16) * 16 and parts["dynamic_loops"] == 1       # output elements x contracted
+  static = DYNAMIC_LOOP_HLO.replace("compare(%i, %n)", "compare(%i, %four)").replace(
+      "  ROOT %lt", "  %four = s32[] constant(4)\n  ROOT %lt")
+  parts = aot.hlo_flops(static)
+  assert parts["dot"] == 4 * 2 * (8 * 16) * 16 and parts["dynamic_loops"] == 0
