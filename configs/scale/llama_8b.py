@@ -13,6 +13,12 @@ chip, 15.75 usable): fits, XLA:TPU peak 14.97 GiB per chip (parameters + AdamW s
 temporaries 11.31 GiB), compiled in 155 s on the shared 2-core machine. Two sequences per chip
 (--config.data.batch_size=32) ask for 21.6 GiB: refused; --config.runtime.attention=blockwise brings the
 peak to 12.50 GiB.
+
+Long context (docs/long_context.md): on v5p:2x2x1 with --config.data.batch_size=4
+--config.mesh.shape="(1,4,1)" and the default runtime ('auto' -> splash attention on TPU),
+--config.data.seq_len=32768 --config.model.max_len=32768 fits at 53.9 GiB per chip (16k: 43.5 GiB), where
+'xla' needs 236 GiB. A sequence split over chips: --config.mesh.axes="('fsdp','context')"
+--config.mesh.shape="(8,8)" on v5p:4x4x4 (context parallelism, mesh.context_strategy all_gather | ring).
 """
 from tformer_jax.config import default_config
 
