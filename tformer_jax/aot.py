@@ -72,7 +72,7 @@ ACCELERATOR_TYPES = {"v4": lambda chips: f"v4-{2 * chips}", "v5e": lambda chips:
 # HLO FLOPs per device above this multiple of the formula's share: the devices repeat work (a
 # replicated expert or attention computation) instead of splitting it
 REPLICATED_RATIO = 1.5
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
 
 
 def define_flags(fv: flags.FlagValues) -> None:
@@ -322,7 +322,8 @@ def hlo_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
   is a fusion named 'all-reduce-scatter' around an all-reduce; the all-gathers and reduce-scatters it
   folds into matmuls (collective matmul, 'windowed einsum' loops) are rings of collective-permutes.
   bytes: the full buffer per device (all-gather: the gathered output; reduce-scatter: the input;
-  all-reduce, all-to-all, collective-permute: the operand)."""
+  all-reduce, all-to-all, collective-permute: the operand; ragged-all-to-all: its output buffer, what
+  can arrive)."""
   seen: dict[Any, list] = {}   # key -> [kind, bytes, executions]
   for comp, (instr, shape, op, rest), times in _executed(*parse_hlo(hlo_text)):
     kind = op[:-len("-start")] if op.endswith("-start") else op
@@ -336,7 +337,8 @@ def hlo_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     elif kind == "reduce-scatter":
       nbytes *= _group_size(rest)
     ch = re.search(r"channel_id=(\d+)", rest)
-    key = ("channel", int(ch.group(1))) if ch else (comp, instr)
+    # ragged all-to-alls (an expert-parallel exchange) share one channel id: each instruction counts
+    key = ("channel", int(ch.group(1))) if ch and kind != "ragged-all-to-all" else (comp, instr)
     entry = seen.setdefault(key, [kind, nbytes, 0])
     entry[2] = max(entry[2], times)
   out = {k: {"count": 0, "bytes": 0} for k in COLLECTIVES}
