@@ -46,11 +46,11 @@ def _prompts(args: Any, vocab: int) -> list[list[int]]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  args = cli_common.parse(argv, define_flags, doc=__doc__, prog="python -m tformer_jax.bench serve", config=True)
   import openai  # noqa: PLC0415 (the test extra: the official client)
 
   from tformer_jax.serve import Engine  # noqa: PLC0415 (aiohttp: the serve extra)
   from tformer_jax.serve.http import BackgroundServer, Service  # noqa: PLC0415
-  args = cli_common.parse(argv, define_flags, doc=__doc__, prog="python -m tformer_jax.bench serve", config=True)
   clients = [int(c) for c in args.clients]
   if not clients or min(clients) < 1:
     raise cli_common.UsageError(f"--clients: positive integers, got {args.clients}")
