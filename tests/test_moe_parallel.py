@@ -197,6 +197,7 @@ def _train(workdir, devices: int, *flags: str) -> dict[int, float]:
   return {row["step"]: row["loss"] for row in rows if "loss" in row}, r.stderr
 
 
+@pytest.mark.slow
 def test_mixtral_tiny_trains_the_same_on_data2_expert4(tmp_path):
   one, _ = _train(tmp_path / "one", 1)
   ep, log = _train(tmp_path / "ep", 8, "--config.mesh.axes=('data','expert')", "--config.mesh.shape=(2,4)")
