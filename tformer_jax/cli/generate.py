@@ -7,8 +7,10 @@
 One source of weights: --workdir (its config.json; --config.a.b=v overrides apply to it), --hf, or
 --random_init with --config=FILE (and overrides).
 
-Several --prompt (or --prompts_file, one prompt per line) run as one left-padded batch; a single
-prompt streams chunk by chunk. --stop strings end a row (the text is cut before the stop string).
+Several --prompt (or --prompts_file, one prompt per line; outputs are labelled FILE:LINE) run as one
+left-padded batch; a single prompt streams chunk by chunk. Sampling flags out of range, a prompt longer
+than a learned-position model holds and an empty prompts file are one-line errors. --stop strings end a
+row (the text is cut before the stop string).
 
 --chat: an interactive conversation on one `decode.Session` (the KV cache is kept across turns, only
 the new turn is prefilled): one user turn per stdin line, the reply printed on one line. With an HF
@@ -60,7 +62,20 @@ def parse_args(argv: Sequence[str] | None) -> Any:
     cli_common.fail("--random_init needs --config=configs/<name>.py")
   if args.hf and args.config is not None:
     cli_common.fail("--hf takes its config from the model directory, not --config")
+  _check_sampling(args)
   return args
+
+
+def _check_sampling(args: Any) -> None:
+  """Sampling flags out of range: one line each, before any model is loaded."""
+  rules = [("temperature", args.temperature >= 0, "must be >= 0 (0: greedy)"),
+           ("top_p", 0 < args.top_p <= 1, "must be in (0, 1]"),
+           ("top_k", args.top_k >= 0, "must be >= 0 (0: all tokens)"),
+           ("max_new_tokens", args.max_new_tokens >= 1, "must be >= 1"),
+           ("repetition_penalty", args.repetition_penalty > 0, "must be > 0 (1: off)")]
+  for name, ok, rule in rules:
+    if not ok:
+      cli_common.fail(f"--{name}: {rule}, got {getattr(args, name)}")
 
 
 def load(args: Any) -> tuple[Any, Any, Any, str]:
@@ -189,16 +204,35 @@ def chat(args: Any, model: Any, params: Any, tok: Any) -> int:
     print(reply, flush=True)
 
 
-def generate(args: Any, model: Any, params: Any, tok: Any, default_prompt: str) -> int:
-  prompts = list(args.prompt)
+def _prompts(args: Any, default_prompt: str) -> tuple[list[str], list[str]]:
+  """(prompts, their labels): --prompt i is 'i', a --prompts_file line 'FILE:LINE' (blank lines are
+  skipped, not renumbered); a prompts file with no prompt is an error."""
+  prompts, labels = list(args.prompt), [str(i) for i in range(len(args.prompt))]
   if args.prompts_file:
-    with open(args.prompts_file, encoding="utf-8") as f:
-      prompts += [line.rstrip("\n") for line in f if line.strip()]
-  prompts = prompts or [default_prompt]
+    try:
+      with open(args.prompts_file, encoding="utf-8") as f:
+        found = [(n, line.rstrip("\n")) for n, line in enumerate(f, 1) if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+      cli_common.fail(f"--prompts_file: {args.prompts_file}: {getattr(e, 'strerror', None) or e}")
+    if not found:
+      cli_common.fail(f"--prompts_file: {args.prompts_file} holds no prompt (it is empty or blank)")
+    prompts += [line for _, line in found]
+    labels += [f"{args.prompts_file}:{n}" for n, _ in found]
+  return (prompts, labels) if prompts else ([default_prompt], ["0"])
+
+
+def generate(args: Any, model: Any, params: Any, tok: Any, default_prompt: str) -> int:
+  prompts, labels = _prompts(args, default_prompt)
   encoded = [tok.encode(p) for p in prompts]
   for p, ids in zip(prompts, encoded):
     if len(ids) == 0:
       cli_common.fail(f"prompt {p!r} encodes to no tokens")
+  limit = model.cfg.max_len
+  for label, ids in zip(labels, encoded):
+    if model.cfg.position == "learned" and len(ids) + args.max_new_tokens > limit:
+      cli_common.fail(f"prompt {label} is {len(ids)} tokens, + --max_new_tokens={args.max_new_tokens} exceeds "
+                      f"this model's max_len={limit} (learned positions cannot extrapolate): shorten it or "
+                      f"lower --max_new_tokens")
   stop_tokens = sorted({int(ids[0]) for ids in map(tok.encode, args.stop) if len(ids) == 1})
   rows = [RowText(tok, args.stop) for _ in prompts]
   stream = decode.generate_stream(
@@ -221,8 +255,8 @@ def generate(args: Any, model: Any, params: Any, tok: Any, default_prompt: str) 
   if single:
     sys.stdout.write(rows[0].ready(final=True) + "\n")
   else:
-    for i, (p, row) in enumerate(zip(prompts, rows)):
-      sys.stdout.write(f"=== [{i}] ===\n{p}{row.text}\n")
+    for label, p, row in zip(labels, prompts, rows):
+      sys.stdout.write(f"=== [{label}] ===\n{p}{row.text}\n")
   sys.stdout.flush()
   return 0
 
