@@ -179,3 +179,22 @@ def test_an_export_carries_the_tokenizer_the_data_was_tokenized_with(tmp_path, c
   assert carried["chat_template"] == template["chat_template"]
   gen = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
   assert gen["eos_token_id"] == 1                   # '</s>', the data's EOS
+
+
+def test_eval_names_the_checkpoint_step_it_scored_when_the_latest_is_damaged(tmp_path, capsys):
+  from tformer_jax.cli import eval as eval_cli  # noqa: PLC0415
+  cfg = _cfg(vocab=256)
+  work = _workdir(cfg, _params(cfg, 4), tmp_path / "work")
+  ckpt = Checkpointer(work / "checkpoints")
+  try:
+    ckpt.save(2, {"params": _params(cfg, 5)}, None, {}, force=True)
+    ckpt.wait()
+  finally:
+    ckpt.close()
+  for f in (work / "checkpoints" / "2").rglob("*"):
+    if f.is_file() and f.stat().st_size > 1000:
+      f.write_bytes(b"\0" * f.stat().st_size)            # the latest step's data: damaged
+  capsys.readouterr()
+  res = eval_cli.main([f"--workdir={work}", "--batches=1", "--config.data.batch_size=2"])
+  out = capsys.readouterr().out
+  assert res["step"] == 1 and "(checkpoint step 1)" in out and json.loads(out.strip().splitlines()[-1])["step"] == 1

@@ -758,9 +758,10 @@ def _read_config(path: epath.Path) -> ml_collections.ConfigDict:
     raise CheckpointError(f"cannot read the run config {path}: {e}") from e
 
 
-def restore_params(workdir: str | os.PathLike,
-                   step: int | None = None) -> tuple[ml_collections.ConfigDict, PyTree]:
-  """(config, params) of a train workdir, for inference: params as host numpy arrays.
+def restore_params(workdir: str | os.PathLike, step: int | None = None, *,
+                   with_step: bool = False) -> tuple[Any, ...]:
+  """(config, params) of a train workdir, for inference: params as host numpy arrays; with_step=True:
+  (config, params, the step they come from).
 
   Reads `<workdir>/config.json` and only the `params` field of the saved train state (as it was
   saved) from the latest usable checkpoint (or `step`), whatever the optimizer or the mesh it
@@ -811,7 +812,7 @@ def restore_params(workdir: str | os.PathLike,
       return out[STATE]["params"]
 
     steps_to_try = [int(step)] if step is not None else steps
-    _, params, _ = _first_good(ckpt_dir, steps_to_try, attempt, explicit=step is not None, debug_log=debug_log)
+    used, params, _ = _first_good(ckpt_dir, steps_to_try, attempt, explicit=step is not None, debug_log=debug_log)
   finally:
     manager.close()
-  return config, params
+  return (config, params, used) if with_step else (config, params)

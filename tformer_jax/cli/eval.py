@@ -92,17 +92,18 @@ def _data_config(args: Any) -> Any:
   return cfg
 
 
-def load(args: Any, cfg: Any, vocab_size: int) -> tuple[Any, Any]:
-  """(model, params): the workdir's, computing in its training precision, or the HF model's."""
+def load(args: Any, cfg: Any, vocab_size: int) -> tuple[Any, Any, int | None]:
+  """(model, params, checkpoint step): the workdir's (the step restored: the latest usable one unless
+  --step), computing in its training precision, or the HF model's (step None)."""
   if args.hf:
     model, params, _ = decode_io.load_hf(args.hf)
     if vocab_size > model.cfg.vocab_size:
       raise config_lib.ConfigError(f"{args.hf}: its tokenizer's vocabulary ({vocab_size}) is larger than the "
                                    f"model's ({model.cfg.vocab_size})")
-    return model, params
-  _, params = restore_params(args.workdir, args.step)
+    return model, params, None
+  _, params, step = restore_params(args.workdir, args.step, with_step=True)
   model = Transformer(setup_lib.resolve_model_config(cfg, vocab_size))
-  return model, decode_io.check_params(model, params, str(args.workdir))
+  return model, decode_io.check_params(model, params, str(args.workdir)), step
 
 
 def run_harness(args: Any) -> dict[str, Any]:
@@ -154,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   ds = pipeline.build_dataset(cfg.data)
   if ds.task is not None:
     raise config_lib.ConfigError("data.corpus: synthetic tasks are scored by training (exact match), not here")
-  model, params = load(args, cfg, ds.vocab_size)
+  model, params, ckpt_step = load(args, cfg, ds.vocab_size)
   if args.split == "train":
     ds = dataclasses.replace(ds, val_tokens=ds.train_tokens, mixture=())
   n = args.batches or int(cfg.train.eval_batches)
@@ -171,12 +172,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   prefix = "val_" if args.split == "val" else "train_"
   objective = "next_token" if model.cfg.causal else "masked_lm"
   res: dict[str, Any] = {
-      "source": str(args.workdir or args.hf), "corpus": str(cfg.data.corpus), "split": args.split,
+      "source": str(args.workdir or args.hf), "step": ckpt_step, "corpus": str(cfg.data.corpus),
+      "split": args.split,
       "objective": objective,
       "batches": n, "tokens": int(totals["count"]),
       **metrics_lib.eval_summary(totals, metrics_lib.bytes_per_token(ds), prefix=prefix),
       "seconds": round(seconds, 3)}
-  print(f"{res['source']} on {res['corpus']} ({args.split}, {res['tokens']:,} tokens): loss "
+  at = "" if ckpt_step is None else f" (checkpoint step {ckpt_step})"
+  print(f"{res['source']}{at} on {res['corpus']} ({args.split}, {res['tokens']:,} tokens): loss "
         f"{res[prefix + 'loss']:.4f} nats/token, ppl {res[prefix + 'ppl']:.3f}, {res[prefix + 'bpb']:.4f} "
         f"bits/byte, {'masked-token ' if objective == 'masked_lm' else ''}accuracy {res[prefix + 'accuracy']:.4f}")
   line = json.dumps(res)
