@@ -143,3 +143,20 @@ def test_a_run_that_fails_before_saving_leaves_no_new_workdir(tmp_path):
   with pytest.raises(CheckpointError):
     train(other, tmp_path / "b")   # fails after the lock and the checkpoint directory were made
   assert not (tmp_path / "b").exists()
+
+
+def test_a_folder_of_the_users_own_files_is_refused_and_left_as_it_was(tmp_path):
+  mine = tmp_path / "notes"
+  mine.mkdir()
+  (mine / "draft.txt").write_text("my own notes")
+  (mine / "config.json").write_text('{"not": "a run"}')
+  with pytest.raises(ConfigError, match=r"workdir: .*notes holds files that are not a training run's "
+                                        r"\(config.json, draft.txt\)"):
+    train(tiny_config(steps=1), mine)
+  assert sorted(p.name for p in mine.iterdir()) == ["config.json", "draft.txt"]
+  assert (mine / "config.json").read_text() == '{"not": "a run"}'
+  (tmp_path / "empty").mkdir()
+  workdir_lib.check_owned(tmp_path / "empty")        # an empty directory, a new one and a run's are fine
+  workdir_lib.check_owned(tmp_path / "new")
+  (mine / "checkpoints").mkdir()
+  workdir_lib.check_owned(mine)

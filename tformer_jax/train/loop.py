@@ -81,6 +81,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[st
   runtime = backends.resolve_runtime(cfg, mesh_devices=devices, quiet=jax.process_index() != 0)
   stop = _install_stop_handlers()   # before the first long operation: a signal then ends the run cleanly
   new_workdir = not pathlib.Path(workdir).expanduser().exists()
+  workdir_lib.check_owned(workdir)  # a user's own folder: refused before the lock file is written
   lock = _lock_workdir(workdir)
   try:
     with backends.use(runtime.backend):

@@ -6,7 +6,9 @@ pid, host, start time and command in the file, for the message. A second run sto
 line naming the holder. A lock file left by a process that is gone is taken over with a warning.
 Multi-process runs: process 0 holds the lock for the run.
 
-`check_architecture(workdir, cfg)` compares the architecture of the config about to run with the one
+`check_owned(workdir)` refuses, in one line, an existing directory that holds files but nothing of a
+run's (`config.json` with a model, `checkpoints/`, `metrics.jsonl`, the lock): a user's own folder is never
+written into. `check_architecture(workdir, cfg)` compares the architecture of the config about to run with the one
 already saved in `WORKDIR/config.json` (when the workdir has checkpoints): a difference is a one-line
 ConfigError listing the fields, and the saved config is left untouched.
 """
@@ -92,6 +94,34 @@ def _describe(info: dict[str, Any]) -> str:
     return "another process"
   return (f"pid {info.get('pid', '?')} on {info.get('host', '?')} since {info.get('started', '?')} "
           f"({' '.join(map(str, info.get('argv', [])))[:120]})")
+
+
+# what a run writes first into its workdir: one of these marks a directory as a run's
+RUN_MARKERS = (LOCK_NAME, "checkpoints", "metrics.jsonl", "runtime.json")
+
+
+def check_owned(workdir: str | os.PathLike) -> None:
+  """ConfigError if `workdir` exists, is not empty and holds nothing a run writes: training writes only
+  into a new or empty directory, or one of its own."""
+  work = pathlib.Path(workdir).expanduser()
+  if not work.exists():
+    return
+  if not work.is_dir():
+    raise config_lib.ConfigError(f"workdir: {work} is a file, not a directory; pass a new or empty directory")
+  entries = sorted(p.name for p in work.iterdir())
+  if not entries or any(name in entries for name in RUN_MARKERS) or _is_run_config(work / "config.json"):
+    return
+  shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+  raise config_lib.ConfigError(f"workdir: {work} holds files that are not a training run's ({shown}); pass a "
+                               "new or empty directory (nothing there was changed)")
+
+
+def _is_run_config(path: pathlib.Path) -> bool:
+  try:
+    saved = json.loads(path.read_text())
+  except (OSError, ValueError):
+    return False
+  return isinstance(saved, dict) and "model" in saved and "train" in saved
 
 
 def check_architecture(workdir: str | os.PathLike, cfg: Any) -> None:
