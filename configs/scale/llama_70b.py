@@ -9,7 +9,8 @@ AdamW moments; scanned layers with full remat. Mesh (data, fsdp, tensor) = (1, 1
   tformer-aot --config=configs/scale/llama_70b.py --topology=v5p:4x4x4
 
 Checked (2026-12-01, libtpu 0.0.42.1 / jax 0.10.2, docs/scaling.md) on v5p:4x4x4 (a v5p-128: 64 chips,
-95 GiB HBM each): fits, XLA:TPU peak 47.40 GiB per chip (parameters + AdamW state 12.33 GiB,
+95 GiB HBM each): fits, XLA:TPU peak 42.68 GiB per chip with the default runtime ('auto': splash attention on TPU;
+47.40 GiB with --config.runtime.attention=xla, the figures below) (parameters + AdamW state 12.33 GiB,
 temporaries 49.06 GiB), compiled in 139 s on the shared 2-core machine.
 """
 from tformer_jax.config import default_config

@@ -9,7 +9,8 @@ parameters, gradients and optimizer state split 16 ways along 'embed'.
   tformer-aot --config=configs/scale/llama_8b.py --topology=v5e:4x4
 
 Checked (2026-12-01, libtpu 0.0.42.1 / jax 0.10.2, docs/scaling.md) on v5e:4x4 (a v5e-16, 16 GiB HBM a
-chip, 15.75 usable): fits, XLA:TPU peak 14.97 GiB per chip (parameters + AdamW state 5.61 GiB,
+chip, 15.75 usable): fits, XLA:TPU peak 13.17 GiB per chip with the default runtime ('auto': splash
+attention on TPU; 14.97 GiB with --config.runtime.attention=xla, the figures below) (parameters + AdamW state 5.61 GiB,
 temporaries 11.31 GiB), compiled in 155 s on the shared 2-core machine. Two sequences per chip
 (--config.data.batch_size=32) ask for 21.6 GiB: refused; --config.runtime.attention=blockwise brings the
 peak to 12.50 GiB.
