@@ -161,3 +161,21 @@ def test_cudnn_refuses_packed_documents_in_one_line_and_auto_falls_back():
   half.model.dtype = "bfloat16"
   gpu = backends.resolve_runtime(half, platform="gpu", quiet=True).backend
   assert (gpu.attention_impl, gpu.cudnn_fallback) == ("cudnn", "xla")
+
+
+def test_heads_split_over_the_tensor_axis_with_their_kv_heads():
+  """'heads' and 'kv_heads' both map to 'tensor' under the tp presets: attention's layout splits both (a
+  spec holding both would give the axis to only one of them, and the kernel would run every head on every
+  device); KV heads the axis cannot split leave both whole."""
+  import flax.linen as nn
+  from jax.sharding import AxisType
+  from tformer_jax.parallel import rules as rules_lib
+
+  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), \
+      nn.logical_axis_rules(rules_lib.get_rules("fsdp_tp", mesh.axis_names)):
+    layout = base_lib.attention_layout()
+  assert (layout.heads, layout.kv_heads) == ("tensor", "tensor")
+  fitted = layout.fit(8, 256, 8, 4)
+  assert (fitted.batch, fitted.heads, fitted.kv_heads) == (("data", "fsdp"), "tensor", "tensor")
+  assert (layout.fit(8, 256, 8, 1).heads, layout.fit(8, 256, 8, 1).kv_heads) == (None, None)

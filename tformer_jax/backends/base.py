@@ -253,9 +253,11 @@ class AttentionLayout:
     """This layout with every axis that does not split its dimension evenly left unsharded (a batch
     of one traced at initialisation, fewer KV heads than the tensor axis)."""
     keep = lambda axes, n: axes if n % self.ways(axes) == 0 else None  # noqa: E731
-    heads = keep(self.heads, h) if keep(self.kv_heads, kh) is not None else None
-    return AttentionLayout(self.mesh, keep(self.batch, b), keep(self.context, l), heads,
-                           self.kv_heads if heads is not None else None)
+    # query and KV heads split together (a K/V head's query group stays on its device), or neither
+    split = self.heads is not None and self.heads == self.kv_heads and keep(self.heads, h) is not None \
+        and keep(self.kv_heads, kh) is not None
+    heads = self.heads if split else None
+    return AttentionLayout(self.mesh, keep(self.batch, b), keep(self.context, l), heads, heads)
 
 
 def attention_layout() -> AttentionLayout | None:
@@ -264,9 +266,12 @@ def attention_layout() -> AttentionLayout | None:
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is None or mesh.empty:
     return None
-  q = flax_partitioning.logical_to_mesh_axes(("batch", "length", "heads", "kv_heads"))
-  q = tuple(q) + (None,) * (4 - len(q))
-  return AttentionLayout(mesh, q[0], q[1], q[2], q[3])
+  q = tuple(flax_partitioning.logical_to_mesh_axes(("batch", "length", "heads")))
+  q = q + (None,) * (3 - len(q))
+  # asked alone: within one spec flax gives a mesh axis to one dimension only ('heads' and 'kv_heads'
+  # both map to 'tensor')
+  kv = tuple(flax_partitioning.logical_to_mesh_axes(("kv_heads",))) or (None,)
+  return AttentionLayout(mesh, q[0], q[1], q[2], kv[0])
 
 
 def cudnn_unsupported(vis: Visibility) -> str | None:
