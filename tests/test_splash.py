@@ -4,18 +4,21 @@ Tolerance: float32, outputs and q/k/v gradients within atol 1e-5 (rtol 1e-5) of 
 attention under the same `Visibility`; a tiny model's training losses within 1e-5. Also: the 'cudnn'
 argument mapping and refusals, the platform-driven choices of resolve_runtime, config refusals.
 """
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
 import pytest
+from jax.sharding import AxisType
 
 from tformer_jax import backends, config as config_lib
 from tformer_jax.backends import base as base_lib
 from tformer_jax.config import ConfigError, ModelConfig
 from tformer_jax.nn.transformer import Transformer
 from tformer_jax.ops.masks import Visibility
+from tformer_jax.parallel import rules as rules_lib
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 SPLASH = backends.Backend(attention_impl="splash", splash_block_q=128, splash_block_kv=128, splash_interpret=True)
@@ -167,10 +170,6 @@ def test_heads_split_over_the_tensor_axis_with_their_kv_heads():
   """'heads' and 'kv_heads' both map to 'tensor' under the tp presets: attention's layout splits both (a
   spec holding both would give the axis to only one of them, and the kernel would run every head on every
   device); KV heads the axis cannot split leave both whole."""
-  import flax.linen as nn
-  from jax.sharding import AxisType
-  from tformer_jax.parallel import rules as rules_lib
-
   mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), \
       nn.logical_axis_rules(rules_lib.get_rules("fsdp_tp", mesh.axis_names)):

@@ -48,7 +48,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from tformer_jax import config as config_lib
+from tformer_jax import config as config_lib, host_alloc
 from tformer_jax.config import ConfigError, check_field_path, default_config, load_config_file as _load
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -396,6 +396,9 @@ def parse(argv: Sequence[str] | None, define: Callable[[flags.FlagValues], None]
   """
   argv = list(sys.argv[1:] if argv is None else argv)
   prog = prog or pathlib.Path(sys.argv[0]).name
+  if host_alloc.idle_libtpu():
+    import jax  # noqa: PLC0415 (only here: tformer-prepare and --help never import jax)
+    jax.config.update("jax_platforms", "cpu")     # before any backend starts: no libtpu start-up errors
   if not flags.FLAGS.is_parsed():
     flags.FLAGS.mark_as_parsed()       # grain's worker processes read absl's global flags
   fv = flags.FlagValues()

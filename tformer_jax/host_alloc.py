@@ -56,6 +56,18 @@ def _tpu_devices() -> bool:
   return any(glob.glob(g) for g in TPU_DEVICE_GLOBS)
 
 
+def idle_libtpu(env: Mapping[str, str] | None = None) -> bool:
+  """libtpu installed (the tpu-aot extra) on a host with no TPU devices and no other accelerator plugin,
+  JAX_PLATFORMS unset: jax would probe libtpu and print its start-up errors, for nothing. The CLIs then
+  select the CPU platform (cli_common.parse)."""
+  env = os.environ if env is None else env
+  if env.get("JAX_PLATFORMS") or importlib.util.find_spec("libtpu") is None:
+    return False
+  if any(importlib.util.find_spec(m) for m in ACCELERATOR_MODULES if m != "libtpu"):
+    return False                                  # a GPU host: its plugin chooses
+  return not _tpu_devices()
+
+
 def find_tcmalloc(dirs: tuple[str, ...] = LIB_DIRS) -> str | None:
   """Path of an installed tcmalloc shared library, or None."""
   for d in dirs:

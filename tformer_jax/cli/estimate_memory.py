@@ -20,17 +20,14 @@ counts no custom call, e.g. the C++ kernels, and a loop body once); --no-flops s
 """
 from __future__ import annotations
 
-import glob
-import importlib.util
 import json
-import os
 import sys
 from typing import Sequence
 
 import jax
 from absl import flags
 
-from tformer_jax import cli_common, host_alloc
+from tformer_jax import cli_common
 from tformer_jax.config import ConfigError
 from tformer_jax.diagnostics import estimate as est_lib
 from tformer_jax.train import setup as setup_lib
@@ -53,17 +50,6 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("json", None, "also write the numbers to this file", flag_values=fv)
 
 
-def _no_idle_tpu() -> None:
-  """Keep jax off libtpu when it is installed without TPU devices (the tpu-aot extra on a CPU host):
-  probing it prints libtpu's start-up errors and nothing here needs it."""
-  if os.environ.get("JAX_PLATFORMS") or importlib.util.find_spec("libtpu") is None:
-    return
-  if any(importlib.util.find_spec(p) for p in host_alloc.ACCELERATOR_MODULES if p != "libtpu"):
-    return                                        # a GPU host: its plugin chooses
-  if not any(glob.glob(g) for g in host_alloc.TPU_DEVICE_GLOBS):
-    jax.config.update("jax_platforms", "cpu")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
   args = cli_common.parse(argv, define_flags, doc=__doc__, prog="tformer-estimate", config="required")
   cfg = args.config
@@ -78,7 +64,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg.model.remat, cfg.model.scan_layers = "full", True
   if args.devices < 0:
     raise cli_common.UsageError(f"--devices: must be >= 0, got {args.devices}")
-  _no_idle_tpu()
   here = jax.default_backend()
   platform = args.platform or here
   try:
