@@ -383,6 +383,16 @@ def fail(message: str) -> None:
   raise SystemExit(2)
 
 
+def check_model_source(args: types.SimpleNamespace) -> None:
+  """The model a decoding command runs: exactly one of --workdir, --hf, --random_init (which needs
+  --config); a usage error in one line otherwise."""
+  sources = [name for name in ("workdir", "hf", "random_init") if getattr(args, name)]
+  if len(sources) != 1:
+    fail("pass exactly one of --workdir=RUN, --hf=DIR, --random_init")
+  if args.random_init and args.config is None:
+    fail("--random_init needs --config=configs/<name>.py")
+
+
 def parse(argv: Sequence[str] | None, define: Callable[[flags.FlagValues], None] | None = None, *,
           doc: str = "", prog: str | None = None, config: bool | str = False,
           from_workdir: bool = False) -> types.SimpleNamespace:

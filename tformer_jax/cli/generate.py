@@ -55,11 +55,7 @@ def define_flags(fv: flags.FlagValues) -> None:
 def parse_args(argv: Sequence[str] | None) -> Any:
   args = cli_common.parse(argv, define_flags, doc=__doc__, prog="tformer-generate", config=True,
                           from_workdir=True)
-  sources = [name for name in ("workdir", "hf", "random_init") if getattr(args, name)]
-  if len(sources) != 1:
-    cli_common.fail("pass exactly one of --workdir=RUN, --hf=DIR, --random_init")
-  if args.random_init and args.config is None:
-    cli_common.fail("--random_init needs --config=configs/<name>.py")
+  cli_common.check_model_source(args)
   if args.hf and args.config is not None:
     cli_common.fail("--hf takes its config from the model directory, not --config")
   _check_sampling(args)

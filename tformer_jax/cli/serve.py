@@ -40,11 +40,7 @@ def define_flags(fv: flags.FlagValues) -> None:
 def parse_args(argv: Sequence[str] | None) -> Any:
   args = cli_common.parse(argv, define_flags, doc=__doc__, prog="tformer-serve", config=True,
                           from_workdir=True)
-  sources = [name for name in ("workdir", "hf", "random_init") if getattr(args, name)]
-  if len(sources) != 1:
-    cli_common.fail("pass exactly one of --workdir=RUN, --hf=DIR, --random_init")
-  if args.random_init and args.config is None:
-    cli_common.fail("--random_init needs --config=configs/<name>.py")
+  cli_common.check_model_source(args)
   if args.slots < 1 or args.max_queue < 0 or args.max_len < 0:
     cli_common.fail("--slots must be >= 1, --max_queue and --max_len >= 0")
   if args.cache_dtype is not None and args.cache_dtype not in kv_quant.CACHE_DTYPES:
