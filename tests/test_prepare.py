@@ -12,19 +12,13 @@ import subprocess
 import sys
 
 import numpy as np
+import prepare_faults
 import pytest
 
+from tformer_jax.bench.tokenizer import tokenizer_ceiling
 from tformer_jax.data import prepare as prepare_cli, sources
 from tformer_jax.data.corpora import DataError, load_corpus
-from tformer_jax.data.prepared import (
-    KILL_ENV,
-    PROGRESS,
-    WAIT_ENV,
-    open_prepared,
-    prepare,
-    token_dtype,
-    tokenizer_ceiling,
-)
+from tformer_jax.data.prepared import PROGRESS, open_prepared, prepare, token_dtype
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -74,7 +68,7 @@ def test_workers_give_byte_identical_output_and_the_reader_returns_every_documen
   kw = dict(tokenizer="bpe", text_field="text", bpe_vocab_size=400, train_tokenizer_sample_bytes=100_000,
             shard_tokens=4000, progress=False, cache_dir=tmp_path / "cache", unit_bytes=4096)
   one = prepare([str(src)], tmp_path / "w1", workers=1, **kw)
-  monkeypatch.setenv(WAIT_ENV, "1")
+  prepare_faults.wait_for_workers(monkeypatch)
   three = prepare([str(src)], tmp_path / "w3", workers=3, **kw)
   assert one["units"]["spawned"] == 0 and one["units"]["main"] > 40 and one["worker_peak_rss_mb"] == 0
   assert three["units"]["spawned"] > 0 and sum(three["units"].values()) == one["units"]["main"]
@@ -111,9 +105,9 @@ def test_kill_midway_then_resume_is_byte_identical(tmp_path, paragraphs):
   src = _txt_folder(tmp_path / "books", paragraphs[:2000])
   args = dict(tokenizer="byte", shard_tokens=20_000, progress=False)
   prepare([str(src)], tmp_path / "whole", **args)
-  code = (f"from tformer_jax.data.prepared import prepare; "
+  code = (f"import prepare_faults; prepare_faults.kill_after(3); from tformer_jax.data.prepared import prepare; "
           f"prepare([{str(src)!r}], {str(tmp_path / 'cut')!r}, tokenizer='byte', shard_tokens=20000, progress=False)")
-  env = dict(os.environ, **{KILL_ENV: "3"})
+  env = dict(os.environ, PYTHONPATH=str(REPO / "tests"))
   proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, timeout=300)
   assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
   cut = tmp_path / "cut"

@@ -17,7 +17,7 @@ import pytest
 
 from tformer_jax.data import prepare as prepare_cli
 from tformer_jax.data.corpora import DataError, load_corpus
-from tformer_jax.data.prepared import KILL_ENV, LOCK, PROGRESS, SIGNAL_ENV, open_prepared, prepare
+from tformer_jax.data.prepared import LOCK, PROGRESS, open_prepared, prepare
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -48,7 +48,11 @@ def _one_line(err: str) -> str:
   return err
 
 
-def _cmd(*args: str) -> list[str]:
+def _cmd(*args: str, kill_after: int = 0, signal_name: str = "KILL") -> list[str]:
+  """tformer-prepare (with kill_after: signalled after committing that many shards, tests/prepare_faults.py)."""
+  if kill_after:
+    return [sys.executable, str(REPO / "tests" / "prepare_faults.py"), f"--kill-after={kill_after}",
+            f"--signal={signal_name}", "--", *args, "--noprogress"]
   return [sys.executable, "-m", "tformer_jax.data.prepare", *args, "--noprogress"]
 
 
@@ -113,9 +117,9 @@ def test_overwrite_replaces_our_dataset_atomically(books, tmp_path):
 
 def test_a_second_prepare_into_the_same_out_refuses_while_the_first_runs(books, tmp_path):
   out = tmp_path / "prep"
-  env = dict(os.environ, **{KILL_ENV: "1", SIGNAL_ENV: "STOP"})       # the first stops itself mid-run
-  first = subprocess.Popen(_cmd(f"--source={books}", f"--out={out}", "--tokenizer=byte", "--shard_tokens=40000"),
-                           cwd=REPO, env=env, start_new_session=True, stdout=subprocess.PIPE,
+  first = subprocess.Popen(_cmd(f"--source={books}", f"--out={out}", "--tokenizer=byte", "--shard_tokens=40000",
+                                kill_after=1, signal_name="STOP"),   # the first stops itself mid-run
+                           cwd=REPO, start_new_session=True, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
   try:
     deadline = time.time() + 60
@@ -142,8 +146,8 @@ def test_a_second_prepare_into_the_same_out_refuses_while_the_first_runs(books, 
 def test_ctrl_c_is_one_line_and_the_rerun_resumes_byte_identically(books, tmp_path):
   out, ref = tmp_path / "prep", tmp_path / "ref"
   args = [f"--source={books}", f"--out={out}", "--tokenizer=byte", "--shard_tokens=40000", "--workers=2"]
-  env = dict(os.environ, **{KILL_ENV: "2", SIGNAL_ENV: "INT"})         # SIGINT to the group, as a terminal's ^C
-  p = subprocess.run(_cmd(*args), cwd=REPO, env=env, start_new_session=True, capture_output=True, text=True,
+  p = subprocess.run(_cmd(*args, kill_after=2, signal_name="INT"),    # SIGINT to the group, as a terminal's ^C
+                     cwd=REPO, start_new_session=True, capture_output=True, text=True,
                      timeout=120)
   assert p.returncode == 2, p.stderr
   lines = [x for x in p.stderr.splitlines() if x.strip() and "(test hook)" not in x]

@@ -50,7 +50,7 @@ CORPUS_PREFIXES = ("text:", "prepared:", "synthetic:")
 CORPUS_SHOWN = ("text:PATH", "prepared:DIR", "synthetic:TASK")
 TOKENIZERS = ("byte", "bpe")
 TOKENIZER_PREFIXES = ("spm:", "hf:")
-SAMPLINGS = ("random", "packed")
+SAMPLINGS = ("random", "packed")     # data.sampling and data.packing: owned here, tformer_jax.data imports them
 PACKINGS = ("packed", "document")
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
 LOGGERS = ("jsonl", "tensorboard", "wandb")
@@ -592,6 +592,36 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
     _fail(p + "moe.every", "scan_layers needs identical layers: use moe.every=1 or scan_layers=False")
 
 
+def parse_mixture(mixture: str | Sequence[Any]) -> list[tuple[str, float]]:
+  """data.mixture 'SPEC=W,SPEC=W' (or a list of 'SPEC=W' / (SPEC, W)) -> [(spec, weight)], the weights
+  normalised to sum 1: the one reader of the syntax (validate and the data pipeline). ConfigError naming an
+  item that is not SPEC=WEIGHT, a weight that is not a positive number, or a synthetic task."""
+  items = mixture.split(",") if isinstance(mixture, str) else list(mixture)
+  out = []
+  for item in items:
+    if isinstance(item, (tuple, list)) and len(item) == 2:
+      spec, weight = str(item[0]).strip(), item[1]
+    else:
+      spec, sep, weight = str(item).strip().rpartition("=")
+      spec = spec.strip()
+      if not sep or not spec:
+        _fail("data.mixture", f"{str(item).strip()!r} is not SPEC=WEIGHT "
+              "(e.g. 'prepared:/data/a=0.7,prepared:/data/b=0.3')")
+    try:
+      w = float(weight)
+    except (TypeError, ValueError):
+      w = math.nan
+    if not (math.isfinite(w) and w > 0):
+      _fail("data.mixture", f"weight {weight!r} of {spec!r} must be a positive number")
+    if spec.startswith("synthetic:"):
+      _fail("data.mixture", f"{spec!r}: synthetic tasks cannot be mixed with text")
+    out.append((spec, w))
+  if not out:
+    _fail("data.mixture", "is empty; give 'SPEC=WEIGHT,SPEC=WEIGHT'")
+  total = sum(w for _, w in out)
+  return [(s, w / total) for s, w in out]
+
+
 def tokenizer_vocab_size(data: Any) -> int | None:
   """The vocabulary of data.tokenizer (of data.corpus when it is a prepared dataset, of the first
   dataset of a mixture), read from the tokenizer's files without loading any text; None when it
@@ -599,7 +629,10 @@ def tokenizer_vocab_size(data: Any) -> int | None:
   corpus = str(data.get("corpus", "") or "")
   mixture = str(data.get("mixture", "") or "").strip()
   if mixture:
-    corpus = mixture.split(",")[0].rsplit("=", 1)[0].strip()
+    try:
+      corpus = parse_mixture(mixture)[0][0]
+    except ConfigError:
+      return None    # validate() names it
   if corpus.startswith("synthetic:"):
     return None
   try:
@@ -700,19 +733,8 @@ def _validate_data(d: Any, m: ModelConfig, check_paths: bool) -> None:
   else:
     if corpus.startswith("synthetic:"):
       _fail("data.mixture", f"mixes text corpora; data.corpus={corpus!r} is a synthetic task (set one or the other)")
-    for item in mixture.split(","):
-      spec, sep, weight = item.strip().rpartition("=")
-      if not sep or not spec.strip():
-        _fail("data.mixture", f"{item.strip()!r} is not SPEC=WEIGHT (e.g. 'prepared:/data/a=0.7,prepared:/data/b=0.3')")
-      try:
-        ok = math.isfinite(float(weight)) and float(weight) > 0
-      except ValueError:
-        ok = False
-      if not ok:
-        _fail("data.mixture", f"weight {weight!r} of {spec.strip()!r} must be a positive number")
-      if spec.strip().startswith("synthetic:"):
-        _fail("data.mixture", f"{spec.strip()!r}: synthetic tasks cannot be mixed with text")
-      _check_corpus("data.mixture", spec.strip(), check_paths)
+    for spec, _ in parse_mixture(mixture):
+      _check_corpus("data.mixture", spec, check_paths)
   val_corpus = str(d.get("val_corpus", "") or "").strip()
   if val_corpus:
     if val_corpus.startswith("synthetic:") or (corpus.startswith("synthetic:") and not mixture):

@@ -5,7 +5,7 @@
 prepare  Shakespeare's works, repeated in shuffled order to --prepare-mb MB of text (one .txt per document),
          prepared (tformer_jax.data.prepared.prepare) with each of --tokenizers at 1 and 2 workers, against
          the tokenizer library's own batch encode of the same documents in the same run
-         (prepared.tokenizer_ceiling, 1 and 2 threads): MB/s of text and tokens/s.
+         (bench/tokenizer.py, 1 and 2 threads): MB/s of text and tokens/s.
 loader   tokens/s the main config's training iterator (--config, its data section) delivers, on Shakespeare
          and on the big corpus, against the tokens/s the main config's train step consumes (the `rss`
          stage's Shakespeare run logs it: metrics.jsonl tokens_per_s; without that stage, --step-tokens-s).
@@ -34,6 +34,7 @@ import numpy as np
 from absl import flags
 
 from tformer_jax import cli_common, config as config_lib
+from tformer_jax.bench.tokenizer import tokenizer_ceiling
 from tformer_jax.data import corpora, pipeline, prepared
 from tformer_jax.data.tokenizers import get_tokenizer
 
@@ -83,7 +84,7 @@ def stage_prepare(args: Any, tmp: pathlib.Path, cache_dir: str | None) -> list[d
     row: dict[str, Any] = {"tokenizer": name, "name": tok.name, "documents": len(texts),
                            "text_mb": sum(len(t.encode("utf-8")) for t in texts) / 1e6}
     for threads in (1, 2):
-      c = prepared.tokenizer_ceiling(texts, tok, threads=threads)
+      c = tokenizer_ceiling(texts, tok, threads=threads)
       row[f"ceiling_{threads}t"] = {k: c[k] for k in ("mb_per_s", "tokens_per_s", "seconds")}
       _log(f"  ceiling   {name:5s} {threads} thread(s): {c['mb_per_s']:8.2f} MB/s {c['tokens_per_s']:12,.0f} tok/s")
     for workers in (1, 2):

@@ -10,7 +10,7 @@ Specs accepted by `load_corpus`:
 Corpora stay raw bytes so the byte tokenizer is lossless even for input that is not valid UTF-8.
 `load_documents` gives the same bytes cut into documents (their concatenation is `load_corpus`):
 Shakespeare's works, the Bible's books, the files of a text:DIR (a text:FILE is one document); the
-pipeline prepares them once into the cache (data/prepared.py format) and reads them memory-mapped,
+pipeline prepares them once into the cache (data/cache.py; the format of data/prepared) and reads them memory-mapped,
 like any `prepared:DIR` (tformer_jax/data/pipeline.py).
 `split_tokens` makes a token-level train/validation split (the tail); the pipeline splits whole
 documents (`split_documents`).

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 from absl import flags
 
 from tformer_jax import cli_common
+from tformer_jax.bench.tokenizer import tokenizer_ceiling
 from tformer_jax.data import prepared, sources as sources_lib
 
 
@@ -69,7 +70,7 @@ def benchmark_ceiling(stats: dict[str, Any], sources: Sequence[str], *, fields: 
   tok = ds.tokenizer()
   out = {}
   for n in dict.fromkeys(threads):
-    c = prepared.tokenizer_ceiling(texts, tok, threads=n)
+    c = tokenizer_ceiling(texts, tok, threads=n)
     out[f"{n}t"] = c
     print(f"ceiling: {tok.name} batch encode on {n} thread(s): {c['mb_per_s']:.2f} MB/s, "
           f"{c['tokens_per_s']:,.0f} tokens/s ({c['bytes'] / 1e6:.1f} MB)")

@@ -38,6 +38,7 @@ import re
 from typing import Any, BinaryIO, Iterator, Sequence
 
 from tformer_jax.data.corpora import DataError
+from tformer_jax.data.json_array import ArrayReader
 
 log = logging.getLogger(__name__)
 
@@ -285,63 +286,8 @@ def _blocks(src: Source, index: int, start: Position, kind: str, paragraph: bool
 
 def _json_array(src: Source) -> Iterator[Any]:
   """The elements of a large JSON array, parsed incrementally (bounded memory)."""
-  decoder = json.JSONDecoder()
   with _open(src.path, src.gzip) as raw:
-    f = io.TextIOWrapper(raw, encoding="utf-8", errors="surrogateescape")
-    buf, pos, eof, dropped = "", 0, False, 0     # dropped: characters before buf
-
-    def more() -> bool:
-      nonlocal buf, pos, eof, dropped
-      chunk = f.read(1 << 20)
-      dropped += pos
-      buf, pos = buf[pos:] + chunk, 0
-      eof = not chunk
-      return bool(chunk)
-
-    def skip_ws() -> str:
-      nonlocal pos
-      while True:
-        while pos < len(buf) and buf[pos] in " \t\r\n":
-          pos += 1
-        if pos < len(buf) or not more():
-          return buf[pos] if pos < len(buf) else ""
-
-    first = skip_ws()
-    if first != "[":
-      raise DataError(f"{src.path}: a large .json source must be a JSON array (starts with {first!r}); "
-                      "write one record per line as .jsonl instead")
-    pos += 1
-
-    def finish() -> None:
-      nonlocal pos
-      pos += 1
-      if skip_ws():
-        raise DataError(f"{src.path}: invalid JSON: data after the array's end, at character {dropped + pos}")
-
-    if skip_ws() == "]":
-      finish()
-      return
-    while True:
-      try:
-        obj, end = decoder.raw_decode(buf, pos)
-        if end >= len(buf) and not eof:
-          raise ValueError("may continue")
-      except ValueError as e:
-        if not eof and more():
-          continue
-        raise DataError(f"{src.path}: invalid JSON at character {dropped + pos}: {e}") from None
-      pos = end
-      yield obj
-      sep = skip_ws()
-      if sep == ",":
-        pos += 1
-        skip_ws()
-        continue
-      if sep == "]":
-        finish()
-        return
-      raise DataError(f"{src.path}: invalid JSON array at character {dropped + pos}: expected ',' or ']', "
-                      f"found {sep!r}")
+    yield from ArrayReader(io.TextIOWrapper(raw, encoding="utf-8", errors="surrogateescape"), src.path).elements()
 
 
 def _records_units(src: Source, index: int, start: Position, records: Iterator[Any], per_unit: int
