@@ -43,81 +43,66 @@ def visibility(cfg: ModelConfig, q_offset: int | jax.Array = 0,
 
 
 class Attention(nn.Module):
+  """Einsum letters: b batch, l length, d d_model, h heads, k KV heads, e head_dim (Dh)."""
   cfg: ModelConfig
-  deterministic: bool = True
   decode: bool = False
   cache_dtype: str = ""   # KV cache storage: '' (compute dtype) | float32 | bfloat16 | int8
 
   @nn.compact
   def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, kv_valid_BxS: jax.Array | None,
                q_offset: jax.Array | int = 0, bias_BxHxLxS: jax.Array | None = None,
-               segment_ids_BxL: jax.Array | None = None) -> jax.Array:
+               segment_ids_BxL: jax.Array | None = None, *, deterministic: bool = True) -> jax.Array:
     """kv_valid_BxS: validity of every key this call attends to: (B, L) without a cache, the whole
     cache's (B, S) when decoding; None = every key is valid (no padding: lets fused kernels use
     their causal mode). q_offset: cache slot of this call's first token (decode only).
     segment_ids_BxL: documents packed into one row (1, 2, ...; 0 = padding): a query sees only keys
-    of its own segment. Training and scoring only (not with a KV cache)."""
+    of its own segment. Training and scoring only (not with a KV cache).
+    deterministic=False applies cfg.attn_dropout to the attention weights (needs the 'dropout' rng)."""
     cfg = self.cfg
     if segment_ids_BxL is not None and self.decode:
       raise ValueError("segment_ids_BxL (packed documents) is for training and scoring; decoding into a "
                        "KV cache takes one document per row")
     backend = backends.current()
     dt, pdt = dtypes(cfg)
-    b, l, d = x_BxLxD.shape
-    h, kh, hd = cfg.num_heads, cfg.kv_heads, cfg.hd
+    d = x_BxLxD.shape[-1]
+    h, k, dh = cfg.num_heads, cfg.kv_heads, cfg.hd
     x = x_BxLxD.astype(dt)
     init = normal(cfg.init_std)
-    wq = param(self, "wq", init, (d, h, hd), ("embed", "heads", "kv"), pdt)
-    wk = param(self, "wk", init, (d, kh, hd), ("embed", "kv_heads", "kv"), pdt)
-    wv = param(self, "wv", init, (d, kh, hd), ("embed", "kv_heads", "kv"), pdt)
-    q_BxLxHxD = backend.dense("bld,dhk->blhk", x, wq.astype(dt))
-    k_BxLxKxD = backend.dense("bld,dhk->blhk", x, wk.astype(dt))
-    v_BxLxKxD = backend.dense("bld,dhk->blhk", x, wv.astype(dt))
+    wq = param(self, "wq", init, (d, h, dh), ("embed", "heads", "kv"), pdt)
+    wk = param(self, "wk", init, (d, k, dh), ("embed", "kv_heads", "kv"), pdt)
+    wv = param(self, "wv", init, (d, k, dh), ("embed", "kv_heads", "kv"), pdt)
+    # backend hook: the projection einsum (the xla_cpu backend gives it a hand-written VJP)
+    q_BxLxHxDh = backend.dense("bld,dhe->blhe", x, wq.astype(dt))
+    k_BxLxKxDh = backend.dense("bld,dke->blke", x, wk.astype(dt))
+    v_BxLxKxDh = backend.dense("bld,dke->blke", x, wv.astype(dt))
     if cfg.qkv_bias:
       zeros = nn.initializers.zeros
-      q_BxLxHxD += param(self, "bq", zeros, (h, hd), ("heads", "kv"), pdt).astype(dt)
-      k_BxLxKxD += param(self, "bk", zeros, (kh, hd), ("kv_heads", "kv"), pdt).astype(dt)
-      v_BxLxKxD += param(self, "bv", zeros, (kh, hd), ("kv_heads", "kv"), pdt).astype(dt)
+      q_BxLxHxDh += param(self, "bq", zeros, (h, dh), ("heads", "kv"), pdt).astype(dt)
+      k_BxLxKxDh += param(self, "bk", zeros, (k, dh), ("kv_heads", "kv"), pdt).astype(dt)
+      v_BxLxKxDh += param(self, "bv", zeros, (k, dh), ("kv_heads", "kv"), pdt).astype(dt)
 
-    quantized = self.cache_dtype == "int8"
     if self.decode:
-      is_init = not self.has_variable("cache", "k")
-      store = kv_quant.storage_dtype(self.cache_dtype, dt)
-      ck = self.variable("cache", "k", jnp.zeros, (b, l, kh, hd), store)
-      cv = self.variable("cache", "v", jnp.zeros, (b, l, kh, hd), store)
-      if quantized:
-        ck_scale = self.variable("cache", "k_scale", jnp.zeros, (b, l, kh), kv_quant.SCALE_DTYPE)
-        cv_scale = self.variable("cache", "v_scale", jnp.zeros, (b, l, kh), kv_quant.SCALE_DTYPE)
-    s_total = ck.value.shape[1] if self.decode else l
-
-    if cfg.position == "rope":
-      inv_freq, rope_scale = rope_tables(cfg, s_total)
-      q_BxLxHxD = pos_ops.apply_rope(q_BxLxHxD, positions_BxL, inv_freq, layout=cfg.rope_layout,
-                                     attention_scaling=rope_scale)
-      k_BxLxKxD = pos_ops.apply_rope(k_BxLxKxD, positions_BxL, inv_freq, layout=cfg.rope_layout,
-                                     attention_scaling=rope_scale)
-
-    if self.decode and not is_init:
-      start = (0, q_offset, 0, 0)
-      if quantized:
-        (k_q, k_s), (v_q, v_s) = kv_quant.quantize(k_BxLxKxD), kv_quant.quantize(v_BxLxKxD)
-        ck.value = jax.lax.dynamic_update_slice(ck.value, k_q, start)
-        cv.value = jax.lax.dynamic_update_slice(cv.value, v_q, start)
-        ck_scale.value = jax.lax.dynamic_update_slice(ck_scale.value, k_s, start[:3])
-        cv_scale.value = jax.lax.dynamic_update_slice(cv_scale.value, v_s, start[:3])
-        k_BxLxKxD = kv_quant.dequantize(ck.value, ck_scale.value, dt)
-        v_BxLxKxD = kv_quant.dequantize(cv.value, cv_scale.value, dt)
-      else:
-        ck.value = jax.lax.dynamic_update_slice(ck.value, k_BxLxKxD.astype(store), start)
-        cv.value = jax.lax.dynamic_update_slice(cv.value, v_BxLxKxD.astype(store), start)
-        k_BxLxKxD, v_BxLxKxD = ck.value.astype(dt), cv.value.astype(dt)
+      filled = self.has_variable("cache", "k")   # False on the init call, which only sizes the cache
+      cache = self._cache_variables(x_BxLxD.shape[:2])
+      kv_len = cache["k"].value.shape[1]
     else:
-      q_offset = 0
+      filled, kv_len = False, x_BxLxD.shape[1]
+    if cfg.position == "rope":
+      inv_freq, rope_scale = rope_tables(cfg, kv_len)
+      q_BxLxHxDh = pos_ops.apply_rope(q_BxLxHxDh, positions_BxL, inv_freq, layout=cfg.rope_layout,
+                                      attention_scaling=rope_scale)
+      k_BxLxKxDh = pos_ops.apply_rope(k_BxLxKxDh, positions_BxL, inv_freq, layout=cfg.rope_layout,
+                                      attention_scaling=rope_scale)
+    if filled:
+      k_BxSxKxDh, v_BxSxKxDh = self._append_to_cache(cache, k_BxLxKxDh, v_BxLxKxDh, q_offset, dt)
+    else:
+      k_BxSxKxDh, v_BxSxKxDh, q_offset = k_BxLxKxDh, v_BxLxKxDh, 0
 
     vis = visibility(cfg, q_offset, kv_valid_BxS, segment_ids_BxL)
-    dropout_rate = 0.0 if self.deterministic else cfg.attn_dropout
-    out_BxLxHxD, weights_BxHxLxS = backend.attention(
-        q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, vis, bias_BxHxLxS=bias_BxHxLxS,
+    dropout_rate = 0.0 if deterministic else cfg.attn_dropout
+    # backend hook: softmax(QK^T)V under `vis` with the kernel the runtime chose (runtime.attention)
+    out_BxLxHxDh, weights_BxHxLxS = backend.attention(
+        q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, vis, bias_BxHxLxS=bias_BxHxLxS,
         alibi_slopes_H=pos_ops.alibi_slopes(h) if cfg.position == "alibi" else None,
         scale=cfg.attention_scale or None, dropout_rate=dropout_rate,
         dropout_rng=self.make_rng("dropout") if dropout_rate > 0.0 else None,
@@ -125,9 +110,38 @@ class Attention(nn.Module):
     if weights_BxHxLxS is not None:
       self.sow("intermediates", "attention_weights", weights_BxHxLxS)
 
-    out_BxLxHxD = nn.with_logical_constraint(out_BxLxHxD, ("batch", "length", "heads", "kv"))
-    wo = param(self, "wo", normal(residual_std(cfg)), (h, hd, d), ("heads", "kv", "embed"), pdt)
-    y_BxLxD = backend.dense("blhk,hkd->bld", out_BxLxHxD.astype(dt), wo.astype(dt))
+    out_BxLxHxDh = nn.with_logical_constraint(out_BxLxHxDh, ("batch", "length", "heads", "kv"))
+    wo = param(self, "wo", normal(residual_std(cfg)), (h, dh, d), ("heads", "kv", "embed"), pdt)
+    y_BxLxD = backend.dense("blhe,hed->bld", out_BxLxHxDh.astype(dt), wo.astype(dt))
     if cfg.out_bias:
       y_BxLxD += param(self, "bo", nn.initializers.zeros, (d,), ("embed",), pdt).astype(dt)
     return y_BxLxD
+
+  def _cache_variables(self, batch_and_len: tuple[int, int]) -> dict:
+    """The 'cache' variables, sized (B, S) by the init call's input: 'k', 'v' (B, S, K, Dh), and for
+    an int8 cache their scales 'k_scale', 'v_scale' (B, S, K)."""
+    cfg = self.cfg
+    store = kv_quant.storage_dtype(self.cache_dtype, dtypes(cfg)[0])
+    shape = (*batch_and_len, cfg.kv_heads, cfg.hd)
+    cache = {n: self.variable("cache", n, jnp.zeros, shape, store) for n in ("k", "v")}
+    if self.cache_dtype == "int8":
+      for n in ("k_scale", "v_scale"):
+        cache[n] = self.variable("cache", n, jnp.zeros, shape[:3], kv_quant.SCALE_DTYPE)
+    return cache
+
+  def _append_to_cache(self, cache: dict, k_BxLxKxDh: jax.Array, v_BxLxKxDh: jax.Array,
+                       q_offset: jax.Array | int, dt: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """Writes this call's keys and values at slot q_offset; returns the whole cache's (B, S, K, Dh)
+    keys and values in the compute dtype."""
+    start = (0, q_offset, 0, 0)
+    put = jax.lax.dynamic_update_slice
+    if self.cache_dtype == "int8":
+      (k_q, k_s), (v_q, v_s) = kv_quant.quantize(k_BxLxKxDh), kv_quant.quantize(v_BxLxKxDh)
+      for n, new, at in (("k", k_q, start), ("v", v_q, start), ("k_scale", k_s, start[:3]),
+                         ("v_scale", v_s, start[:3])):
+        cache[n].value = put(cache[n].value, new, at)
+      return (kv_quant.dequantize(cache["k"].value, cache["k_scale"].value, dt),
+              kv_quant.dequantize(cache["v"].value, cache["v_scale"].value, dt))
+    for n, new in (("k", k_BxLxKxDh), ("v", v_BxLxKxDh)):
+      cache[n].value = put(cache[n].value, new.astype(cache[n].value.dtype), start)
+    return cache["k"].value.astype(dt), cache["v"].value.astype(dt)

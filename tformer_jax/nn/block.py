@@ -23,26 +23,25 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, kv_valid_BxS: jax.Array | None,
                q_offset: jax.Array, bias_BxHxLxS: jax.Array | None, segment_ids_BxL: jax.Array | None = None):
-    cfg = self.cfg
-    x_BxLxD = backends.current().residual(x_BxLxD)   # the residual stream entering the block
-    attn = Attention(cfg, self.deterministic, self.decode, self.cache_dtype, name="attn")
-    if self.use_moe:
-      moe = MoEFFN(cfg, name="moe")
-      ffn = lambda y: moe(y, deterministic=self.deterministic)  # noqa: E731
-    else:
-      ffn = MLP(cfg, name="mlp")
-    drop = lambda y: nn.Dropout(cfg.resid_dropout)(y, deterministic=self.deterministic)  # noqa: E731
+    cfg, det = self.cfg, self.deterministic
+    # backend hook on the residual stream entering the block: identity on the reference backend; the
+    # xla_cpu backend materialises its gradient once per block (docs/runtime.md)
+    x_BxLxD = backends.current().residual(x_BxLxD)
+    attn = Attention(cfg, self.decode, self.cache_dtype, name="attn")
+    ffn = MoEFFN(cfg, name="moe") if self.use_moe else MLP(cfg, name="mlp")
     ln1, ln2 = Norm(cfg, name="ln1"), Norm(cfg, name="ln2")
-    mix = lambda y: attn(y, positions_BxL, kv_valid_BxS, q_offset, bias_BxHxLxS, segment_ids_BxL)  # noqa: E731
+    drop_attn, drop_ffn = (nn.Dropout(cfg.resid_dropout, deterministic=det) for _ in range(2))
+    ctx = (positions_BxL, kv_valid_BxS, q_offset, bias_BxHxLxS, segment_ids_BxL)   # what attention sees
 
     if cfg.parallel_residual:
-      x_BxLxD = x_BxLxD + drop(mix(ln1(x_BxLxD))) + drop(ffn(ln2(x_BxLxD)))
+      x_BxLxD = (x_BxLxD + drop_attn(attn(ln1(x_BxLxD), *ctx, deterministic=det))
+                 + drop_ffn(ffn(ln2(x_BxLxD), deterministic=det)))
     elif cfg.norm_position == "pre":
-      x_BxLxD = x_BxLxD + drop(mix(ln1(x_BxLxD)))
-      x_BxLxD = x_BxLxD + drop(ffn(ln2(x_BxLxD)))
+      x_BxLxD = x_BxLxD + drop_attn(attn(ln1(x_BxLxD), *ctx, deterministic=det))
+      x_BxLxD = x_BxLxD + drop_ffn(ffn(ln2(x_BxLxD), deterministic=det))
     else:  # post: the original Transformer / BERT
-      x_BxLxD = ln1(x_BxLxD + drop(mix(x_BxLxD)))
-      x_BxLxD = ln2(x_BxLxD + drop(ffn(x_BxLxD)))
+      x_BxLxD = ln1(x_BxLxD + drop_attn(attn(x_BxLxD, *ctx, deterministic=det)))
+      x_BxLxD = ln2(x_BxLxD + drop_ffn(ffn(x_BxLxD, deterministic=det)))
     x_BxLxD = nn.with_logical_constraint(x_BxLxD, ("batch", "length", "embed"))
     if self.is_mutable_collection("intermediates"):
       self.sow("intermediates", "block_out", x_BxLxD)

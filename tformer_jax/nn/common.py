@@ -46,6 +46,7 @@ class Norm(nn.Module):
     bias = None
     if layernorm and cfg.norm_bias:
       bias = param(self, "bias", nn.initializers.zeros, (d,), ("norm",), pdt).astype(jnp.float32)
+    # backend hook: the normalisation (the xla_cpu backend gives it a closed-form VJP)
     y = backends.current().norm(x.astype(jnp.float32), scale, bias, eps=cfg.norm_eps, center=layernorm)
     return y.astype(x.dtype)
 

@@ -10,15 +10,18 @@ from tformer_jax.nn.common import activation_fn, dtypes, normal, param, residual
 
 
 class MLP(nn.Module):
+  """`deterministic` is taken like Attention's and MoEFFN's, so a block calls every sublayer one way;
+  the dense FFN has no dropout of its own (the block's residual dropout follows it)."""
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+  def __call__(self, x_BxLxD: jax.Array, *, deterministic: bool = True) -> jax.Array:
+    del deterministic
     cfg = self.cfg
     dt, pdt = dtypes(cfg)
     d, f = x_BxLxD.shape[-1], cfg.ff
     x = x_BxLxD.astype(dt)
-    dense = backends.current().dense
+    dense = backends.current().dense   # backend hook: the projection einsum
     w_in = param(self, "wi", normal(cfg.init_std), (d, f), ("embed", "mlp"), pdt)
     h_BxLxF = dense("bld,df->blf", x, w_in.astype(dt))
     if cfg.mlp_bias:

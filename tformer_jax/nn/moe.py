@@ -9,7 +9,6 @@ etc. if it wants them) and adds `collect_aux_loss(mutables)` to the loss.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping
 
 import flax.linen as nn
@@ -18,6 +17,7 @@ import jax.numpy as jnp
 
 from tformer_jax import backends
 from tformer_jax.config import ModelConfig
+from tformer_jax.nn.common import dtypes, normal, param, residual_std
 from tformer_jax.ops import moe as moe_ops
 
 Array = jnp.ndarray
@@ -52,10 +52,6 @@ class MoEFFN(nn.Module):
   cfg: ModelConfig
   capacity_impl: str = "einsum"
 
-  def _param(self, name: str, axes: tuple[str, ...], shape: tuple[int, ...], std: float) -> Array:
-    init = nn.with_logical_partitioning(nn.initializers.normal(std), axes)
-    return self.param(name, init, shape, jnp.dtype(self.cfg.param_dtype))
-
   @nn.compact
   def __call__(self, x_BxLxD: Array, *, deterministic: bool = True) -> Array:
     cfg, m = self.cfg, self.cfg.moe
@@ -63,17 +59,16 @@ class MoEFFN(nn.Module):
       raise ValueError("MoEFFN needs cfg.moe.num_experts > 0")
     b, l, d = x_BxLxD.shape
     e, f = m.num_experts, expert_hidden(cfg)
-    dtype = jnp.dtype(cfg.dtype)
-    std = cfg.init_std
-    out_std = std / math.sqrt(2 * cfg.num_layers) if cfg.scale_residual_init else std
+    dtype, pdt = dtypes(cfg)
+    std, out_std = cfg.init_std, residual_std(cfg)
 
-    w_router_DxE = self._param("router", LOGICAL_AXES["router"], (d, e), std)
+    w_router_DxE = param(self, "router", normal(std), (d, e), LOGICAL_AXES["router"], pdt)
     names = moe_ops.expert_param_names(cfg.activation)
     is_out = {n: n in ("w_down", "w_out") for n in names}
     params = {}
     for n in names:
       shape = (e, f, d) if is_out[n] else (e, d, f)
-      params[n] = self._param(n, LOGICAL_AXES[n], shape, out_std if is_out[n] else std)
+      params[n] = param(self, n, normal(out_std if is_out[n] else std), shape, LOGICAL_AXES[n], pdt)
 
     x_TxD = x_BxLxD.reshape(b * l, d)
     router_in_TxD = x_TxD.astype(jnp.float32)
@@ -85,6 +80,7 @@ class MoEFFN(nn.Module):
 
     xc_TxD = x_TxD.astype(dtype)
     cparams = {n: p.astype(dtype) for n, p in params.items()}
+    # backend hook: the experts, expert parallel over the mesh's 'expert' axis or the global dispatch
     y_TxD, dropped = backends.current().moe_ffn(
         xc_TxD, cparams, weights_TxK, experts_TxK, activation=cfg.activation, dispatch=m.dispatch,
         capacity=moe_ops.capacity(b * l, e, m.top_k, m.capacity_factor),
@@ -94,7 +90,7 @@ class MoEFFN(nn.Module):
       shared = {}
       for n in names:
         shape, axes = ((f, d), ("mlp", "embed")) if is_out[n] else ((d, f), ("embed", "mlp"))
-        shared[n] = self._param("shared_" + n, axes, shape, out_std if is_out[n] else std)
+        shared[n] = param(self, "shared_" + n, normal(out_std if is_out[n] else std), shape, axes, pdt)
       y_TxD = y_TxD + moe_ops.dense_ffn(xc_TxD, {n: p.astype(dtype) for n, p in shared.items()},
                                         activation=cfg.activation)
 

@@ -55,24 +55,47 @@ class Transformer(nn.Module):
     inputs_embeds_BxLxD replaces the token lookup (soft prompts, gradient checks).
     """
     cfg = self.cfg
-    dt, pdt = dtypes(cfg)
-    b, l = tokens_BxL.shape
-    valid_BxL = (jnp.ones((b, l), jnp.bool_) if attention_mask_BxL is None
+    valid_BxL = (jnp.ones(tokens_BxL.shape, jnp.bool_) if attention_mask_BxL is None
                  else attention_mask_BxL.astype(jnp.bool_))
+    positions_BxL, kv_valid_BxS, q_offset = self._positions(valid_BxL, positions_BxL, decode)
+    x_BxLxD, embed_VxD = self._embed(tokens_BxL, positions_BxL, token_types_BxL, inputs_embeds_BxLxD,
+                                     deterministic)
+    bias_BxHxLxS = self._relative_bias(tokens_BxL.shape[1], kv_valid_BxS.shape[1], q_offset)
+    # Without padding or a cache the layers get kv_valid=None ("all valid"), so fused kernels can use
+    # their causal mode.
+    no_padding = attention_mask_BxL is None and not decode
+    x_BxLxD = self._blocks(x_BxLxD, positions_BxL, None if no_padding else kv_valid_BxS, q_offset,
+                           bias_BxHxLxS, segment_ids_BxL, deterministic=deterministic, decode=decode)
+    if cfg.final_norm:
+      x_BxLxD = Norm(cfg, name="final_norm")(x_BxLxD)
+    if not cfg.lm_head:
+      if return_hidden:
+        raise ValueError("return_hidden=True needs model.lm_head (there is no unembedding matrix)")
+      return x_BxLxD.astype(jnp.float32)
+    unembed_DxV = self._unembedding(embed_VxD)
+    if return_hidden:
+      return x_BxLxD, unembed_DxV
+    return jnp.einsum("bld,dv->blv", x_BxLxD, unembed_DxV).astype(jnp.float32)
 
+  def _positions(self, valid_BxL: jax.Array, positions_BxL: jax.Array | None,
+                 decode: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(positions_BxL, kv_valid_BxS, q_offset). Decoding keeps two 'cache' variables: 'index' (the
+    next free slot, this call's q_offset) and 'kv_valid' (B, S), which slots hold real tokens."""
+    cfg = self.cfg
+    b, l = valid_BxL.shape
     q_offset = jnp.zeros((), jnp.int32)
     pos_offset_Bx1 = jnp.zeros((b, 1), jnp.int32)   # real tokens before this call (default positions)
     kv_valid_BxS = valid_BxL
     if decode:
-      is_init = not self.has_variable("cache", "index")
+      filled = self.has_variable("cache", "index")   # False on the init call, which only sizes the cache
       index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
-      kv_cache = self.variable("cache", "kv_valid", jnp.zeros, (b, l), jnp.bool_)
-      if not is_init:
+      cache_valid = self.variable("cache", "kv_valid", jnp.zeros, (b, l), jnp.bool_)
+      if filled:
         q_offset = index.value
-        pos_offset_Bx1 = jnp.sum(kv_cache.value, axis=1, dtype=jnp.int32)[:, None]   # not slots: padding
-        kv_cache.value = jax.lax.dynamic_update_slice(kv_cache.value, valid_BxL, (0, q_offset))
+        pos_offset_Bx1 = jnp.sum(cache_valid.value, axis=1, dtype=jnp.int32)[:, None]   # not slots: padding
+        cache_valid.value = jax.lax.dynamic_update_slice(cache_valid.value, valid_BxL, (0, q_offset))
         index.value = index.value + l
-        kv_valid_BxS = kv_cache.value
+        kv_valid_BxS = cache_valid.value
     if positions_BxL is None:
       positions_BxL = jnp.maximum(jnp.cumsum(valid_BxL, axis=1) - 1, 0) + pos_offset_Bx1
     elif cfg.position == "learned" and not isinstance(positions_BxL, jax.core.Tracer):
@@ -82,10 +105,17 @@ class Transformer(nn.Module):
     if cfg.position == "learned" and not decode and l > cfg.max_len:
       raise ValueError(f"sequence length {l} exceeds model.max_len={cfg.max_len}; learned positions "
                        "cannot extrapolate (use rope/alibi/t5, or raise max_len)")
+    return positions_BxL, kv_valid_BxS, q_offset
 
-    embed = param(self, "embed", normal(cfg.init_std), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pdt)
+  def _embed(self, tokens_BxL: jax.Array, positions_BxL: jax.Array, token_types_BxL: jax.Array | None,
+             inputs_embeds_BxLxD: jax.Array | None, deterministic: bool) -> tuple[jax.Array, jax.Array]:
+    """(x_BxLxD entering the first block, the token embedding (V, D))."""
+    cfg = self.cfg
+    dt, pdt = dtypes(cfg)
+    embed_VxD = param(self, "embed", normal(cfg.init_std), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
+                      pdt)
     if inputs_embeds_BxLxD is None:
-      x_BxLxD = jnp.take(embed, tokens_BxL, axis=0).astype(dt)
+      x_BxLxD = jnp.take(embed_VxD, tokens_BxL, axis=0).astype(dt)
     else:
       x_BxLxD = inputs_embeds_BxLxD.astype(dt)
     if cfg.embed_scale:
@@ -104,47 +134,43 @@ class Transformer(nn.Module):
     if cfg.embed_norm:
       x_BxLxD = Norm(cfg, name="embed_norm")(x_BxLxD)
     x_BxLxD = nn.Dropout(cfg.embed_dropout)(x_BxLxD, deterministic=deterministic)
-    x_BxLxD = nn.with_logical_constraint(x_BxLxD, ("batch", "length", "embed"))
+    return nn.with_logical_constraint(x_BxLxD, ("batch", "length", "embed")), embed_VxD
 
-    bias = None
-    if cfg.position == "t5":
-      table = param(self, "rel_bias", normal(cfg.init_std), (cfg.t5_num_buckets, cfg.num_heads),
-                    (None, "heads"), pdt)
-      s = kv_valid_BxS.shape[1]
-      bias = t5_bias(table.astype(jnp.float32), (q_offset + jnp.arange(l))[None], jnp.arange(s)[None],
-                     bidirectional=not cfg.causal, num_buckets=cfg.t5_num_buckets,
-                     max_distance=cfg.t5_max_distance)
+  def _relative_bias(self, l: int, s: int, q_offset: jax.Array) -> jax.Array | None:
+    """T5's bucketed relative bias (B=1, H, L, S) shared by every layer; None for other positions."""
+    cfg = self.cfg
+    if cfg.position != "t5":
+      return None
+    table = param(self, "rel_bias", normal(cfg.init_std), (cfg.t5_num_buckets, cfg.num_heads),
+                  (None, "heads"), dtypes(cfg)[1])
+    return t5_bias(table.astype(jnp.float32), (q_offset + jnp.arange(l))[None], jnp.arange(s)[None],
+                   bidirectional=not cfg.causal, num_buckets=cfg.t5_num_buckets,
+                   max_distance=cfg.t5_max_distance)
 
-    # Without padding or a cache the layers get kv_valid=None ("all valid"), so fused kernels can use
-    # their causal mode.
-    no_padding = attention_mask_BxL is None and not decode
-    args = (positions_BxL, None if no_padding else kv_valid_BxS, q_offset, bias, segment_ids_BxL)
+  def _blocks(self, x_BxLxD: jax.Array, *args, deterministic: bool, decode: bool) -> jax.Array:
+    """The stack of blocks, scanned (one 'layers' module) or unrolled ('layers_<i>')."""
+    cfg = self.cfg
     cls = block_class(cfg)
     if cfg.scan_layers:
       scanned = nn.scan(cls, variable_axes={c: 0 for c in SCANNED_COLLECTIONS},
-                        split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * 5,
+                        split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * len(args),
                         length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
       x_BxLxD, _ = scanned(cfg, deterministic, decode, cfg.moe.num_experts > 0, self.cache_dtype,
-                             name="layers")(x_BxLxD, *args)
+                           name="layers")(x_BxLxD, *args)
     else:
       for i in range(cfg.num_layers):
         x_BxLxD, _ = cls(cfg, deterministic, decode, cfg.is_moe_layer(i), self.cache_dtype,
-                          name=f"layers_{i}")(x_BxLxD, *args)
+                         name=f"layers_{i}")(x_BxLxD, *args)
+    return x_BxLxD
 
-    if cfg.final_norm:
-      x_BxLxD = Norm(cfg, name="final_norm")(x_BxLxD)
-    if not cfg.lm_head:
-      if return_hidden:
-        raise ValueError("return_hidden=True needs model.lm_head (there is no unembedding matrix)")
-      return x_BxLxD.astype(jnp.float32)
+  def _unembedding(self, embed_VxD: jax.Array) -> jax.Array:
+    """The (D, V) unembedding in the compute dtype: the head, or embed.T when tied."""
+    cfg = self.cfg
+    dt, pdt = dtypes(cfg)
     if cfg.tie_embeddings:
-      unembed_DxV = embed.astype(dt).T
-    else:
-      head = param(self, "head", normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt)
-      unembed_DxV = head.astype(dt)
-    if return_hidden:
-      return x_BxLxD, unembed_DxV
-    return jnp.einsum("bld,dv->blv", x_BxLxD, unembed_DxV).astype(jnp.float32)
+      return embed_VxD.astype(dt).T
+    head = param(self, "head", normal(cfg.init_std), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt)
+    return head.astype(dt)
 
 
 def sown_per_layer(tree: Any, name: str) -> list[jax.Array]:
