@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation of the real train step for TPU topologies on this CPU (tformer_jax/aot.py).
+"""Ahead-of-time compilation of the real train step for TPU topologies on this CPU (tformer_jax/aot/).
 
 Needs libtpu (the `tpu-aot` extra, installed by scripts/test.sh); without it every test here skips with
 the reason. One tiny Llama-style config (MHA 4 x 128, d_model 512 so every FSDP shard is a whole TPU
@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 from tformer_jax import aot, cli_common
+from tformer_jax.cli import aot as aot_cli
 from tformer_jax.parallel import mesh as mesh_lib
 
 OK, WHY = aot.libtpu_available()
@@ -40,7 +41,7 @@ def run_aot(*flags: str) -> tuple[int, dict | None, str, str]:
   'highest' of conftest): (exit status, the last line's JSON, stdout, stderr)."""
   out, err = io.StringIO(), io.StringIO()
   with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), jax.default_matmul_precision("default"):
-    status = cli_common.run_main(aot.main, [*TINY, *flags])
+    status = cli_common.run_main(aot_cli.main, [*TINY, *flags])
   lines = out.getvalue().strip().splitlines()
   last = json.loads(lines[-1]) if status in (0, 3) else None
   return status, last, out.getvalue(), err.getvalue()

@@ -24,37 +24,23 @@ import os
 import re
 from typing import Any
 
-_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?\b([a-z][\w\-]*)\(")
-_COMP = re.compile(r"^%?([\w.\-]+) .*\{\s*$")
+from tformer_jax.aot.hlo import parse_hlo
 
 
 def hlo_op_kinds(hlo_text: str) -> dict[str, str]:
-  """{instruction name: kind} for the instructions of an HLO module's text. Kinds: 'matmul' (a dot or
-  convolution, or a fusion whose computation holds one), 'elementwise/reduce fusion' (any other
-  fusion), 'custom call <target>', or the opcode."""
-  bodies: dict[str, list[str]] = {}
-  current = None
-  for line in hlo_text.splitlines():
-    m = _COMP.match(line)  # computation headers start in column 0, instructions are indented
-    if m:
-      current = m.group(1)
-      bodies[current] = []
-    elif current is not None:
-      bodies[current].append(line)
-  has_dot = {name: any(" dot(" in l or " convolution(" in l for l in lines)
-             for name, lines in bodies.items()}
+  """{instruction name: kind} for the instructions of an HLO module's text (`aot.hlo.parse_hlo`). Kinds:
+  'matmul' (a dot or convolution, or a fusion whose computation holds one), 'elementwise/reduce fusion'
+  (any other fusion), 'custom call <target>', or the opcode."""
+  comps, _ = parse_hlo(hlo_text)
+  has_dot = {name: any(op in ("dot", "convolution") for _, _, op, _ in instrs) for name, instrs in comps.items()}
   kinds = {}
-  for lines in bodies.values():
-    for line in lines:
-      m = _INSTR.match(line)
-      if not m:
-        continue
-      name, opcode = m.groups()
+  for instrs in comps.values():
+    for name, _, opcode, rest in instrs:
       if opcode == "custom-call":
-        target = re.search(r'custom_call_target="([^"]+)"', line)
+        target = re.search(r'custom_call_target="([^"]+)"', rest)
         kinds[name] = f"custom call {target.group(1) if target else '?'}"
       elif opcode == "fusion":
-        called = re.search(r"calls=%?([\w.\-]+)", line)
+        called = re.search(r"calls=%?([\w.\-]+)", rest)
         dot = has_dot.get(called.group(1), False) if called else False
         kinds[name] = "matmul" if dot else "elementwise/reduce fusion"
       else:

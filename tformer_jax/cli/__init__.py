@@ -12,6 +12,7 @@
   tformer-extrapolate     extrapolate.py      loss beyond the trained length, per position scheme
   tformer-attention-map   attention_map.py    attention weights of a text, as images
   tformer-launch-local    launch_local.py     a multi-process run on this machine
+  tformer-aot             aot.py              does a config compile and fit on a TPU topology (no TPU needed)
   tformer-doctor          ../doctor           the troubleshooting checklists, run on a config
   tformer-bench           ../bench            benchmarks writing JSON
 

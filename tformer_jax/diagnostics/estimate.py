@@ -177,11 +177,7 @@ def _bytes(dtype: str) -> int:
 
 # -- parameters and state -----------------------------------------------------------------------------------
 
-def param_shapes(m: ModelConfig) -> Any:
-  """The parameter tree as ShapeDtypeStructs (jax.eval_shape: nothing is allocated)."""
-  tokens = jax.ShapeDtypeStruct((1, min(8, m.max_len)), jnp.int32)
-  shapes = jax.eval_shape(lambda t: Transformer(m).init(jax.random.PRNGKey(0), t)["params"], tokens)
-  return nn.unbox(shapes)
+param_shapes = flops_lib.param_shapes       # the parameter tree as ShapeDtypeStructs (nothing is allocated)
 
 
 def _leaves(m: ModelConfig) -> list[tuple[list[str], Any]]:
@@ -192,22 +188,6 @@ def _leaves(m: ModelConfig) -> list[tuple[list[str], Any]]:
 def param_count(m: ModelConfig) -> int:
   """Exact number of parameters of the model."""
   return int(sum(math.prod(x.shape) for x in jax.tree.leaves(param_shapes(m))))
-
-
-def matmul_params(m: ModelConfig) -> int:
-  """Parameters in a matmul per token: layer weights (top_k of the E experts) and the LM head."""
-  total = 0
-  for keys, x in _leaves(m):
-    if keys[0].startswith("layers") and len(x.shape) >= 2 and keys[-1] not in ("scale", "bias"):
-      size = math.prod(x.shape)
-      if m.moe.num_experts and "moe" in keys and keys[-1] != "router" and not keys[-1].startswith("shared_"):
-        size = size * m.moe.top_k // m.moe.num_experts
-      total += size
-    elif keys[0] == "head":
-      total += math.prod(x.shape)
-  if m.tie_embeddings and m.lm_head:
-    total += m.vocab_size * m.d_model
-  return total
 
 
 def compute_cast_params(m: ModelConfig) -> int:
@@ -698,5 +678,5 @@ def format_report(m: ModelConfig, est: Estimate, batch: int, seq: int, xla: dict
 
 __all__ = ["Estimate", "Execution", "activation_bytes_per_layer", "compiled_analysis", "compiled_analysis_config",
            "estimate", "estimate_config", "execution_of", "extra_flops_per_token", "flops_per_token",
-           "format_report", "kv_cache_bytes", "matmul_params", "optimizer_state_bytes", "param_count",
+           "format_report", "kv_cache_bytes", "optimizer_state_bytes", "param_count",
            "param_shapes"]

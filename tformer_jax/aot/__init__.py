@@ -1,0 +1,24 @@
+"""Ahead-of-time compilation of the loop's train step for a TPU topology on any host (`tformer-aot`,
+tformer_jax/cli/aot.py, describes what it reports).
+
+  topology.py  a topology's devices from libtpu with no TPU attached, their HBM per chip
+  driver.py    `compile_for_topology`: the mesh, runtime and train step train/setup.py builds, lowered on
+               abstract inputs and compiled by XLA:TPU; memory, FLOPs and collectives of the result
+  hlo.py       the optimized HLO text read: instructions, trip-counted loops, collectives, kernel FLOPs
+  report.py    `Report`, its table and its JSON summary
+"""
+from tformer_jax.aot.driver import EXIT_CONFIG, EXIT_FITS, EXIT_NO_FIT, compile_for_topology, formula_flops
+from tformer_jax.aot.hlo import COLLECTIVES, HLO_FLOPS_PARTS, hlo_collectives, hlo_flops, hlo_matmul_flops, parse_hlo
+from tformer_jax.aot.report import REPLICATED_RATIO, Report, format_report, summary
+from tformer_jax.aot.topology import (
+    HBM_GIB_PER_CHIP,
+    devices_per_chip,
+    hbm_bytes_per_device,
+    libtpu_available,
+    topology_devices,
+)
+
+__all__ = ["COLLECTIVES", "EXIT_CONFIG", "EXIT_FITS", "EXIT_NO_FIT", "HBM_GIB_PER_CHIP", "HLO_FLOPS_PARTS",
+           "REPLICATED_RATIO", "Report", "compile_for_topology", "devices_per_chip", "format_report", "formula_flops",
+           "hbm_bytes_per_device", "hlo_collectives", "hlo_flops", "hlo_matmul_flops", "libtpu_available", "parse_hlo",
+           "summary", "topology_devices"]
