@@ -14,11 +14,15 @@ repeated), causal or not, sliding windows, ALiBi, padding and packed documents (
               again with their dK/dV accumulators (FlashAttention-2 per block, against the saved
               global output and logsumexp), so it needs no more memory than the forward.
 
-The layout is contiguous, not striped: with a causal mask shard i does i + 1 blocks of work, so the
-shards are busy unevenly (time, not memory). Striping (MaxText's load balancing) would need the token
-order permuted before the model (inputs, targets, positions, segment ids), which this layer does not
-own; RoPE already takes explicit global positions, so attention here is the only place the layout
-shows. `context_parallel_attention` runs either inside `jax.shard_map` over the named axis.
+Layouts. Contiguous: shard i holds positions [i * C, (i + 1) * C); with a causal mask shard i then
+does i + 1 blocks of work, so the last shard is the busiest (time, not memory). Striped (MaxText's
+load balancing, `stripe` / `unstripe`): the sequence is cut into 2n chunks and shard i holds chunks i
+and 2n - 1 - i, so every shard sees the same number of visible keys. The caller permutes the token
+order before the model (every (B, L) array of the batch: inputs, targets, positions, segment ids, loss
+weights; `stripe_batch`) and says so (`striped=True`); 'all_gather' then un-permutes the gathered K/V
+to natural order and attends each of its two query chunks at that chunk's global offset. RoPE takes
+the explicit (permuted) positions, and a token-sum loss does not depend on the order.
+`context_parallel_attention` runs either strategy inside `jax.shard_map` over the named axis.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from tformer_jax.ops import blockwise
@@ -35,6 +40,46 @@ from tformer_jax.ops.blockwise import blockwise_attention
 
 Array = jax.Array
 STRATEGIES = ("all_gather", "ring")
+
+
+def stripe_chunks(n: int) -> np.ndarray:
+  """The 2n chunks in striped order: shard i of n holds chunks i and 2n - 1 - i ([0, 2n-1, 1, 2n-2, ..])."""
+  return np.stack([np.arange(n), 2 * n - 1 - np.arange(n)], axis=1).reshape(-1)
+
+
+def stripe_positions(length: int, n: int) -> np.ndarray:
+  """(L,) int32: the global position at each index of the striped order over n shards."""
+  if length % (2 * n):
+    raise ValueError(f"context load balancing: sequence length {length} is not divisible by 2 x {n} chunks")
+  c = length // (2 * n)
+  return (stripe_chunks(n)[:, None] * c + np.arange(c)[None, :]).reshape(-1).astype(np.int32)
+
+
+def _reorder(x: Array, order: np.ndarray, axis: int) -> Array:
+  axis = axis % x.ndim
+  shape = x.shape
+  chunks = x.reshape(shape[:axis] + (len(order), shape[axis] // len(order)) + shape[axis + 1:])
+  return jnp.take(chunks, jnp.asarray(order), axis=axis).reshape(shape)
+
+
+def stripe(x: Array, n: int, axis: int = 1) -> Array:
+  """Natural order -> striped order along `axis` (n shards, 2n chunks)."""
+  return _reorder(x, stripe_chunks(n), axis)
+
+
+def unstripe(x: Array, n: int, axis: int = 1) -> Array:
+  """Striped order -> natural order along `axis` (the inverse of `stripe`)."""
+  return _reorder(x, np.argsort(stripe_chunks(n)), axis)
+
+
+def stripe_batch(batch: dict[str, Array], n: int) -> dict[str, Array]:
+  """A training batch in striped order: every array shaped (B, L, ...) like batch['inputs'] permuted
+  along L, with explicit positions (0..L-1 unless the batch has its own, e.g. packed documents)."""
+  b, l = batch["inputs"].shape[:2]
+  out = dict(batch)
+  if "positions" not in out:
+    out["positions"] = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+  return {k: stripe(x, n) if getattr(x, "ndim", 0) >= 2 and x.shape[:2] == (b, l) else x for k, x in out.items()}
 
 
 def _tile(block: int, length: int) -> int:
@@ -148,35 +193,53 @@ def all_gather_attention(q_BxCxHxD: Array, k_BxCxKxD: Array, v_BxCxKxD: Array, *
                          causal: bool = True, window: int = 0, alibi_slopes_H: Array | None = None,
                          kv_valid_BxC: Array | None = None, q_segment_ids_BxC: Array | None = None,
                          kv_segment_ids_BxC: Array | None = None, scale: float | None = None,
-                         block_q: int = 128, block_k: int = 128) -> Array:
-  """Per-shard all-gather attention (inside shard_map over `axis`): (B, C, H, D)."""
+                         block_q: int = 128, block_k: int = 128, striped: bool = False) -> Array:
+  """Per-shard all-gather attention (inside shard_map over `axis`): (B, C, H, D). striped: the
+  sequence is in `stripe` order; the gathered K/V go back to natural order and each of this shard's
+  two query chunks attends at its own global offset."""
   c = q_BxCxHxD.shape[1]
+  n = jax.lax.axis_size(axis)
+  i = jax.lax.axis_index(axis)
 
   def gather(x):
-    return None if x is None else jax.lax.all_gather(x, axis, axis=1, tiled=True)
+    if x is None:
+      return None
+    x = jax.lax.all_gather(x, axis, axis=1, tiled=True)
+    return unstripe(x, n) if striped else x
 
   kv_seg = q_segment_ids_BxC if kv_segment_ids_BxC is None else kv_segment_ids_BxC
-  return blockwise_attention(
-      q_BxCxHxD, gather(k_BxCxKxD), gather(v_BxCxKxD), causal=causal, window=window,
-      q_offset=jax.lax.axis_index(axis) * c, alibi_slopes_H=alibi_slopes_H, kv_valid_BxS=gather(kv_valid_BxC),
-      q_segment_ids_BxL=q_segment_ids_BxC, kv_segment_ids_BxS=gather(kv_seg), scale=scale,
-      block_q=block_q, block_k=block_k)
+  kw = dict(causal=causal, window=window, alibi_slopes_H=alibi_slopes_H, kv_valid_BxS=gather(kv_valid_BxC),
+            kv_segment_ids_BxS=gather(kv_seg), scale=scale, block_q=block_q, block_k=block_k)
+  k, v = gather(k_BxCxKxD), gather(v_BxCxKxD)
+  if not striped:
+    return blockwise_attention(q_BxCxHxD, k, v, q_offset=i * c, q_segment_ids_BxL=q_segment_ids_BxC, **kw)
+  h = c // 2
+  outs = []
+  for half, offset in enumerate((i * h, (2 * n - 1 - i) * h)):   # chunks i and 2n - 1 - i
+    seg = None if q_segment_ids_BxC is None else q_segment_ids_BxC[:, half * h:(half + 1) * h]
+    outs.append(blockwise_attention(q_BxCxHxD[:, half * h:(half + 1) * h], k, v, q_offset=offset,
+                                    q_segment_ids_BxL=seg, **kw))
+  return jnp.concatenate(outs, axis=1)
 
 
 def context_parallel_attention(q_BxLxHxD: Array, k_BxLxKxD: Array, v_BxLxKxD: Array, *, mesh: Any,
                                axis: str, strategy: str = "all_gather", batch_axes: Any = None,
-                               head_axes: Any = None, kv_head_axes: Any = None, **kw) -> Array:
+                               head_axes: Any = None, kv_head_axes: Any = None, striped: bool = False,
+                               **kw) -> Array:
   """Self-attention over a sequence sharded along mesh axis `axis` (and the batch / heads over
   `batch_axes` / `head_axes`): `strategy` ('all_gather' | 'ring') run per shard under shard_map.
+  striped: the sequence (q, k, v and every per-token array) is in `stripe` order ('all_gather' only).
   kw: causal, window, alibi_slopes_H, kv_valid_BxS, q_segment_ids_BxL, kv_segment_ids_BxS, scale,
   block_q, block_k (as `ops.blockwise.blockwise_attention`). Returns (B, L, H, D) sharded like q."""
   if strategy not in STRATEGIES:
     raise ValueError(f"context strategy {strategy!r}: expected one of {STRATEGIES}")
-  fn = ring_attention if strategy == "ring" else all_gather_attention
+  if striped and strategy != "all_gather":
+    raise ValueError(f"context load balancing (a striped sequence) runs with 'all_gather', not {strategy!r}")
+  fn = ring_attention if strategy == "ring" else functools.partial(all_gather_attention, striped=striped)
   n = dict(mesh.shape)[axis]
-  if q_BxLxHxD.shape[1] % n:
-    raise ValueError(f"context parallelism: sequence length {q_BxLxHxD.shape[1]} is not divisible by the "
-                     f"{axis!r} axis size {n}")
+  if q_BxLxHxD.shape[1] % (2 * n if striped else n):
+    raise ValueError(f"context parallelism: sequence length {q_BxLxHxD.shape[1]} is not divisible by "
+                     f"{'2 x ' if striped else ''}the {axis!r} axis size {n}")
   arrays = dict(alibi_slopes_H=kw.pop("alibi_slopes_H", None), kv_valid_BxC=kw.pop("kv_valid_BxS", None),
                 q_segment_ids_BxC=kw.pop("q_segment_ids_BxL", None),
                 kv_segment_ids_BxC=kw.pop("kv_segment_ids_BxS", None))
