@@ -2,7 +2,9 @@
 
 Layout: `<workdir>/checkpoints/<step>/` with four Orbax items
 
-  state     the whole train-state pytree (StandardSave: params, opt_state, loss scale, rng, step)
+  state     the whole train-state pytree (StandardSave: params, opt_state, loss scale, rng, step); a
+            LoRA run (train.lora) saves its adapters as params and their optimizer state, not the
+            frozen base (`merge_lora` rebuilds the model from the train.init_from it points to)
   data      the data iterator's state dict (JSON; absent when the loop passed None)
   meta      {"step": step, **meta} (JSON: the resolved config, anything else), plus the reserved key
             "_checkpoint": {"format": 1, "items": [...]} naming the items saved with the step
@@ -758,10 +760,45 @@ def _read_config(path: epath.Path) -> ml_collections.ConfigDict:
     raise CheckpointError(f"cannot read the run config {path}: {e}") from e
 
 
+def lora_of(config: Any) -> tuple[int, float] | None:
+  """(rank, alpha / rank) of a run config's train.lora, None when the run trained every parameter."""
+  lo = (config.get("train") or {}).get("lora") if hasattr(config, "get") else None
+  rank = int(lo.get("rank", 0)) if lo else 0
+  return (rank, float(lo.get("alpha", rank)) / rank) if rank > 0 else None
+
+
+def merge_lora(config: Any, adapters: PyTree) -> PyTree:
+  """A LoRA run's model: its adapters merged into the frozen base its train.init_from names (read
+  again: an HF directory, or a workdir, itself merged when it is a LoRA run), as host numpy arrays."""
+  from tformer_jax import decode  # noqa: PLC0415 (these import this module: imported when used)
+  from tformer_jax.interop import hf  # noqa: PLC0415
+  from tformer_jax.ops import lora as lora_ops  # noqa: PLC0415
+  _, scale = lora_of(config)
+  source = str(config.train.get("init_from", "") or "")
+  if not source:
+    raise CheckpointError("a LoRA run's config.json has no train.init_from: its base model is unknown")
+  try:
+    if source.startswith("hf:"):
+      _, base = hf.load_hf(os.path.expanduser(source[3:]))
+    else:
+      _, base = restore_params(source)
+  except (OSError, CheckpointError, ValueError) as e:
+    raise CheckpointError(f"the LoRA base train.init_from={source} cannot be read: {_short(e)}") from None
+  base = jax.tree.map(np.asarray, base)
+  if "layers" in adapters and "layers" not in base and "layers_0" in base:
+    base = decode.stack_layers(base, int(config.model.num_layers))   # an unscanned base, a scanned run
+  try:
+    merged = lora_ops.merge(base, adapters, scale)
+  except (ValueError, TypeError) as e:
+    raise CheckpointError(f"the LoRA adapters do not fit their base train.init_from={source}: {e}") from None
+  return jax.tree.map(np.asarray, merged)
+
+
 def restore_params(workdir: str | os.PathLike, step: int | None = None, *,
-                   with_step: bool = False) -> tuple[Any, ...]:
+                   with_step: bool = False, merge: bool = True) -> tuple[Any, ...]:
   """(config, params) of a train workdir, for inference: params as host numpy arrays; with_step=True:
-  (config, params, the step they come from).
+  (config, params, the step they come from). A LoRA run (train.lora.rank > 0) saved only its adapters:
+  they come merged into its base (`merge_lora`), or as they are with merge=False.
 
   Reads `<workdir>/config.json` and only the `params` field of the saved train state (as it was
   saved) from the latest usable checkpoint (or `step`), whatever the optimizer or the mesh it
@@ -815,4 +852,6 @@ def restore_params(workdir: str | os.PathLike, step: int | None = None, *,
     used, params, _ = _first_good(ckpt_dir, steps_to_try, attempt, explicit=step is not None, debug_log=debug_log)
   finally:
     manager.close()
+  if merge and lora_of(config) is not None:
+    params = merge_lora(config, params)
   return (config, params, used) if with_step else (config, params)

@@ -56,6 +56,7 @@ OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
 LOGGERS = ("jsonl", "tensorboard", "wandb")
 SCHEDULES = ("cosine", "rsqrt", "constant")
 PRECISIONS = ("float32", "bf16", "fp16")
+LORA_TARGETS = ("q", "k", "v", "o", "up", "gate", "down")   # = ops.lora.TARGETS (tests/test_lora.py)
 PARALLELISMS = ("jit", "pmap")
 RULE_PRESETS = ("dp", "fsdp", "tp", "fsdp_tp", "fsdp+tp")
 
@@ -302,6 +303,11 @@ def default_config() -> ml_collections.ConfigDict:
       loss_chunk=0,                  # > 0: the loss holds ~this many tokens' logits at a time (ops/losses.py)
       eval_tasks="",                 # lm-evaluation-harness tasks at each evaluation, comma-separated (the eval extra)
       eval_tasks_limit=0,            # documents per eval_tasks task at each evaluation (0 = all)
+      lora=ml_collections.ConfigDict(dict(   # low-rank adapters on the frozen init_from weights (ops/lora.py)
+          rank=0,                    # 0 = off (full fine-tuning); r > 0: train only A (in, r) and B (r, out)
+          alpha=16.0,                # the update is W + (alpha / rank) A @ B
+          targets="q,k,v,o",         # projections adapted: q, k, v, o (attention), up, gate, down (dense FFN)
+      )),
   ))
   c.mesh = ml_collections.ConfigDict(dict(
       shape=(-1, 1, 1),              # sizes of `axes`; -1 = the rest of the devices
@@ -703,6 +709,8 @@ def validate(cfg: ml_collections.ConfigDict, *, check_paths: bool = True) -> Mod
     _validate_mesh(cfg.mesh)
   if "decode" in cfg:
     _validate_decode(cfg.decode)
+  if train is not None and "lora" in train:
+    _validate_lora(train, cfg.get("mesh"))
   if "runtime" in cfg:
     precision = train.get("precision", "float32") if train is not None else "float32"
     validate_runtime(cfg.runtime, m, precision)
@@ -838,6 +846,28 @@ def _validate_train(t: Any, check_paths: bool) -> None:
             "training workdir (config.json + checkpoints/), e.g. one written by scripts/convert.py --from-hf")
     if src.is_dir() and not (src / "config.json").is_file():
       _fail("train.init_from", f"{init_from}: not a training workdir (no config.json in {src.resolve()})")
+
+
+def _validate_lora(t: Any, mesh: Any) -> None:
+  """train.lora: rank >= 0 (0 = off), alpha > 0, known targets; a LoRA run needs its base (init_from)."""
+  lo = t.lora
+  if not isinstance(lo.rank, int) or lo.rank < 0:
+    _fail("train.lora.rank", f"must be an integer >= 0 (0 = off), got {lo.rank!r}")
+  if not lo.alpha > 0:
+    _fail("train.lora.alpha", f"must be > 0, got {lo.alpha}")
+  targets = [s.strip() for s in str(lo.targets).split(",") if s.strip()]
+  for name in targets:
+    _check_choice("train.lora.targets", name, LORA_TARGETS)
+  if lo.rank == 0:
+    return
+  if not targets:
+    _fail("train.lora.targets", "is empty: name at least one projection (e.g. 'q,v')")
+  if not str(t.get("init_from", "") or ""):
+    _fail("train.lora.rank", "LoRA trains adapters on a frozen base: set train.init_from (hf:DIR or a workdir)")
+  if mesh is not None and mesh.get("parallelism", "jit") == "pmap":
+    _fail("train.lora.rank", "LoRA runs under mesh.parallelism='jit' only")
+  if t.get("stats_every", 0) > 0:
+    _fail("train.stats_every", "layer statistics are not computed for a LoRA run (train.lora.rank > 0); set 0")
 
 
 def parse_loggers(value: Any) -> list[str]:

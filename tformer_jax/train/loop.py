@@ -127,23 +127,32 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
   # the prepared data: the same as when the run started (a resume), its shards intact (hashed once)
   run_data = prepared_lib.check_run_data(work, pipeline.prepared_datasets(ds), resuming=ckpt.latest_step() is not None,
                                          cache_dir=cfg.data.get("cache_dir") or None)
-  restored = ckpt.restore(abstract, require_data_state=True)   # a step without its iterator is damage
+  lora = program.lora_scale is not None   # the frozen base is never saved: init_from holds it
+  restored = ckpt.restore(abstract.replace(frozen=None), require_data_state=True)   # without its iterator: damage
   it = pipeline.train_iterator(ds, cfg.data, process_index=jax.process_index(),
                                process_count=jax.process_count())
   if restored is not None:
     start, state, data_state, _ = restored
+    if lora:
+      state = state.replace(frozen=init_from.load_params(cfg.train.init_from, abstract.frozen, model.cfg.num_layers))
     if data_state:
       it.set_state(data_state)
     log.info("resumed from step %d", start)
   else:
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-      state = state_lib.create_state(program.init, rng, shardings)
-    start = 0
+    given = {}   # the source's weights, loaded first: the state's own random init of them is never computed
     if cfg.train.init_from:
-      state = state.replace(params=init_from.load_params(cfg.train.init_from, abstract.params,
-                                                         model.cfg.num_layers))
-      log.info("initialised parameters from %s", cfg.train.init_from)
-  n_params = state_lib.param_count(state.params)
+      field = "frozen" if lora else "params"
+      given[field] = init_from.load_params(cfg.train.init_from, getattr(abstract, field), model.cfg.num_layers)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+      state = state_lib.create_state(program.init, rng, shardings, **given)
+    start = 0
+    if given:
+      log.info("initialised %s from %s", "the frozen base" if lora else "parameters", cfg.train.init_from)
+  n_params = state_lib.param_count(state.params) + state_lib.param_count(state.frozen or {})
+  if lora and is_main:
+    log.info("LoRA: %s adapter parameters trained (rank %d, targets %s) on a frozen base of %s",
+             f"{state_lib.param_count(state.params):,}", cfg.train.lora.rank, cfg.train.lora.targets,
+             f"{state_lib.param_count(state.frozen):,}")
   if is_main:  # only now: a config that cannot restore this workdir has changed nothing in it
     (work / "config.json").write_text(cfg.to_json_best_effort(indent=2))
     (work / "runtime.json").write_text(json.dumps(runtime.as_dict(), indent=2))
@@ -223,9 +232,9 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
       if done % cfg.train.eval_every == 0 or done == cfg.train.steps:
         finish_step(*pending)
         pending = None
-        ev = evaluate(state.params)
+        ev = evaluate(program.eval_params(state))
         if harness_eval is not None:
-          ev.update(harness_eval(mesh_lib.to_host(state.params)))
+          ev.update(harness_eval(mesh_lib.to_host(program.full_params(state))))
         writer.write(done, ev)
         final.update(ev)
         if is_main and not model.cfg.causal:
@@ -240,7 +249,7 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
         if final.get("bad_steps", 0) > 0:  # never replace good checkpoints by a state mid-NaN-streak
           log.warning("step %d: not saving during a run of non-finite steps", done)
         else:
-          ckpt.save(done, state, it.get_state(), {"step": done}, force=bool(stop["signal"]))
+          ckpt.save(done, state.replace(frozen=None), it.get_state(), {"step": done}, force=bool(stop["signal"]))
           saved = done
       if stop["signal"]:
         if pending is not None:
@@ -265,7 +274,7 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
 
   sample = not stop["signal"] and cfg.train.sample_tokens > 0 and model.cfg.causal   # encoders do not generate
   if sample:
-    host_params = mesh_lib.to_host(state.params)  # every process: a gather when params span hosts
+    host_params = mesh_lib.to_host(program.full_params(state))  # every process: a gather when params span hosts
   if is_main and sample:
     final["sample"] = sample_text(model, host_params, ds.tokenizer, cfg)
     print(f"\n--- sample (step {int(state.step)}) ---\n{final['sample']}\n---", flush=True)

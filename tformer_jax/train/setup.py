@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from tformer_jax import backends, config as config_lib
 from tformer_jax.nn import Transformer
+from tformer_jax.ops import lora as lora_ops
 from tformer_jax.parallel import mesh as mesh_lib, pmap as pmap_lib, rules as rules_lib
 from tformer_jax.train import optim, precision, state as state_lib, step as step_lib
 from tformer_jax.train.stats import make_stats_fn
@@ -49,6 +50,25 @@ class TrainProgram:
   train_step: Step                                   # (state, batch) -> (state, metrics); state donated
   eval_step: Step                                    # (params, batch) -> {nll_sum, count, correct}
   stats_step: Step | None                            # (state, batch) -> layer statistics (train.stats_every)
+  lora_scale: float | None = None                    # a LoRA run: alpha / rank (state.params = the adapters)
+
+  def eval_params(self, state: state_lib.TrainState) -> Any:
+    """What eval_step takes: the params, or (frozen base, adapters) for a LoRA run (merged inside)."""
+    return state.params if self.lora_scale is None else (state.frozen, state.params)
+
+  def full_params(self, state: state_lib.TrainState) -> Any:
+    """The model's parameters: a LoRA run's adapters merged into its base (ops/lora.py)."""
+    if self.lora_scale is None:
+      return state.params
+    return jax.jit(functools.partial(lora_ops.merge, scale=self.lora_scale))(state.frozen, state.params)
+
+
+def lora_settings(cfg: ml_collections.ConfigDict) -> tuple[tuple[str, ...], int, float] | None:
+  """(targets, rank, alpha / rank) of train.lora, or None when it is off (rank 0 or absent)."""
+  lo = cfg.train.get("lora")
+  if lo is None or int(lo.get("rank", 0)) <= 0:
+    return None
+  return lora_ops.parse_targets(lo.targets), int(lo.rank), float(lo.alpha) / int(lo.rank)
 
 
 def resolve_model_config(cfg: ml_collections.ConfigDict, vocab_size: int | None = None, *,
@@ -79,15 +99,25 @@ def build(cfg: ml_collections.ConfigDict, mesh: Mesh, backend: backends.Backend,
   model = Transformer(m)
   tx, schedule = optim.make_optimizer(cfg.optim, cfg.train.steps, backend)
   policy = precision.get_policy(cfg.train.precision)
-  init = state_lib.init_fn(model, tx, policy.initial_loss_scale(), cfg.data.seq_len)
+  lora = lora_settings(cfg)
+  init = state_lib.init_fn(model, tx, policy.initial_loss_scale(), cfg.data.seq_len,
+                           lora=lora[:2] if lora else None)
   rng = jax.ShapeDtypeStruct((2,), jnp.uint32)   # a PRNGKey's shape: the state is only traced here
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    abstract, shardings = state_lib.state_shardings(init, rng, mesh, rules)
+    try:
+      abstract, shardings = state_lib.state_shardings(init, rng, mesh, rules)
+    except lora_ops.NoTargets as e:
+      raise config_lib.ConfigError(f"train.lora.targets: {e}") from None
   mesh_lib.check_shardings(abstract, mesh)
 
   batch_sh = mesh_lib.batch_sharding(mesh)
   options = step_options(cfg)
   eval_fn = functools.partial(step_lib.eval_step, model=model, **options)
+  eval_in = shardings.params
+  if lora:   # (frozen base, adapters) -> the merged model's eval sums
+    base_eval, eval_in = eval_fn, (shardings.frozen, shardings.params)
+    eval_fn = lambda pair, batch: base_eval(lora_ops.merge(*pair, scale=lora[2]), batch)  # noqa: E731
+    options = {**options, "lora_scale": lora[2]}
   stats_step = None
   if cfg.mesh.parallelism == "pmap":  # replicated state, batch split over local devices (parallel/pmap.py)
     train_step = pmap_lib.make_train_step(
@@ -98,12 +128,12 @@ def build(cfg: ml_collections.ConfigDict, mesh: Mesh, backend: backends.Backend,
     train_step = jax.jit(mesh_lib.traced_under(step_lib.make_train_step(model, tx, schedule, cfg.optim, **options),
                                                mesh, rules),
                          in_shardings=(shardings, batch_sh), out_shardings=(shardings, None), donate_argnums=(0,))
-    eval_step = jax.jit(mesh_lib.traced_under(eval_fn, mesh, rules), in_shardings=(shardings.params, batch_sh))
+    eval_step = jax.jit(mesh_lib.traced_under(eval_fn, mesh, rules), in_shardings=(eval_in, batch_sh))
     if int(cfg.train.get("stats_every", 0)) > 0:  # layer statistics, train/stats.py
       stats_step = jax.jit(mesh_lib.traced_under(make_stats_fn(model, tx), mesh, rules),
                            in_shardings=(shardings, batch_sh))
   return TrainProgram(m, model, mesh, rules, tx, schedule, init, abstract, shardings, batch_sh,
-                      train_step, eval_step, stats_step)
+                      train_step, eval_step, stats_step, lora[2] if lora else None)
 
 
 def step_options(cfg: ml_collections.ConfigDict) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from tformer_jax.ops import lora as lora_ops
 from tformer_jax.train.precision import DynamicLossScale, NoOpLossScale
 
 
@@ -21,17 +22,25 @@ class TrainState:
   rng: jax.Array                       # folded with the step for dropout / jitter
   bad_steps: jax.Array                 # int32: consecutive non-finite (skipped) steps
   skipped: jax.Array                   # int32: total skipped steps
+  frozen: Any = None                   # a LoRA run (train.lora): the frozen base params (params = the
+                                       # adapters); rebuilt from train.init_from, never checkpointed
 
 
-def init_fn(model: nn.Module, tx: optax.GradientTransformation, loss_scale, seq_len: int):
-  """A function rng -> TrainState with *boxed* params (nn.Partitioned carrying logical axes)."""
+def init_fn(model: nn.Module, tx: optax.GradientTransformation, loss_scale, seq_len: int,
+            lora: tuple[tuple[str, ...], int] | None = None):
+  """A function rng -> TrainState with *boxed* params (nn.Partitioned carrying logical axes).
+  lora=(targets, rank): params are adapters for the model's (frozen) params (ops/lora.py), replicated,
+  and the optimizer state is theirs alone."""
   def init(rng: jax.Array) -> TrainState:
     p_rng, s_rng = jax.random.split(rng)
     tokens = jnp.zeros((1, seq_len), jnp.int32)
     params = model.init(p_rng, tokens)["params"]
+    frozen = None
+    if lora is not None:
+      frozen, params = params, lora_ops.init(jax.random.fold_in(p_rng, 1), unbox_plain(params), *lora)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=_fit_boxes(tx.init(params)),
                       loss_scale=loss_scale, rng=s_rng, bad_steps=jnp.zeros((), jnp.int32),
-                      skipped=jnp.zeros((), jnp.int32))
+                      skipped=jnp.zeros((), jnp.int32), frozen=frozen)
   return init
 
 
@@ -61,9 +70,13 @@ def unbox_plain(tree: Any) -> Any:
                       tree, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
 
 
-def create_state(init: Any, rng: jax.Array, shardings: Any) -> TrainState:
-  """Initialise straight into shards: nothing is ever materialised on one device first."""
-  return jax.jit(lambda r: nn.unbox(init(r)), out_shardings=shardings)(rng)
+def create_state(init: Any, rng: jax.Array, shardings: Any, **given: Any) -> TrainState:
+  """Initialise straight into shards: nothing is ever materialised on one device first. `given`: state
+  fields already on their devices (a fine-tune's loaded weights: params, or a LoRA run's frozen base),
+  taken as they are (donated); their own random init is then dead code XLA never runs."""
+  def make(r: jax.Array, fields: dict) -> TrainState:
+    return nn.unbox(init(r)).replace(**fields)
+  return jax.jit(make, out_shardings=shardings, donate_argnums=(1,))(rng, given)
 
 
 def param_count(params: Any) -> int:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from tformer_jax.nn import moe as moe_nn
-from tformer_jax.ops import losses
+from tformer_jax.ops import lora as lora_ops, losses
 from tformer_jax.train import objectives, optim, precision
 from tformer_jax.train.state import TrainState
 
@@ -76,15 +76,17 @@ def loss_sum_fn(model: nn.Module, params: Any, batch: dict, rng: jax.Array | Non
 
 def train_step(state: TrainState, batch: dict, *, model: nn.Module, tx: optax.GradientTransformation,
                schedule: optax.Schedule, grad_accum: int = 1, clip_norm: float = 0.0,
-               axis_name: str | None = None, loss_chunk: int = 0, cast_params: bool | None = None
-               ) -> tuple[TrainState, dict[str, jax.Array]]:
+               axis_name: str | None = None, loss_chunk: int = 0, cast_params: bool | None = None,
+               lora_scale: float = 1.0) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer step. `axis_name` (pmap): `batch` is this device's shard; token counts, losses and
   gradients are summed over the axis, so the loss is the same token-weighted global mean as under jit.
   loss_chunk: see the module docstring. cast_params (a no-op in float32): the matmul weights cast to
   the model's compute dtype once, before the micro-batches, their gradients cast back to the params'
   dtype (float32) per micro-batch, before they are summed. The same values either way; None = when
   grad_accum > 1 (each micro-batch would cast again; with one micro-batch the model's own casts run
-  once per step already and the step-long half-precision copy only costs memory)."""
+  once per step already and the step-long half-precision copy only costs memory).
+  A LoRA state (state.frozen set): state.params are the adapters, the model runs on
+  `lora.merge(state.frozen, adapters, lora_scale)` inside the loss, so only the adapters get gradients."""
   rng = jax.random.fold_in(state.rng, state.step)
   if axis_name is not None:  # distinct dropout masks per device
     rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
@@ -98,6 +100,8 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, tx: optax.Gr
   psum = (lambda x: x) if axis_name is None else functools.partial(jax.lax.psum, axis_name=axis_name)
 
   def f(params, mb, r):
+    if state.frozen is not None:   # LoRA: the adapters on the frozen base
+      params = lora_ops.merge(state.frozen, params, lora_scale)
     loss_sum, (count, metrics) = loss_sum_fn(model, params, mb, r, train=True, scale=ls.scale / tokens,
                                              loss_chunk=loss_chunk)
     return loss_sum, (psum(count), metrics)  # normalised by the global token count
@@ -169,8 +173,10 @@ def eval_step(params: Any, batch: dict, *, model: nn.Module, loss_chunk: int = 0
 
 
 def make_train_step(model, tx, schedule, optim_cfg, axis_name: str | None = None, *, loss_chunk: int = 0,
-                    cast_params: bool | None = None):
-  """train_step with the optimizer settings bound; loss_chunk: train.loss_chunk (0 = full logits)."""
+                    cast_params: bool | None = None, lora_scale: float = 1.0):
+  """train_step with the optimizer settings bound; loss_chunk: train.loss_chunk (0 = full logits);
+  lora_scale: alpha / rank of a LoRA run."""
   return functools.partial(train_step, model=model, tx=tx, schedule=schedule,
                            grad_accum=int(optim_cfg.grad_accum), clip_norm=float(optim_cfg.clip_norm),
-                           axis_name=axis_name, loss_chunk=int(loss_chunk), cast_params=cast_params)
+                           axis_name=axis_name, loss_chunk=int(loss_chunk), cast_params=cast_params,
+                           lora_scale=float(lora_scale))
