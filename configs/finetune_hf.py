@@ -26,4 +26,5 @@ def get_config():
   o.peak_lr, o.schedule, o.warmup_steps, o.weight_decay, o.clip_norm = 2e-5, "constant", 20, 0.0, 1.0
   c.train.steps, c.train.eval_every, c.train.ckpt_every, c.train.log_every = 500, 100, 250, 10
   c.train.init_from = ""             # --config.train.init_from=hf:DIR (or a training workdir)
+  c.train.sample_prompt = ""         # the end-of-training sample continues the opening of its own validation text
   return c

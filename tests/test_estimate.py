@@ -50,9 +50,9 @@ def test_cli_prints_the_ratio_and_moe_capacity_is_within_15_percent(capsys):
 
 
 def test_cli_rejects_bad_input_in_one_line(capsys):
-  assert cli_common.run_main(cli.main, ["--config=llama_tiny", "--batch=0", "--no-compile"]) == 2
+  assert cli_common.run_main(cli.main, ["--config=llama_tiny", "--batch_size=0", "--no-compile"]) == 2
   err = capsys.readouterr().err.strip()
-  assert err == "error: --batch: must be > 0, got 0"
+  assert err == "error: --batch_size: must be > 0, got 0"
   assert cli_common.run_main(cli.main, ["--config=bench/llama_1b_gpu", "--no-compile"]) == 2   # cuDNN on a CPU
   err = capsys.readouterr().err.strip()
   assert err.startswith("error: runtime.attention: 'cudnn' needs a GPU") and "--platform" in err

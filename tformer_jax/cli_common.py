@@ -29,6 +29,7 @@ else keeps its traceback:
 """
 from __future__ import annotations
 
+import difflib
 import inspect
 import io
 import json
@@ -53,6 +54,7 @@ from tformer_jax.config import ConfigError, check_field_path, default_config, lo
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 HELP_FLAGS = ("help", "helpshort", "helpfull")
+CONFIG_HINT = "pass --config=NAME (a shipped config such as llama_tiny, or a file with get_config())"
 _OVERRIDE = re.compile(r"^--?(?:no)?config\.([^=]+)")      # --config.a.b[=v], --noconfig.a.b (booleans)
 
 # The errors a user can cause, by name: `run_main` prints them as one line and exits 2. Named, not
@@ -275,8 +277,20 @@ def load_config(path: str | None = None, overrides: Mapping[str, Any] | None = N
   elif workdir:
     cfg = workdir_config(workdir)
   else:
-    raise UsageError("pass --config=configs/<name>.py")
-  return override(cfg, overrides or {})
+    raise UsageError(CONFIG_HINT)
+  out = override(cfg, overrides or {})
+  from_run = workdir and not path or pathlib.Path(path or "").is_dir()
+  return out if from_run else resolve_source(out, overrides or {})
+
+
+def resolve_source(cfg: ml_collections.ConfigDict, overrides: Mapping[str, Any]) -> ml_collections.ConfigDict:
+  """cfg with train.init_from's architecture, max_len and tokenizer, the command line's model.*
+  overrides on top (`train.init_from.resolve`); cfg itself without init_from. A run's own config.json
+  is already resolved and is not passed here."""
+  if "train" not in cfg or not str(cfg.train.get("init_from", "") or ""):
+    return cfg
+  from tformer_jax.train import init_from  # noqa: PLC0415 (jax: only for a config that reads a source)
+  return init_from.resolve(cfg, overrides)
 
 
 _SECTION_CLASSES = {"ModelConfig": "model.", "RopeScaling": "model.rope_scaling.", "MoEConfig": "model.moe."}
@@ -287,7 +301,8 @@ _SECTION = re.compile(r"^\s+c\.(\w+)\s*=\s*ml_collections\.ConfigDict")
 def field_docs() -> dict[str, str]:
   """{'model.num_kv_heads': '0 = num_heads (MHA); 1 = MQA; ...', ...}: the comments beside the fields in
   tformer_jax/config.py (the dataclasses and default_config), a comment-only line continuing the
-  field above it. The schema's one source of descriptions."""
+  field above it; an enum field's values are listed from its tuple (`enum_fields`). The schema's one
+  source of descriptions."""
   source = inspect.getsource(config_lib)
   docs: dict[str, str] = {}
   prefix, last, last_line = None, None, -1
@@ -317,7 +332,44 @@ def field_docs() -> dict[str, str]:
       docs[last] = text
     else:
       last = None
+  for key, allowed in enum_fields().items():
+    docs[key] = enum_doc(docs.get(key, ""), allowed)
   return docs
+
+
+def enum_fields() -> dict[str, tuple[str, ...]]:
+  """{field: its allowed values}: the config's own tuples (config.py), which `field_docs` lists."""
+  c = config_lib
+  model = dict(attention=c.ATTENTIONS, activation=c.ACTIVATIONS, norm=c.NORMS, norm_position=c.NORM_POSITIONS,
+               position=c.POSITIONS, rope_layout=c.ROPE_LAYOUTS, remat=c.REMAT_POLICIES, dtype=c.DTYPES,
+               param_dtype=c.DTYPES, **{"rope_scaling.type": c.ROPE_SCALINGS, "moe.dispatch": c.MOE_DISPATCH})
+  other = {"data.sampling": c.SAMPLINGS, "data.packing": c.PACKINGS, "optim.name": c.OPTIMIZERS,
+           "optim.schedule": c.SCHEDULES, "train.precision": c.PRECISIONS, "mesh.parallelism": c.PARALLELISMS,
+           "mesh.context_strategy": c.CONTEXT_STRATEGIES, "runtime.backend": c.RUNTIME_BACKENDS,
+           "runtime.attention": c.RUNTIME_ATTENTION, "runtime.cpu_kernels": c.AUTO_ON_OFF,
+           "runtime.decode_layout": c.DECODE_LAYOUTS, "runtime.moe_exchange": c.RUNTIME_MOE_EXCHANGE,
+           "runtime.moe_gmm": c.RUNTIME_MOE_GMM}
+  return {**{f"model.{k}": v for k, v in model.items()}, **other}
+
+
+_OPTION = re.compile(r"\s*([\w.+-]+)(?:\s*\(((?:[^()]|\([^()]*\))*)\))?")
+
+
+def enum_doc(comment: str, allowed: Sequence[str]) -> str:
+  """A field's description with its values listed from `allowed` (so it cannot name a value that does
+  not exist): a leading 'a (note) | b | c' in the comment gives the notes, the rest is kept."""
+  options, pos = [], 0
+  while (m := _OPTION.match(comment, pos)) is not None:
+    options.append((m.group(1), m.group(2)))
+    pos = m.end()
+    if not comment[pos:].lstrip().startswith("|"):
+      break
+    pos = comment.index("|", pos) + 1
+  if len(options) < 2:                      # no list in the comment: the values, then the comment
+    return " | ".join(allowed) + (f": {comment}" if comment else "")
+  notes = {name: note for name, note in options if note}
+  head = " | ".join(f"{v} ({notes[v]})" if v in notes else v for v in allowed)
+  return head + comment[pos:]
 
 
 def describe_config(cfg: ml_collections.ConfigDict) -> str:
@@ -350,6 +402,41 @@ def _one_line(e: BaseException) -> str:
     text = (str(e.args[0]) if e.args else "?").replace("Did you", "did you")
     return "unknown config field " + "; ".join(s.strip() for s in text.splitlines() if s.strip())
   return one_line(e)
+
+
+def _config_paths(cfg: Any, prefix: str = "") -> list[str]:
+  out = []
+  for key in cfg.keys():
+    if isinstance(cfg[key], ml_collections.ConfigDict):
+      out += _config_paths(cfg[key], f"{prefix}{key}.")
+    else:
+      out.append(prefix + key)
+  return out
+
+
+def unknown_flag_hint(name: str, fv: flags.FlagValues, cfg: Any = None) -> str:
+  """' (did you mean --config.train.steps?)' for an unknown --NAME: the config field of that name (a
+  command with a config, or the defaults'), else the closest of the command's flags or fields; '' if
+  nothing is close."""
+  name = name.replace("-", "_")
+  paths = _config_paths(cfg if cfg is not None else default_config())
+  exact = [p for p in paths if p.rsplit(".", 1)[-1] == name or p == name]
+  if exact:
+    return " (did you mean " + " or ".join(f"--config.{p}" for p in exact[:3]) + "?)"
+  own = [f.name for f in _own_flags(fv)]
+  close = difflib.get_close_matches(name, own, n=1, cutoff=0.7)
+  if close:
+    return f" (did you mean --{close[0]}?)"
+  leaves = {p.rsplit(".", 1)[-1]: p for p in paths}
+  close = difflib.get_close_matches(name, list(leaves), n=1, cutoff=0.75)
+  return f" (did you mean --config.{leaves[close[0]]}?)" if close else ""
+
+
+def _flag_error(e: BaseException, fv: flags.FlagValues, cfg: Any = None) -> str:
+  text = _one_line(e)
+  if isinstance(e, flags.UnrecognizedFlagError) and getattr(e, "flagname", None):
+    text += unknown_flag_hint(e.flagname, fv, cfg) + "; --help lists the flags, --print_config the fields"
+  return text
 
 
 def _own_flags(fv: flags.FlagValues) -> list[flags.Flag]:
@@ -390,18 +477,23 @@ def check_model_source(args: types.SimpleNamespace) -> None:
   if len(sources) != 1:
     fail("pass exactly one of --workdir=RUN, --hf=DIR, --random_init")
   if args.random_init and args.config is None:
-    fail("--random_init needs --config=configs/<name>.py")
+    fail("--random_init needs --config=NAME (a shipped config such as llama_tiny, or a file)")
 
 
 def parse(argv: Sequence[str] | None, define: Callable[[flags.FlagValues], None] | None = None, *,
           doc: str = "", prog: str | None = None, config: bool | str = False,
-          from_workdir: bool = False) -> types.SimpleNamespace:
+          from_workdir: bool = False, from_hf: bool = False) -> types.SimpleNamespace:
   """Flags of one command -> a namespace: every flag by name ('-' read as '_') and, for a command with
   a config, `config` (the ConfigDict), `config_file` and `overrides` ({'a.b': value}).
 
   define: adds the command's flags to the FlagValues it is given.
   config: False (no --config), True (optional), 'required', or a default config file.
   from_workdir: without --config, use the run of the command's --workdir flag.
+  from_hf: the command's --hf=DIR is the model: the config (--config's, or the defaults) gets
+    train.init_from=hf:DIR, so its architecture, max_len and tokenizer are the directory's and
+    --config.a.b=v overrides apply on top.
+  A config with train.init_from is resolved here, once (`resolve_source`): every command (and
+  --print_config) sees the model that will run.
   `-h` / `--help` prints the flags and exits 0; a usage error prints one line and exits 2.
   """
   argv = list(sys.argv[1:] if argv is None else argv)
@@ -429,7 +521,7 @@ def parse(argv: Sequence[str] | None, define: Callable[[flags.FlagValues], None]
   try:
     rest = fv([prog] + argv, known_only=config is not False)
   except (flags.Error, ValueError) as e:
-    fail(_one_line(e))
+    fail(_flag_error(e, fv))
   if any(fv[name].value for name in HELP_FLAGS):
     print(help_text(fv, doc, prog))
     raise SystemExit(0)
@@ -440,13 +532,20 @@ def parse(argv: Sequence[str] | None, define: Callable[[flags.FlagValues], None]
       fail(f"unexpected arguments: {' '.join(rest[1:])}")
     return args
   args.config_file, args.config, args.overrides = fv.config, None, {}
+  hf_dir = getattr(args, "hf", None) if from_hf else None
   try:
+    from_run = False        # a run's config.json: already resolved, kept as it is
     if fv.config:
       cfg = load_config_file(fv.config)
+      from_run = pathlib.Path(fv.config).is_dir() and not hf_dir
     elif from_workdir and getattr(args, "workdir", None):
       cfg, args.config_file = workdir_config(args.workdir), str(pathlib.Path(args.workdir) / "config.json")
+      from_run = True
+    elif hf_dir:
+      cfg, args.config_file = default_config(), None
     elif config == "required":
-      raise UsageError("pass --config=configs/<name>.py" + (" (or --workdir=RUN)" if from_workdir else ""))
+      raise UsageError(CONFIG_HINT + (" (or --workdir=RUN)" if from_workdir else "")
+                       + (" (or --hf=DIR)" if from_hf else ""))
     else:
       cfg = None
     if cfg is None and print_config:
@@ -456,10 +555,14 @@ def parse(argv: Sequence[str] | None, define: Callable[[flags.FlagValues], None]
         extra = " (--config.a.b=v overrides need --config=FILE)" if rest[1].startswith("--config.") else ""
         raise UsageError(f"unexpected arguments: {' '.join(rest[1:])}{extra}")
       return args
+    if hf_dir:
+      cfg.train.init_from = f"hf:{hf_dir}"
     check_overrides(cfg, rest[1:])
     args.config, args.overrides, positional = _apply(cfg, [prog] + rest[1:], lock=True)
     if positional:
       raise UsageError(f"unexpected arguments: {' '.join(positional)}")
+    if not from_run:
+      args.config = resolve_source(args.config, args.overrides)   # train.init_from: the real model
     args.config = config_lib.resolved(args.config)     # model.vocab_size 0: the tokenizer's
     if print_config:
       print(describe_config(args.config))
@@ -467,5 +570,5 @@ def parse(argv: Sequence[str] | None, define: Callable[[flags.FlagValues], None]
   except (UsageError, ConfigError) as e:
     fail(one_line(e))
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError, OSError) as e:
-    fail(_one_line(e))
+    fail(_flag_error(e, fv, locals().get("cfg")))
   return args

@@ -31,12 +31,21 @@ NORM_POSITIONS = ("pre", "post")
 POSITIONS = ("none", "sinusoidal", "learned", "rope", "alibi", "t5")
 ROPE_LAYOUTS = ("half", "interleaved")
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+# model.remat -> the jax.checkpoint_policies member naming what a remat'd block saves (None: nothing, the
+# whole block is recomputed; 'none' is no remat at all). nn/transformer.py applies it.
+REMAT_POLICIES = {"none": None, "full": None, "dots": "checkpoint_dots",
+                  "dots_no_batch": "checkpoint_dots_with_no_batch_dims"}
 DTYPES = ("float32", "bfloat16", "float16")
 MOE_DISPATCH = ("dropless", "capacity")
 RUNTIME_BACKENDS = ("auto", "reference", "xla_cpu")
-RUNTIME_ATTENTION = ("auto", "reference", "chunked", "blockwise", "xla", "cudnn", "splash")
-TILED_ATTENTION = ("chunked", "blockwise", "splash")   # no dense bias, no global tokens, no dropout
+# Which model features each runtime.attention implementation lacks: the one table that config validation
+# (`supports`), resolve_runtime's 'auto' and the backend's per-call choice (backends/base.py) read.
+# 'reference' (one dense softmax) serves every feature.
+_TILED_LACKS = frozenset({"dropout", "dense_bias", "global_tokens", "random_blocks"})
+ATTENTION_LACKS = {"reference": frozenset(), "chunked": _TILED_LACKS, "blockwise": _TILED_LACKS,
+                   "xla": frozenset({"dropout"}), "cudnn": frozenset({"dropout"}),
+                   "splash": _TILED_LACKS | {"alibi"}}
+RUNTIME_ATTENTION = ("auto", *ATTENTION_LACKS)
 CONTEXT_STRATEGIES = ("all_gather", "ring")   # mesh.context_strategy (ops/context_parallel.py)
 AUTO_ON_OFF = ("auto", "on", "off")
 DECODE_LAYOUTS = ("auto", "scanned", "unrolled")   # runtime.decode_layout (backends/runtime.py)
@@ -121,7 +130,7 @@ class ModelConfig:
   head_dim: int = 0                  # 0 = d_model // num_heads
   d_ff: int = 0                      # 0 = mlp_ratio * d_model (x 2/3 for GLU, rounded up to 8)
   mlp_ratio: float = 4.0             # d_ff = mlp_ratio * d_model when d_ff is 0
-  activation: str = "gelu"           # gelu | gelu_exact | relu | silu | swiglu | geglu (GLU: gated, 3 matrices)
+  activation: str = "gelu"           # gelu | gelu_tanh | relu | silu | swiglu | geglu (GLU: gated, 3 matrices)
   norm: str = "layernorm"            # layernorm | rmsnorm
   norm_eps: float = 1e-5             # added to the variance inside the norm
   norm_position: str = "pre"         # pre | post (original Transformer, BERT)
@@ -278,7 +287,7 @@ def default_config() -> ml_collections.ConfigDict:
       decay_embeddings=True,         # token/position/type/relative-bias tables decay too (GPT-2 style)
       momentum=0.9,                  # sgd only (0 = plain SGD)
       schedule="cosine",             # cosine | rsqrt | constant (all after linear warmup)
-      warmup_steps=100,              # linear warmup from 0 to peak_lr
+      warmup_steps=100,              # linear warmup from 0 to peak_lr (not shorter than train.steps: a tenth of them)
       warmup_fraction=0.0,           # > 0 overrides warmup_steps with this fraction of train.steps
       min_lr_ratio=0.1,              # cosine floor as a fraction of peak_lr
       clip_norm=1.0,                 # 0 = no clipping
@@ -295,7 +304,7 @@ def default_config() -> ml_collections.ConfigDict:
       max_to_keep=3,                 # checkpoints kept (oldest deleted)
       max_nonfinite=5,               # consecutive skipped (non-finite) steps that stop the run
       sample_tokens=200,             # tokens sampled at the end of training (0 = none)
-      sample_prompt="ROMEO:",        # the prompt of that sample
+      sample_prompt="ROMEO:",        # the prompt of that sample; '' = the opening tokens of the validation split
       stats_every=0,                 # 0 = off; training-time layer statistics
       init_from="",                  # fine-tune from: a workdir or hf:DIR (its architecture and tokenizer too)
       loggers="jsonl,tensorboard",   # metric sinks: jsonl (the run's record, required) | tensorboard | wandb
@@ -316,6 +325,7 @@ def default_config() -> ml_collections.ConfigDict:
       parallelism="jit",             # jit (NamedSharding, what pjit became) | pmap (data parallel)
       num_devices=0,                 # 0 = all devices; N = the first N (single-process runs)
       context_strategy="all_gather", # a 'context' axis splits each sequence: all_gather (K/V gathered) | ring
+      context_load_balance=True,     # all_gather: stripe the causal sequence (shard i: chunks i, 2n-1-i) for equal work
   ))
   c.decode = ml_collections.ConfigDict(dict(   # sampling of the end-of-training sample and scripts/generate.py
       temperature=0.8,               # 0 = greedy
@@ -776,6 +786,17 @@ def _warmup(o: Any, steps: int) -> tuple[str, int]:
   return "optim.warmup_steps", int(o.warmup_steps)
 
 
+def warmup_note(o: Any, steps: int) -> str | None:
+  """The one-line warning of a run whose optim.warmup_steps is not shorter than train.steps (a short
+  smoke run under a long run's warmup): it then warms up over a tenth of the steps
+  (`train.optim.warmup_steps`). None otherwise; an explicit warmup_fraction is never clamped."""
+  field, warm = _warmup(o, steps)
+  if field != "optim.warmup_steps" or warm < steps or warm == 0:
+    return None
+  return (f"optim.warmup_steps={warm} is not shorter than train.steps={steps}: warming up over {steps // 10} "
+          f"steps (a tenth) instead; set optim.warmup_fraction (or a shorter optim.warmup_steps) to choose")
+
+
 def _validate_optim(o: Any, d: Any, t: Any) -> None:
   if o.get("name", "adamw") not in OPTIMIZERS:
     _fail("optim.name", f"unknown value {o.name!r}; expected {_either([repr(n) for n in OPTIMIZERS])} "
@@ -791,7 +812,7 @@ def _validate_optim(o: Any, d: Any, t: Any) -> None:
     _fail("optim.warmup_fraction", f"must be in [0, 1) (0 = use warmup_steps), got {o.warmup_fraction}")
   if t is not None and t.steps > 0:
     field, warm = _warmup(o, t.steps)
-    if warm >= t.steps and warm > 0:
+    if warm >= t.steps and warm > 0 and field == "optim.warmup_fraction":   # warmup_steps is clamped
       _fail(field, f"a warmup of {warm} steps is not shorter than train.steps={t.steps}: the learning rate "
             f"would never reach peak_lr; use a warmup < {t.steps} (or optim.warmup_steps=0)")
   if not 0.0 <= o.min_lr_ratio <= 1.0:
@@ -915,6 +936,42 @@ def _validate_decode(dc: Any) -> None:
     _fail("decode.cache_dtype", f"'' (the model dtype) | float32 | bfloat16 | int8, got {dc.cache_dtype!r}")
 
 
+def attention_features(m: ModelConfig) -> frozenset[str]:
+  """The model's features that not every attention implementation has (keys of `_LACKS_RULE`)."""
+  return frozenset(name for name, on in (
+      ("dropout", m.attn_dropout > 0), ("dense_bias", m.position == "t5"),
+      ("global_tokens", m.num_global_tokens > 0), ("random_blocks", m.random_blocks > 0),
+      ("alibi", m.position == "alibi")) if on)
+
+
+# The rule broken when an implementation lacks a feature ({impl}: it, {servers}: those that have it).
+_LACKS_RULE = {
+    "dropout": "model.attn_dropout > 0 is implemented by the {servers} attention only, got {impl!r}",
+    "dense_bias": "{impl!r} takes no dense bias; T5 relative bias needs {servers}",
+    "global_tokens": "{impl!r} has no global tokens; model.num_global_tokens needs {servers}",
+    "random_blocks": "{impl!r} has no random blocks; model.random_blocks needs {servers}",
+    "alibi": "{impl!r} takes no ALiBi bias; position='alibi' needs {servers}",
+}
+
+
+def attention_unsupported(impl: str, features: Iterable[str]) -> str | None:
+  """Why attention implementation `impl` cannot serve a model (or call) with these features, as the
+  rule it breaks; None when it can."""
+  for feature in _LACKS_RULE:   # one order, so the message is stable
+    if feature in features and feature in ATTENTION_LACKS[impl]:
+      servers = [repr(i) for i, lacks in ATTENTION_LACKS.items() if feature not in lacks]
+      return _LACKS_RULE[feature].format(impl=impl, servers=_either(servers))
+  return None
+
+
+def supports(impl: str, m: ModelConfig) -> None:
+  """Raises ConfigError('runtime.attention: ...') when attention implementation `impl` cannot serve
+  model `m` (its dropout, T5 bias, global tokens, random blocks or ALiBi)."""
+  why = attention_unsupported(impl, attention_features(m))
+  if why:
+    _fail("runtime.attention", why)
+
+
 def validate_runtime(r: Any, m: ModelConfig, precision: str = "float32") -> None:
   """The runtime section against the model; the platform-dependent rules (cudnn needs a GPU, ...)
   are `backends.resolve_runtime`'s."""
@@ -928,18 +985,8 @@ def validate_runtime(r: Any, m: ModelConfig, precision: str = "float32") -> None
   for name in ("attention_block_q", "attention_block_k"):
     if r[name] <= 0:
       _fail("runtime." + name, f"must be a positive integer, got {r[name]}")
-  a = r.attention
-  if m.attn_dropout > 0 and a not in ("reference", "auto"):
-    _fail("runtime.attention", f"model.attn_dropout > 0 is implemented by the 'reference' attention "
-          f"only, got {a!r}")
-  if m.position == "t5" and a in TILED_ATTENTION:
-    _fail("runtime.attention", f"{a!r} takes no dense bias; T5 relative bias needs 'reference' or 'xla'")
-  if m.num_global_tokens and a in TILED_ATTENTION:
-    _fail("runtime.attention", f"{a!r} has no global tokens; model.num_global_tokens needs 'reference'")
-  if m.random_blocks and a in TILED_ATTENTION:
-    _fail("runtime.attention", f"{a!r} has no random blocks; model.random_blocks needs 'reference' or 'xla'")
-  if m.position == "alibi" and a == "splash":
-    _fail("runtime.attention", "'splash' takes no ALiBi bias; position='alibi' needs 'blockwise', 'xla' or 'auto'")
+  if r.attention != "auto":
+    supports(r.attention, m)
   for name in ("splash_block_q", "splash_block_kv"):
     if r.get(name, 512) <= 0 or r.get(name, 512) % 128:
       _fail("runtime." + name, f"must be a positive multiple of 128 (the TPU lane width), got {r[name]}")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 r"""Short trainings over the cartesian product of config sweeps: a results table and loss curves.
 
-  python scripts/ablate.py --config=configs/shakespeare_char.py --sweep model.num_heads=1,4,8 \
+  tformer-ablate --config=shakespeare_char --sweep model.num_heads=1,4,8 \
       --sweep model.position=none,sinusoidal,rope,alibi --steps 300 --out ablations/heads_pos \
       [--config.model.d_model=128 ...]
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 r"""Attention heatmaps of one text: a PNG grid of per-head maps per layer, plus an entropy/flags table.
 
-  python scripts/attention_map.py --workdir=runs/shakespeare --text "ROMEO: But soft" --out maps/
-  python scripts/attention_map.py --config=configs/gpt2_tiny.py --random_init --text "To be" \
+  tformer-attention-map --workdir=runs/shakespeare --text "ROMEO: But soft" --out maps/
+  tformer-attention-map --config=gpt2_tiny --random_init --text "To be" \
       [--config.model.num_heads=8]
 
 With --workdir the trained parameters are used with the run's config.json (--config.a.b=v overrides

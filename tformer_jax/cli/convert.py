@@ -1,13 +1,13 @@
 """Convert between Hugging Face model directories and training workdirs.
 
-  tformer-convert --from-hf path/to/hf_model --to runs/converted
+  tformer-convert --from-hf=path/to/hf_model --to=runs/converted
       -> runs/converted/config.json (a full experiment config) + an Orbax checkpoint at step 0
          holding {'params': ...}; the HF tokenizer files (tokenizer.json, tokenizer_config.json,
          special_tokens_map.json, chat_template.jinja, generation_config.json) are copied and tokenizer.json
          set as data.tokenizer (one that does not load is refused). Train from it with
          --config=runs/converted (its config) and --config.train.init_from=runs/converted, or skip this
          step: train.init_from=hf:DIR.
-  tformer-convert --from runs/my_finetune --to-hf out/hf_model [--family llama]
+  tformer-convert --from=runs/my_finetune --to-hf=out/hf_model [--family=llama]
       -> config.json + model.safetensors that transformers' from_pretrained loads, the tokenizer the run's
          data was tokenized with (a prepared corpus's own, chat template included), and its bos/eos/pad ids
          in config.json and generation_config.json.
@@ -24,14 +24,15 @@ cannot hold) print one line, `error: ...`, and exit 2.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import pathlib
 import shutil
 import sys
+import tempfile
 from typing import Sequence
 
 import ml_collections
+from absl import flags
 
 from tformer_jax import cli_common, decode_io
 from tformer_jax.checkpoint import Checkpointer, CheckpointError, restore_params
@@ -41,13 +42,14 @@ from tformer_jax.data.pipeline import parse_mixture
 from tformer_jax.data.prepared import read_manifest
 from tformer_jax.data.tokenizers import get_tokenizer
 from tformer_jax.interop.hf import (
-    TOKENIZER_FILES,
     HFConfigError,
     HFWeightsError,
+    byte_tokenizer_files,
     check_target,
     load_hf,
     save_hf,
     special_token_ids,
+    tokenizer_files,
     write_dir_atomically,
 )
 
@@ -83,9 +85,9 @@ def hf_to_workdir(hf_dir: str | pathlib.Path, workdir: str | pathlib.Path, step:
     cfg.data.tokenizer = "hf:" + str(work / "tokenizer.json")
 
   def write(tmp: pathlib.Path) -> None:
-    for name in TOKENIZER_FILES:
-      if (hf_dir / name).is_file():
-        shutil.copyfile(hf_dir / name, tmp / name)
+    for name, f in tokenizer_files(hf_dir).items():
+      (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+      shutil.copyfile(f, tmp / name)
     (tmp / "config.json").write_text(cfg.to_json_best_effort(indent=2) + "\n")
     ckpt = Checkpointer(tmp / "checkpoints")
     try:
@@ -125,7 +127,7 @@ def data_tokenizer_files(cfg: ml_collections.ConfigDict) -> tuple[pathlib.Path |
     return None, {}
   src = pathlib.Path(tok_spec[3:]).expanduser()
   tok_dir = src if src.is_dir() else src.parent
-  return tok_dir, {n: tok_dir / n for n in TOKENIZER_FILES if (tok_dir / n).is_file()}
+  return tok_dir, tokenizer_files(tok_dir)
 
 
 def workdir_to_hf(workdir: str | pathlib.Path, hf_dir: str | pathlib.Path, family: str | None = None,
@@ -141,38 +143,62 @@ def workdir_to_hf(workdir: str | pathlib.Path, hf_dir: str | pathlib.Path, famil
     ids = special_token_ids(tokenizer, tok_dir)
   except (DataError, OSError) as e:       # a tokenizer this machine cannot load: export the weights anyway
     print(f"note: no bos/eos/pad ids written ({e})", file=sys.stderr)
-  return save_hf(ModelConfig.from_config(cfg.model), params, hf_dir, family, token_ids=ids, files=files,
-                 overwrite=overwrite, source={"from_workdir": str(pathlib.Path(workdir).absolute()), "step": step})
+  model_cfg = ModelConfig.from_config(cfg.model)
+  with tempfile.TemporaryDirectory() as tmp:
+    if not files:
+      files = _own_tokenizer_files(cfg, model_cfg, pathlib.Path(tmp))
+    return save_hf(model_cfg, params, hf_dir, family, token_ids=ids, files=files, overwrite=overwrite,
+                   source={"from_workdir": str(pathlib.Path(workdir).absolute()), "step": step})
+
+
+def _own_tokenizer_files(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig, tmp: pathlib.Path
+                         ) -> dict[str, pathlib.Path]:
+  """Tokenizer files for a run whose tokenizer has no HF files: the byte tokenizer as a byte-level
+  tokenizer.json transformers loads with the same ids; for any other, a one-line note and none."""
+  spec = str(cfg.get("data", {}).get("tokenizer", "byte")).strip()
+  if spec == "byte" and not str(cfg.data.get("corpus", "")).startswith("synthetic:"):
+    return byte_tokenizer_files(tmp, model_cfg.max_len)
+  if spec.startswith("hf:"):
+    return {}
+  why = ("a synthetic task's vocabulary is not text" if str(cfg.data.get("corpus", "")).startswith("synthetic:")
+         else f"data.tokenizer={spec} is a sentencepiece model, which transformers reads only through its own "
+         "slow tokenizer classes")
+  print(f"note: no tokenizer files written: {why}", file=sys.stderr)
+  return {}
+
+
+def define_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_string("from-hf", None, "a local Hugging Face model directory (with --to)", flag_values=fv)
+  flags.DEFINE_string("from", None, "a training workdir: config.json + checkpoints/ (with --to-hf)", flag_values=fv)
+  flags.DEFINE_string("to", None, "the workdir to create (with --from-hf)", flag_values=fv)
+  flags.DEFINE_string("to-hf", None, "the HF directory to write (with --from)", flag_values=fv)
+  flags.DEFINE_string("family", None, "HF family for --to-hf (default: the first that fits the model)",
+                      flag_values=fv)
+  flags.DEFINE_integer("step", None, "checkpoint step: written (--from-hf, default 0) or read (--from, default "
+                       "the latest)", flag_values=fv)
+  flags.DEFINE_bool("overwrite", False, "replace an earlier output of tformer-convert (anything else in the "
+                    "target is refused)", flag_values=fv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  src = p.add_mutually_exclusive_group(required=True)
-  src.add_argument("--from-hf", dest="from_hf", help="a local Hugging Face model directory")
-  src.add_argument("--from", dest="from_workdir", help="a training workdir (config.json + checkpoints/)")
-  p.add_argument("--to", help="the workdir to create (with --from-hf)")
-  p.add_argument("--to-hf", dest="to_hf", help="the HF directory to write (with --from)")
-  p.add_argument("--family", help="HF family for --to-hf (default: the first that fits the model)")
-  p.add_argument("--step", type=int, default=None, help="checkpoint step: written (--from-hf, default 0) "
-                 "or read (--from, default latest)")
-  p.add_argument("--overwrite", action="store_true", help="replace an earlier output of tformer-convert "
-                 "(anything else in the target is refused)")
-  args = p.parse_args(argv)
+  args = cli_common.parse(argv, define_flags, doc=__doc__, prog="tformer-convert")
+  source = getattr(args, "from")
+  if bool(args.from_hf) == bool(source):
+    cli_common.fail("pass exactly one of --from-hf=DIR (with --to=WORKDIR) or --from=WORKDIR (with --to-hf=DIR)")
   if args.from_hf and not args.to:
-    p.error("--from-hf needs --to WORKDIR")
-  if args.from_workdir and not args.to_hf:
-    p.error("--from needs --to-hf DIR")
+    cli_common.fail("--from-hf needs --to=WORKDIR")
+  if source and not args.to_hf:
+    cli_common.fail("--from needs --to-hf=DIR")
   try:
     if args.from_hf:
       out = hf_to_workdir(args.from_hf, args.to, step=args.step or 0, overwrite=args.overwrite)
     else:
-      out = workdir_to_hf(args.from_workdir, args.to_hf, args.family, args.step, overwrite=args.overwrite)
+      out = workdir_to_hf(source, args.to_hf, args.family, args.step, overwrite=args.overwrite)
   except USER_ERRORS as e:
     print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
     return 2
   print(f"wrote {out}")
   return 0
-
 
 
 def entry() -> None:

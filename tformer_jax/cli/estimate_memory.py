@@ -2,12 +2,15 @@
 r"""Memory and FLOPs of a training step, from the config (formulas) and from XLA (compiled), side by side.
 
   tformer-estimate --config=mixtral_tiny
-  python scripts/estimate_memory.py --config=configs/gpt2_tiny.py --batch 8 --seq 128
-  python scripts/estimate_memory.py --config=configs/llama_tiny.py --batch 8 --seq 256 --remat \
-      --kv-batch 1 --kv-len 4096
-  python scripts/estimate_memory.py --config=configs/scale/llama_8b.py --platform=tpu   # estimate only
-  python scripts/estimate_memory.py --config=configs/gpt2_tiny.py --no-compile --config.model.num_layers=12
+  tformer-estimate --config=gpt2_tiny --batch_size=8 --seq_len=128
+  tformer-estimate --config=llama_tiny --batch_size=8 --seq_len=256 --remat --kv-batch=1 --kv-len=4096
+  tformer-estimate --config=scale/llama_8b --platform=tpu                   # estimate only
+  tformer-estimate --config=gpt2_tiny --no-compile --config.model.num_layers=12
+  tformer-estimate --config=finetune_hf --config.train.init_from=hf:DIR    # the HF model's own figures
 
+With train.init_from the model is the source's (its architecture, max_len and vocabulary: the
+config is resolved before anything reads it), and the report names it. --batch_size / --seq_len are
+short for --config.data.batch_size / seq_len (--batch / --seq: their old, deprecated spellings).
 The estimate is a pure function of the config (tformer_jax/diagnostics/estimate.py: exact parameter and
 optimizer-state sizes from jax.eval_shape, formulas for what the compiled step keeps), for the runtime
 the run resolves from cfg.runtime on --platform (default this machine's): backend, attention
@@ -36,8 +39,10 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 
 
 def define_flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_integer("batch", None, "sequences per step (default data.batch_size)", flag_values=fv)
-  flags.DEFINE_integer("seq", None, "sequence length (default data.seq_len)", flag_values=fv)
+  flags.DEFINE_integer("batch_size", None, "sequences per step; = --config.data.batch_size", flag_values=fv)
+  flags.DEFINE_integer("seq_len", None, "sequence length; = --config.data.seq_len", flag_values=fv)
+  flags.DEFINE_integer("batch", None, "deprecated spelling of --batch_size", flag_values=fv)
+  flags.DEFINE_integer("seq", None, "deprecated spelling of --seq_len", flag_values=fv)
   flags.DEFINE_bool("remat", False, "per-layer rematerialisation (remat='full', scan_layers)", flag_values=fv)
   flags.DEFINE_integer("kv-batch", None, "KV cache: batch", flag_values=fv)
   flags.DEFINE_integer("kv-len", None, "KV cache: length", flag_values=fv)
@@ -53,13 +58,17 @@ def define_flags(fv: flags.FlagValues) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
   args = cli_common.parse(argv, define_flags, doc=__doc__, prog="tformer-estimate", config="required")
   cfg = args.config
-  for name, value in (("batch", args.batch), ("seq", args.seq)):
+  for old, new in (("batch", "batch_size"), ("seq", "seq_len")):
+    if getattr(args, old) is not None:
+      print(f"note: --{old} is deprecated; use --{new} (= --config.data.{new})", file=sys.stderr)
+      if getattr(args, new) is None:
+        setattr(args, new, getattr(args, old))
+  for name in ("batch_size", "seq_len"):
+    value = getattr(args, name)
     if value is not None and value <= 0:
       raise cli_common.UsageError(f"--{name}: must be > 0, got {value}")
-  if args.batch:
-    cfg.data.batch_size = args.batch
-  if args.seq:
-    cfg.data.seq_len = args.seq
+    if value:
+      cfg.data[name] = value
   if args.remat:
     cfg.model.remat, cfg.model.scan_layers = "full", True
   if args.devices < 0:
@@ -90,11 +99,15 @@ def main(argv: Sequence[str] | None = None) -> int:
   kv = None
   if args.kv_batch or args.kv_len:
     kv = (args.kv_batch or 1, args.kv_len or m.max_len)
+  source = str(cfg.get("train", {}).get("init_from", "") or "")
+  if source:
+    print(f"source: train.init_from={source} (its architecture: max_len {m.max_len}, vocabulary {m.vocab_size})")
   print(est_lib.format_report(m, est, batch, seq, xla, kv))
   if skipped:
     print(f"\nXLA side skipped: {skipped}")
   if args.json:
-    out = {"params": est.params, "estimate": est.bytes, "estimate_total": est.total, "phases": est.phases,
+    out = {"source": source or None, "params": est.params, "estimate": est.bytes, "estimate_total": est.total,
+           "phases": est.phases,
            "execution": est.execution, "notes": est.notes, "activation_per_layer": est.activation_per_layer,
            "flops_per_token": est.flops_per_token, "executed_flops_per_token": est.executed_flops_per_token,
            "xla": xla, "ratio": (est.total / xla["total"]) if xla else None}

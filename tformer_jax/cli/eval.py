@@ -4,14 +4,19 @@
   tformer-eval --workdir=runs/x --config.data.corpus=kjv --batches=50
   tformer-eval --workdir=runs/x --split=train
   tformer-eval --hf=path/to/hf_model --corpus=shakespeare --seq_len=512 --batch_size=8
+  tformer-eval --hf=path/to/hf_model --config.data.corpus=text:notes/ --config.data.seq_len=2048
   tformer-eval --workdir=runs/x --tasks=shakespeare_next_line,shakespeare_ppl --limit=50   # lm-eval harness
   tformer-eval --hf=DIR --tasks=hellaswag --num_fewshot=10 --include_path=my_tasks/
 
 A workdir is scored with its config.json (any --config.a.b=v override applies: another corpus,
 tokenizer, seq_len or batch size) and its latest checkpoint (--step for another); by default on the
 batches the training loop evaluates (train.eval_batches evenly spaced windows of the validation
-split), so the result is the loop's final val_loss. An HF directory is scored with its own
-tokenizer.json on --corpus. Prints a progress bar, a summary line and, last, one JSON line.
+split), so the result is the loop's final val_loss. An HF directory is the model (its architecture and
+max_len: `--hf=DIR` is train.init_from=hf:DIR over --config's or the default config) and is scored with
+its own tokenizer.json; `--config.data.*` overrides apply to both. --corpus, --seq_len and --batch_size
+are short for --config.data.corpus/seq_len/batch_size. Prints a progress bar, a summary line and, last,
+one JSON line: `tokens` counts the distinct tokens scored; when the split is shorter than the windows,
+they overlap, and the line says how many windows at what stride (`tokens_scored` counts each window's).
 An encoder (causal=False) is scored on its masked LM (train/objectives.py, the loop's fixed masks):
 loss and accuracy over the masked tokens.
 
@@ -32,6 +37,7 @@ import time
 from typing import Any, Sequence
 
 import jax
+import numpy as np
 from absl import flags
 from tqdm.auto import tqdm
 
@@ -66,11 +72,10 @@ def define_flags(fv: flags.FlagValues) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> Any:
-  args = cli_common.parse(argv, define_flags, doc=__doc__, prog="tformer-eval", config=True, from_workdir=True)
+  args = cli_common.parse(argv, define_flags, doc=__doc__, prog="tformer-eval", config=True, from_workdir=True,
+                          from_hf=True)
   if bool(args.workdir) == bool(args.hf):
     cli_common.fail("pass exactly one of --workdir=RUN, --hf=DIR")
-  if args.hf and args.config is not None:
-    cli_common.fail("--hf takes the model from its directory: set the data with --corpus/--seq_len/--batch_size")
   harness_only = [f for f in ("include_path", "num_fewshot", "limit", "max_length") if getattr(args, f) is not None]
   if harness_only and not args.tasks:
     cli_common.fail(f"--{harness_only[0]} needs --tasks=NAME[,NAME] (the lm-evaluation-harness mode)")
@@ -82,14 +87,36 @@ def parse_args(argv: Sequence[str] | None) -> Any:
 
 
 def _data_config(args: Any) -> Any:
-  """The config whose data section is scored: the run's (overrides applied), or defaults for --hf."""
-  cfg = args.config if args.config is not None else config_lib.default_config()
+  """The config whose data section is scored: the run's or, for --hf, the HF model's (its architecture
+  and tokenizer: cli_common.parse), overrides applied."""
+  cfg = args.config
   for field in ("corpus", "seq_len", "batch_size"):
     if getattr(args, field) is not None:
       cfg.data[field] = getattr(args, field)
-  if args.hf:
+  if args.hf and "data.tokenizer" not in args.overrides:
     cfg.data.tokenizer = f"hf:{args.hf}"
   return cfg
+
+
+def coverage(ds: Any, data_cfg: Any, num_batches: int) -> dict[str, Any]:
+  """What `pipeline.eval_batches` scores: its windows, their length, the smallest stride between
+  neighbours (None for one window) and the distinct token positions they predict."""
+  seq, total = int(data_cfg.seq_len), num_batches * int(data_cfg.batch_size)
+  parts = ds.parts()
+  counts = (pipeline.mixture_quotas([p.weight for p in parts], total, allow_zero=True) if len(parts) > 1
+            else (total,))
+  distinct, strides = 0, []
+  for part, k in zip(parts, counts):
+    last = len(part.val) - (seq + 1)
+    starts = np.linspace(0, last, k).round().astype(np.int64) if k > 1 else np.zeros(k, np.int64)
+    covered = np.zeros(len(part.val), np.bool_)
+    for s in starts:
+      covered[s + 1:s + 1 + seq] = True
+    distinct += int(covered.sum())
+    if k > 1:
+      strides.append(int(np.diff(starts).min()))
+  return {"windows": total, "window_len": seq, "stride": min(strides) if strides else None,
+          "distinct": distinct}
 
 
 def load(args: Any, cfg: Any, vocab_size: int) -> tuple[Any, Any, int | None]:
@@ -160,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ds = dataclasses.replace(ds, val_tokens=ds.train_tokens, mixture=())
   n = args.batches or int(cfg.train.eval_batches)
   batches = pipeline.eval_batches(ds, cfg.data, n)
+  cover = coverage(ds, cfg.data, n)
   runtime = backends.resolve_runtime(cfg, model=model.cfg, quiet=True)
   with backends.use(runtime.backend):
     step = jax.jit(lambda p, b: step_lib.eval_step(p, b, model=model))
@@ -170,16 +198,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         totals[k] = totals.get(k, 0.0) + float(v)
   seconds = time.perf_counter() - t0
   prefix = "val_" if args.split == "val" else "train_"
-  objective = "next_token" if model.cfg.causal else "masked_lm"
+  causal = bool(model.cfg.causal)
+  objective = "next_token" if causal else "masked_lm"
   res: dict[str, Any] = {
       "source": str(args.workdir or args.hf), "step": ckpt_step, "corpus": str(cfg.data.corpus),
       "split": args.split,
+      "model": {k: getattr(model.cfg, k) for k in ("d_model", "num_layers", "num_heads", "kv_heads", "vocab_size",
+                                                  "max_len", "position")},
       "objective": objective,
-      "batches": n, "tokens": int(totals["count"]),
+      "batches": n, "tokens": cover["distinct"] if causal else int(totals["count"]),
+      "tokens_scored": int(totals["count"]), "windows": cover["windows"], "seq_len": cover["window_len"],
+      "stride": cover["stride"],
       **metrics_lib.eval_summary(totals, metrics_lib.bytes_per_token(ds), prefix=prefix),
       "seconds": round(seconds, 3)}
   at = "" if ckpt_step is None else f" (checkpoint step {ckpt_step})"
-  print(f"{res['source']}{at} on {res['corpus']} ({args.split}, {res['tokens']:,} tokens): loss "
+  overlap = cover["stride"] is not None and cover["stride"] < cover["window_len"]
+  counted = (f"{res['tokens']:,} distinct tokens in {cover['windows']} windows of {cover['window_len']} "
+             f"overlapping at stride {cover['stride']}, {res['tokens_scored']:,} scored" if overlap and causal
+             else f"{res['tokens_scored']:,} tokens")
+  print(f"{res['source']}{at} on {res['corpus']} ({args.split}, {counted}): loss "
         f"{res[prefix + 'loss']:.4f} nats/token, ppl {res[prefix + 'ppl']:.3f}, {res[prefix + 'bpb']:.4f} "
         f"bits/byte, {'masked-token ' if objective == 'masked_lm' else ''}accuracy {res[prefix + 'accuracy']:.4f}")
   line = json.dumps(res)

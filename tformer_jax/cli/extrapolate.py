@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Length extrapolation of position schemes: train at L on Shakespeare, evaluate at L, 2L, 4L, 8L.
 
-  python scripts/extrapolate.py --train-len 64 --steps 300 --d-model 128 --layers 2 --out runs/extrapolate
+  tformer-extrapolate --train-len 64 --steps 300 --d-model 128 --layers 2 --out runs/extrapolate
 
 Writes extrapolation.md (table), extrapolation.json and extrapolation.png to --out.
 See tformer_jax/experiments/extrapolate.py for the method and docs/long_context.md for results.

@@ -1,11 +1,15 @@
 """Generate text with the KV cache, streaming to stdout.
 
-  python scripts/generate.py --workdir runs/gpt2_tiny --prompt "ROMEO:" --max_new_tokens 200
-  python scripts/generate.py --hf path/to/hf_model --prompt "Hello" --temperature 0.7 --top_p 0.9
-  python scripts/generate.py --random_init --config=configs/gpt2_tiny.py --prompt "To be"   # smoke test
+  tformer-generate --workdir=runs/gpt2_tiny --prompt="ROMEO:" --max_new_tokens=200
+  tformer-generate --hf=path/to/hf_model --prompt="Hello" --config.decode.temperature=0.7 --top_p=0.9
+  tformer-generate --random_init --config=gpt2_tiny --prompt="To be"   # smoke test
 
-One source of weights: --workdir (its config.json; --config.a.b=v overrides apply to it), --hf, or
---random_init with --config=FILE (and overrides).
+One source of weights: --workdir (its config.json; --config.a.b=v overrides apply to it), --hf (the
+default config with train.init_from=hf:DIR, or --config's; overrides apply), or --random_init with
+--config=FILE (and overrides). Sampling comes from the config's decode section (`--config.decode.*`);
+--temperature, --top_k, --top_p and --repetition_penalty, when given, override it.
+Prompt i samples with seed --seed + i (its own random stream: different prompts do not share one, and
+a prompt's text does not depend on what else is batched with it).
 
 Several --prompt (or --prompts_file, one prompt per line; outputs are labelled FILE:LINE) run as one
 left-padded batch; a single prompt streams chunk by chunk. Sampling flags out of range, a prompt longer
@@ -22,6 +26,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 from absl import flags
 
@@ -37,11 +42,14 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_multi_string("prompt", [], "a prompt", flag_values=fv)
   flags.DEFINE_string("prompts_file", None, "a file with one prompt per line", flag_values=fv)
   flags.DEFINE_integer("max_new_tokens", 200, "tokens generated per prompt", flag_values=fv)
-  flags.DEFINE_float("temperature", 0.8, "sampling temperature (0: greedy)", flag_values=fv)
-  flags.DEFINE_integer("top_k", 0, "sample from the k most likely tokens (0: all)", flag_values=fv)
-  flags.DEFINE_float("top_p", 1.0, "nucleus sampling mass", flag_values=fv)
-  flags.DEFINE_float("repetition_penalty", 1.0, "penalty of already generated tokens", flag_values=fv)
-  flags.DEFINE_integer("seed", 0, "sampling (and random-init) seed", flag_values=fv)
+  flags.DEFINE_float("temperature", None, "sampling temperature (0: greedy); default config.decode's",
+                     flag_values=fv)
+  flags.DEFINE_integer("top_k", None, "sample from the k most likely tokens (0: all); default config.decode's",
+                       flag_values=fv)
+  flags.DEFINE_float("top_p", None, "nucleus sampling mass; default config.decode's", flag_values=fv)
+  flags.DEFINE_float("repetition_penalty", None, "penalty of already generated tokens; default "
+                     "config.decode's", flag_values=fv)
+  flags.DEFINE_integer("seed", 0, "sampling (and random-init) seed: prompt i samples with seed + i", flag_values=fv)
   flags.DEFINE_multi_string("stop", [], "a stop string", flag_values=fv)
   flags.DEFINE_integer("chunk_size", 16, "tokens per streamed chunk", flag_values=fv)
   flags.DEFINE_bool("scan_layers", None, "decode with scanned layers (compiles one layer body); "
@@ -54,12 +62,23 @@ def define_flags(fv: flags.FlagValues) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> Any:
   args = cli_common.parse(argv, define_flags, doc=__doc__, prog="tformer-generate", config=True,
-                          from_workdir=True)
+                          from_workdir=True, from_hf=True)
   cli_common.check_model_source(args)
-  if args.hf and args.config is not None:
-    cli_common.fail("--hf takes its config from the model directory, not --config")
+  decode_cfg = (args.config if args.config is not None else config_lib.default_config()).get(
+      "decode", config_lib.default_config().decode)
+  for name in SAMPLING:                  # the flags override config.decode; unset, they are its values
+    if getattr(args, name) is None:
+      setattr(args, name, decode_cfg[name])
   _check_sampling(args)
   return args
+
+
+SAMPLING = ("temperature", "top_k", "top_p", "repetition_penalty")
+
+
+def row_seeds(seed: int, n: int) -> np.ndarray:
+  """(n, 2) raw keys, row i's from seed + i: each prompt its own random stream."""
+  return np.stack([np.asarray(jax.random.PRNGKey(seed + i)) for i in range(n)])
 
 
 def _check_sampling(args: Any) -> None:
@@ -79,7 +98,7 @@ def load(args: Any) -> tuple[Any, Any, Any, str]:
   cfg = args.config
   if args.random_init:
     model, params, tok = decode_io.random_init(cfg, args.seed)
-    return model, params, tok, cfg.train.sample_prompt if "train" in cfg else "\n"
+    return model, params, tok, (cfg.train.sample_prompt if "train" in cfg else "") or "\n"
   if args.hf:
     return (*decode_io.load_hf(args.hf), "Hello")
   _, params = restore_params(args.workdir)
@@ -234,7 +253,8 @@ def generate(args: Any, model: Any, params: Any, tok: Any, default_prompt: str) 
   stream = decode.generate_stream(
       model, params, encoded, max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size,
       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-      repetition_penalty=args.repetition_penalty, stop_tokens=stop_tokens, rng=args.seed, pad_id=-1,
+      repetition_penalty=args.repetition_penalty, stop_tokens=stop_tokens, rng=row_seeds(args.seed, len(prompts)),
+      pad_id=-1,
       scan_layers=args.scan_layers)
   single = len(prompts) == 1
   if single:

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Run a multi-process (multi-host style) job on this machine, on CPU devices.
 
-  python scripts/launch_local.py --processes 2 --devices-per-process 2 -- \\
-      --config=configs/shakespeare_char.py --workdir=runs/mp --config.mesh.rules=fsdp
+  tformer-launch-local --processes 2 --devices-per-process 2 -- \\
+      --config=shakespeare_char --workdir=runs/mp --config.mesh.rules=fsdp
 
 starts N copies of tformer-train (or --script) that join one jax.distributed run over
 127.0.0.1:PORT (a free port unless --port), each with D fake CPU devices. Their output is streamed

@@ -2,10 +2,12 @@
 
   tformer-serve --workdir=runs/gpt2_tiny --port=8000
   tformer-serve --hf=path/to/hf_model --slots=16 --max_len=2048 --cache_dtype=int8
-  tformer-serve --random_init --config=configs/gpt2_tiny.py            # smoke test
+  tformer-serve --random_init --config=gpt2_tiny                       # smoke test
 
-Requests are continuously batched over --slots cache slots of --max_len tokens (default the model's
-max_len); at most --max_queue requests wait, beyond that the server answers 429.
+--hf=DIR is the default config (or --config's) with train.init_from=hf:DIR: --config.decode.* and
+--config.runtime.* overrides apply. Requests are continuously batched over --slots cache slots of
+--max_len tokens (default the model's max_len); at most --max_queue requests wait, beyond that the
+server answers 429.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def define_flags(fv: flags.FlagValues) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> Any:
   args = cli_common.parse(argv, define_flags, doc=__doc__, prog="tformer-serve", config=True,
-                          from_workdir=True)
+                          from_workdir=True, from_hf=True)
   cli_common.check_model_source(args)
   if args.slots < 1 or args.max_queue < 0 or args.max_len < 0:
     cli_common.fail("--slots must be >= 1, --max_queue and --max_len >= 0")

@@ -1,4 +1,4 @@
-"""`tformer-train --config=configs/X.py --workdir=runs/x [--config.a.b=v ...]` (or `python scripts/train.py`).
+"""`tformer-train --config=NAME --workdir=runs/x [--config.a.b=v ...]` (NAME: a shipped config or a file).
 
 The command line is every tool's (tformer_jax/cli_common.py). The whole config is validated here,
 before jax is imported: a bad value is one line `error: <field>: <rule>` and exit status 2 within a
@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     initialize(args.coordinator_address, args.num_processes, args.process_id)
   from tformer_jax.train.loop import train  # noqa: PLC0415 (jax: only after maybe_reexec)
   with logging_redirect_tqdm():            # log lines and the progress bar do not interleave
-    train(args.config, args.workdir)
+    train(args.config, args.workdir, source_resolved=True)   # cli_common.parse resolved init_from
   return 0
 
 

@@ -16,7 +16,7 @@ import dataclasses
 import json
 import logging
 import pathlib
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import ml_collections
@@ -125,6 +125,38 @@ def with_source_architecture(cfg: ml_collections.ConfigDict) -> ml_collections.C
   if changed:
     log.info("train.init_from: architecture from %s (%s)", source, ", ".join(changed[:12])
              + (" ..." if len(changed) > 12 else ""))
+  return out
+
+
+def _source_present(source: str) -> bool:
+  """Whether train.init_from names something to read here (a local source that is missing is left to
+  `config.validate`, which names it in one line; a remote one is read, and its error is Orbax's)."""
+  if source.startswith(HF_PREFIX):
+    return (pathlib.Path(source[len(HF_PREFIX):]).expanduser() / "config.json").is_file()
+  if "://" in source:
+    return True
+  return (pathlib.Path(source).expanduser() / "config.json").is_file()
+
+
+def resolve(cfg: ml_collections.ConfigDict, overrides: Mapping[str, Any] | None = None
+            ) -> ml_collections.ConfigDict:
+  """The config a run with train.init_from really runs: the source's architecture, max_len and
+  tokenizer (`with_source_architecture`, the prepared corpus's tokenizer checked), then the command
+  line's `overrides` ({'model.max_len': 4096, ...}: those of model.*, data.tokenizer and data.seq_len)
+  on top.
+  Every command resolves once, before anything reads the config (cli_common.parse); unchanged without
+  init_from or when the source is missing here (validate reports that)."""
+  source = str(cfg.get("train", {}).get("init_from", "") or "")
+  if not source or not _source_present(source):
+    return cfg
+  config_lib.check_fields(cfg)          # an unknown field is named before the source is read
+  out = check_data_tokenizer(with_source_architecture(cfg))
+  again = {k: v for k, v in (overrides or {}).items()
+           if k.startswith("model.") or k in ("data.tokenizer", "data.seq_len")}
+  if again:
+    out = out.copy_and_resolve_references()
+    with out.unlocked():
+      out.update_from_flattened_dict(again)
   return out
 
 

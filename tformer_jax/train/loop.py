@@ -64,10 +64,17 @@ def _install_stop_handlers() -> dict[str, Any]:
   return flag
 
 
-def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict[str, float]:
-  """Train (or resume) the experiment `cfg` in `workdir`. Returns the final metrics."""
+def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, *,
+          source_resolved: bool = False) -> dict[str, float]:
+  """Train (or resume) the experiment `cfg` in `workdir`. Returns the final metrics.
+  source_resolved: cfg already has train.init_from's architecture (the command line resolved it,
+  `cli_common.resolve_source`, with its model overrides on top); otherwise it is resolved here."""
+  if not source_resolved:
+    cfg = init_from.resolve(cfg)                  # fine-tuning: the source's architecture and tokenizer
   config_lib.validate(cfg)  # fail on config errors before touching data or compiling
-  cfg = init_from.with_source_architecture(cfg)   # fine-tuning: the source's architecture and tokenizer
+  note = config_lib.warmup_note(cfg.optim, int(cfg.train.steps)) if "optim" in cfg else None
+  if note and jax.process_index() == 0:
+    log.warning(note)
   cfg = init_from.check_data_tokenizer(cfg)       # a prepared corpus: its own tokenizer (a mismatch is an error)
   cfg = config_lib.resolved(cfg)                  # model.vocab_size 0: the tokenizer's
   if cfg.model.vocab_size == 0:                   # ... known once the data is (a synthetic task's)
@@ -276,15 +283,30 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
   if sample:
     host_params = mesh_lib.to_host(program.full_params(state))  # every process: a gather when params span hosts
   if is_main and sample:
-    final["sample"] = sample_text(model, host_params, ds.tokenizer, cfg)
+    final["sample"] = sample_text(model, host_params, ds.tokenizer, cfg, prompt=data_prompt(ds, cfg))
     print(f"\n--- sample (step {int(state.step)}) ---\n{final['sample']}\n---", flush=True)
   final["params"] = n_params
   final["step"] = int(state.step)
   return final
 
 
-def sample_text(model, params, tokenizer, cfg, seed: int = 0) -> str:
-  prompt = [int(t) for t in tokenizer.encode(cfg.train.sample_prompt)] or [0]
+SAMPLE_PROMPT_TOKENS = 16
+
+
+def data_prompt(ds: Any, cfg: ml_collections.ConfigDict) -> str:
+  """The end-of-training sample's prompt: train.sample_prompt, or when it is '' the opening
+  SAMPLE_PROMPT_TOKENS tokens of the validation split (text of the run's own data and tokenizer)."""
+  prompt = str(cfg.train.sample_prompt)
+  if prompt or ds.task is not None:
+    return prompt
+  val = ds.parts()[0].val
+  return ds.tokenizer.decode([int(t) for t in np.asarray(val[:min(SAMPLE_PROMPT_TOKENS, len(val))])])
+
+
+def sample_text(model, params, tokenizer, cfg, seed: int = 0, prompt: str | None = None) -> str:
+  """`prompt` (default train.sample_prompt) continued by train.sample_tokens tokens, sampled as cfg.decode says."""
+  text = cfg.train.sample_prompt if prompt is None else prompt
+  prompt = [int(t) for t in tokenizer.encode(text)] or [0]
   max_new = cfg.train.sample_tokens
   if model.cfg.position == "learned":
     max_new = min(max_new, model.cfg.max_len - len(prompt))
@@ -292,7 +314,7 @@ def sample_text(model, params, tokenizer, cfg, seed: int = 0) -> str:
                         temperature=cfg.decode.temperature, top_k=cfg.decode.top_k, top_p=cfg.decode.top_p,
                         repetition_penalty=cfg.decode.repetition_penalty, rng=jax.random.PRNGKey(seed))
   tokens = np.asarray(out[0] if isinstance(out, tuple) else out)[0]
-  return cfg.train.sample_prompt + tokenizer.decode([int(t) for t in tokens])
+  return text + tokenizer.decode([int(t) for t in tokens])
 
 
 def _progress(enabled: bool, start: int, total: int):

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from tformer_jax import backends
+from tformer_jax.config import OPTIMIZERS
 from tformer_jax.train import precision
 
 PyTree = Any
@@ -50,7 +51,6 @@ PARAM_ROLES = {
     "bias": frozenset({"bq", "bk", "bv", "bo", "bi", "bg"}),
     "norm": frozenset({"scale", "bias"}),
 }
-OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
 
 
 def _get(cfg: Any, name: str) -> Any:
@@ -59,11 +59,14 @@ def _get(cfg: Any, name: str) -> Any:
 
 
 def warmup_steps(optim_cfg: Any, total_steps: int) -> int:
-  """The effective warmup length: round(warmup_fraction * total_steps) when the fraction is > 0."""
+  """The effective warmup length: round(warmup_fraction * total_steps) when the fraction is > 0, else
+  warmup_steps, clamped to a tenth of total_steps when it is not shorter than the run
+  (`config.warmup_note` says so in one line)."""
   frac = float(_get(optim_cfg, "warmup_fraction"))
   if frac > 0:
     return int(round(frac * total_steps))
-  return int(_get(optim_cfg, "warmup_steps"))
+  warm = int(_get(optim_cfg, "warmup_steps"))
+  return total_steps // 10 if 0 < total_steps <= warm else warm
 
 
 def make_schedule(optim_cfg: Any, total_steps: int) -> optax.Schedule:
