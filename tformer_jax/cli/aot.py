@@ -1,8 +1,8 @@
 r"""Does this config compile and fit on that TPU topology? Ahead-of-time compilation on any host (a CPU).
 
-  tformer-aot --config=configs/scale/llama_70b.py --topology=v5p:4x4x4
-  python -m tformer_jax.cli.aot --config=configs/scale/llama_8b.py --topology=v5e:4x4 --json=runs/aot_8b.json
-  python -m tformer_jax.cli.aot --config=configs/llama_tiny.py --topology=v5e:2x2 --num_slices=2 \
+  tformer-aot --config=scale/llama_70b --topology=v5p:4x4x4
+  tformer-aot --config=scale/llama_8b --topology=v5e:4x4 --json=runs/aot_8b.json
+  tformer-aot --config=llama_tiny --topology=v5e:2x2 --num_slices=2 \
       --config.mesh.shape='(2,4,1)' --config.mesh.rules=fsdp
 
 libtpu (the `tpu-aot` extra, `pip install -e ".[tpu-aot]"`: the wheel `jax[tpu]` pins for the installed
