@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one-command GPU check of tformer_jax on one H100/H200 (issue 19): training MFU (a), the PyTorch peer
+# The one-command GPU check of tformer_jax on one H100/H200: training MFU (a), the PyTorch peer
 # eager / torch.compile (b), generation vs transformers generate (c), attention speed and memory at 8k/32k (d),
 # attention numerics in bf16 (e); each stage in its own process under its own time budget (450 s together),
 # one JSON (DIR/gpu_check.json, rewritten after every stage) and one table (stdout and DIR/gpu_check.txt).
