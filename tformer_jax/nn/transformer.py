@@ -8,25 +8,23 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from tformer_jax.config import ModelConfig
+from tformer_jax.config import REMAT_POLICIES, ModelConfig
 from tformer_jax.nn.block import Block
 from tformer_jax.nn.common import Norm, dtypes, normal, param
 from tformer_jax.ops import positions as pos_ops
 from tformer_jax.ops.relative_bias import t5_bias
 
-REMAT_POLICIES = {
-    "full": None,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-}
 # Collections that get a leading 'layers' axis under scan_layers.
 SCANNED_COLLECTIONS = ("params", "cache", "intermediates", "aux_loss", "moe_metrics")
 
 
 def block_class(cfg: ModelConfig):
+  """Block, or Block under jax.checkpoint with cfg.remat's policy (config.REMAT_POLICIES)."""
   if cfg.remat == "none":
     return Block
-  return nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+  saved = REMAT_POLICIES[cfg.remat]
+  policy = getattr(jax.checkpoint_policies, saved) if saved else None
+  return nn.remat(Block, policy=policy, prevent_cse=not cfg.scan_layers)
 
 
 class Transformer(nn.Module):

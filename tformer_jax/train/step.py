@@ -38,11 +38,6 @@ def document_args(batch: dict) -> dict[str, jax.Array]:
   return {k + "_BxL": batch[k] for k in ("segment_ids", "positions") if k in batch}
 
 
-def _sum_leaves(tree: Any) -> jax.Array:
-  leaves = jax.tree.leaves(tree)
-  return sum((jnp.sum(x) for x in leaves), jnp.zeros((), jnp.float32))
-
-
 def moe_log_metrics(mut: Any) -> dict[str, jax.Array]:
   """Scalar MoE metrics for the logs, from `nn.moe.collect_moe_metrics` (averaged over MoE layers):
   load_max / load_min (expert load fractions, 1/E is balanced), load_ratio (max/min load of the worst
@@ -68,7 +63,7 @@ def loss_sum_fn(model: nn.Module, params: Any, batch: dict, rng: jax.Array | Non
     nll_sum = losses.nll_sum(h_BxLxD, unembed_DxV, batch["targets"], mask, chunk=loss_chunk)
   else:
     nll_sum = jnp.sum(cross_entropy(out, batch["targets"]) * mask)
-  aux_loss = _sum_leaves(mut.get("aux_loss", {}))
+  aux_loss = moe_nn.collect_aux_loss(mut)
   metrics = {"nll_sum": nll_sum, "aux_loss": aux_loss}
   metrics.update({f"moe/{k}": v for k, v in moe_log_metrics(mut).items()})
   return (nll_sum + aux_loss * count) * scale, (count, metrics)
