@@ -12,6 +12,8 @@ Subclasses (backends/xla_cpu.py) change how these run, never what they compute.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import math
 from typing import Any, Callable, ClassVar
 
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 import optax
 from flax.linen import partitioning as flax_partitioning
 
+from tformer_jax import config as config_lib
 from tformer_jax.backends import moe as moe_backend, splash as splash_lib
 from tformer_jax.ops import attention as attn_ops, context_parallel as cp_ops, norms as norm_ops, positions as pos_ops
 from tformer_jax.ops.blockwise import blockwise_attention
@@ -29,11 +32,12 @@ from tformer_jax.ops.masks import Visibility
 
 Array = jax.Array
 PyTree = Any
+log = logging.getLogger("tformer_jax")
 
 # reference: one dense softmax; chunked / blockwise: tiled, exact (ops/chunked_attention.py,
 # ops/blockwise.py); xla / cudnn: jax.nn.dot_product_attention; splash: jax's Pallas TPU kernel
 # (backends/splash.py).
-ATTENTION_IMPLS = ("reference", "chunked", "blockwise", "xla", "cudnn", "splash")
+ATTENTION_IMPLS = tuple(config_lib.ATTENTION_LACKS)   # what each lacks: config.ATTENTION_LACKS
 CONTEXT_STRATEGIES = ("all_gather", "ring")   # ops/context_parallel.py
 MOE_EXCHANGES = ("global", "all_to_all", "ragged")
 MOE_GMMS = ("ragged_dot", "megablox")
@@ -54,9 +58,8 @@ class AdamWSpec:
 @dataclasses.dataclass(frozen=True)
 class Backend:
   """attention_impl: one of ATTENTION_IMPLS; block_q / block_k: the blockwise tiles (block_q is also
-  the chunked query chunk). The tiled and fused paths serve what they support (a static offset, no
-  dense bias, no dropout, no global tokens or random blocks); anything else runs the dense path, which
-  supports all."""
+  the chunked query chunk). Which model features each implementation lacks is config.ATTENTION_LACKS
+  (config validation refuses such a model); decoding steps of the tiled paths run the dense path."""
   attention_impl: str = "reference"
   block_q: int = 128
   block_k: int = 128
@@ -151,11 +154,13 @@ class Backend:
                                     scale=scale, splash_ok=why_not is None), None
     if impl == "splash" and why_not is None and l % splash_lib.LANES == 0 and s % splash_lib.LANES == 0:
       return self.splash_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, vis, layout, scale=scale), None
+    impl = _serving(impl, frozenset(name for name, on in (
+        ("dropout", dropout_rate > 0.0), ("dense_bias", bias_BxHxLxS is not None),
+        ("global_tokens", vis.num_global > 0), ("random_blocks", vis.random is not None),
+        ("alibi", alibi_slopes_H is not None)) if on))
     if impl == "splash":
-      impl = "blockwise"   # lengths off the 128 grid, or decoding (config validation refuses the rest)
-    tiled = (vis.static_offset and bias_BxHxLxS is None and not vis.num_global and vis.random is None
-             and dropout_rate == 0.0)
-    if impl in ("chunked", "blockwise") and tiled:
+      impl = "blockwise"   # lengths off the 128 grid, or decoding
+    if impl in ("chunked", "blockwise") and vis.static_offset:
       kw = dict(causal=vis.causal, window=vis.window, q_offset=int(vis.q_offset),
                 alibi_slopes_H=alibi_slopes_H, kv_valid_BxS=vis.kv_valid_BxS, scale=scale)
       if vis.q_segment_ids_BxL is not None:
@@ -166,8 +171,8 @@ class Backend:
       return self.chunked_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, chunk=self.block_q, **kw), None
     if impl == "cudnn":
       impl = self._cudnn_or_fallback(vis)
-    if impl not in ("xla", "cudnn") or dropout_rate > 0.0:
-      impl = "reference"  # decoding against a cache (one query step: dense is already O(S)), etc.
+    if impl not in ("xla", "cudnn"):
+      impl = "reference"  # tiled impls decoding against a cache (one query step: dense is already O(S))
     return dense_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, vis, impl=impl, bias_BxHxLxS=bias_BxHxLxS,
                            alibi_slopes_H=alibi_slopes_H, scale=scale, dropout_rate=dropout_rate,
                            dropout_rng=dropout_rng, want_weights=want_weights)
@@ -272,6 +277,22 @@ def attention_layout() -> AttentionLayout | None:
   # both map to 'tensor')
   kv = tuple(flax_partitioning.logical_to_mesh_axes(("kv_heads",))) or (None,)
   return AttentionLayout(mesh, q[0], q[1], q[2], kv[0])
+
+
+def _serving(impl: str, features: frozenset[str]) -> str:
+  """`impl`, or 'reference' for a call with a feature `impl` lacks (config.ATTENTION_LACKS, the table
+  config validation refuses such a model with): a backend built directly, without a validated config,
+  runs that call on the dense path and says so once."""
+  why = config_lib.attention_unsupported(impl, features)
+  if why is None:
+    return impl
+  _warn_once(f"runtime.attention: {why}; this call runs 'reference'")
+  return "reference"
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+  log.warning(message)
 
 
 def cudnn_unsupported(vis: Visibility) -> str | None:

@@ -71,13 +71,14 @@ def resolve_runtime(cfg: Any, *, model: config_lib.ModelConfig | None = None, me
 
   attention, fallback = rt["attention"], ""
   if attention == "auto":
-    if m.attn_dropout > 0 or m.position == "t5" or m.num_global_tokens or getattr(m, "random_blocks", 0):
+    features = config_lib.attention_features(m)
+    if config_lib.attention_unsupported("chunked", features):   # what no tiled kernel has
       attention = "reference"
       reasons.append("attention reference: dropout, a T5 bias, global tokens or random blocks need the dense path")
     elif platform == "cpu":
       attention = "chunked"
       reasons.append("attention chunked: the fastest exact path on CPU")
-    elif platform == "tpu" and m.position != "alibi":
+    elif platform == "tpu" and not config_lib.attention_unsupported("splash", features):
       attention = "splash"
       reasons.append("attention splash: jax's Pallas TPU kernel (block-sparse causal/window, segment ids)")
     elif platform == "gpu" and m.dtype in ("bfloat16", "float16") and m.position != "alibi":
