@@ -69,7 +69,33 @@ def resolve_runtime(cfg: Any, *, model: config_lib.ModelConfig | None = None, me
     raise config_lib.ConfigError(f"runtime.backend: 'xla_cpu' runs on the CPU platform; this is "
                                  f"{platform!r}: use 'reference' or 'auto'")
 
-  attention, fallback = rt["attention"], ""
+  attention, fallback = _attention(rt["attention"], m, cfg, platform, reasons)
+  blocks = dict(attention_impl=attention, block_q=int(rt["attention_block_q"]),
+                block_k=int(rt["attention_block_k"]), cudnn_fallback=fallback,
+                splash_block_q=int(rt.get("splash_block_q", 512)),
+                splash_block_kv=int(rt.get("splash_block_kv", 512)), splash_interpret=platform != "tpu",
+                context_strategy=str(cfg.get("mesh", {}).get("context_strategy", "all_gather")))
+  if attention == "splash" and platform != "tpu":
+    reasons.append("splash in Pallas interpret mode: the target is not a TPU")
+  blocks.update(_resolve_moe(rt, m, platform, reasons))
+  blocks["decode_layout"] = _decode_layout(rt.get("decode_layout", "auto"), platform, reasons)
+
+  if backend == "reference":
+    chosen: Backend = Backend(**blocks)
+  else:
+    use_kernels = _cpu_kernels(rt["cpu_kernels"], m, precision, mesh_devices, reasons)
+    chosen = XlaCpuBackend(cpu_kernels=use_kernels, **blocks)
+
+  out = Runtime(chosen, platform, host_alloc.loaded_allocator(), tuple(reasons))
+  if not quiet:
+    log.info(out.summary())
+  return out
+
+
+def _attention(choice: str, m: config_lib.ModelConfig, cfg: Any, platform: str,
+               reasons: list[str]) -> tuple[str, str]:
+  """(runtime.attention, the impl that serves the calls cuDNN cannot under 'auto' ('' = none))."""
+  attention, fallback = choice, ""
   if attention == "auto":
     features = config_lib.attention_features(m)
     if config_lib.attention_unsupported("chunked", features):   # what no tiled kernel has
@@ -93,40 +119,27 @@ def resolve_runtime(cfg: Any, *, model: config_lib.ModelConfig | None = None, me
   elif attention == "cudnn" and "data" in cfg and cfg.data.get("packing", "") == "document":
     raise config_lib.ConfigError("runtime.attention: 'cudnn' cannot mask packed documents (segment ids); "
                                  "use 'auto' (falls back to xla for them), 'xla' or 'blockwise'")
-  blocks = dict(attention_impl=attention, block_q=int(rt["attention_block_q"]),
-                block_k=int(rt["attention_block_k"]), cudnn_fallback=fallback,
-                splash_block_q=int(rt.get("splash_block_q", 512)),
-                splash_block_kv=int(rt.get("splash_block_kv", 512)), splash_interpret=platform != "tpu",
-                context_strategy=str(cfg.get("mesh", {}).get("context_strategy", "all_gather")))
-  if attention == "splash" and platform != "tpu":
-    reasons.append("splash in Pallas interpret mode: the target is not a TPU")
-  blocks.update(_resolve_moe(rt, m, platform, reasons))
-  blocks["decode_layout"] = _decode_layout(rt.get("decode_layout", "auto"), platform, reasons)
+  return attention, fallback
 
-  if backend == "reference":
-    chosen: Backend = Backend(**blocks)
+
+def _cpu_kernels(kernels: str, m: config_lib.ModelConfig, precision: str, mesh_devices: int,
+                 reasons: list[str]) -> bool:
+  """Whether the xla_cpu backend runs its C++ kernels (runtime.cpu_kernels: auto | on | off)."""
+  ok, why = cpu_kernel.available()
+  # float32 compute once train.precision's policy applies (bf16/fp16 compute in half), float32 params
+  f32 = precision == "float32" and m.dtype == "float32" and m.param_dtype == "float32"
+  if kernels == "on":
+    if not ok:
+      raise config_lib.ConfigError(f"runtime.cpu_kernels: 'on' but the C++ kernels are unavailable: {why}")
+    use_kernels = True
+  elif kernels == "off":
+    use_kernels = False
   else:
-    kernels = rt["cpu_kernels"]
-    ok, why = cpu_kernel.available()
-    # float32 compute once train.precision's policy applies (bf16/fp16 compute in half), float32 params
-    f32 = precision == "float32" and m.dtype == "float32" and m.param_dtype == "float32"
-    if kernels == "on":
-      if not ok:
-        raise config_lib.ConfigError(f"runtime.cpu_kernels: 'on' but the C++ kernels are unavailable: {why}")
-      use_kernels = True
-    elif kernels == "off":
-      use_kernels = False
-    else:
-      use_kernels = ok and f32 and mesh_devices <= 1
-      reasons.append("C++ kernels " + ("on: float32, one device, built" if use_kernels else "off: " + (
-          "not float32" if not f32 else f"a {mesh_devices}-device mesh" if mesh_devices > 1
-          else f"unavailable ({why})")))
-    chosen = XlaCpuBackend(cpu_kernels=use_kernels, **blocks)
-
-  out = Runtime(chosen, platform, host_alloc.loaded_allocator(), tuple(reasons))
-  if not quiet:
-    log.info(out.summary())
-  return out
+    use_kernels = ok and f32 and mesh_devices <= 1
+    reasons.append("C++ kernels " + ("on: float32, one device, built" if use_kernels else "off: " + (
+        "not float32" if not f32 else f"a {mesh_devices}-device mesh" if mesh_devices > 1
+        else f"unavailable ({why})")))
+  return use_kernels
 
 
 def _decode_layout(choice: str, platform: str, reasons: list[str]) -> str:
