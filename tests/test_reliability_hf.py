@@ -102,7 +102,8 @@ def test_overwrite_replaces_an_export_of_ours_without_stale_shards(work, tmp_pat
   rc, err = _run(["--from", str(work), "--to-hf", str(out), "--overwrite"], capsys)
   assert rc == 0, err
   names = sorted(p.name for p in out.iterdir())
-  assert names == ["config.json", "model.safetensors", hf.EXPORT_MARKER], names
+  assert names == sorted(["config.json", "model.safetensors", hf.EXPORT_MARKER,   # + the byte-level tokenizer
+                          "tokenizer.json", "tokenizer_config.json"]), names
   assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]          # nothing left beside it
   _, ours = hf.load_hf(out)                              # our loader and the file agree: the new weights
   _, trained = restore_params(work)
