@@ -487,6 +487,17 @@ def _check_path(field: str, spec: str, path: str, what: str) -> None:
 def validate_model(m: ModelConfig, prefix: str = "model") -> None:
   """Every model rule, on a ModelConfig. Raises ConfigError('<field>: <rule>')."""
   p = prefix + "."
+  _check_sizes(m, p)
+  _check_choices(m, p)
+  _check_positions(m, p)
+  _check_sparsity(m, p)
+  _check_linear(m, p)
+  _check_layout(m, p)
+  _check_moe(m, p)
+
+
+def _check_sizes(m: ModelConfig, p: str) -> None:
+  """Sizes: positive, non-negative, and the head counts dividing each other."""
   if m.vocab_size == 0:
     _fail(p + "vocab_size", "is 0 (= the data tokenizer's vocabulary) and nothing resolved it: set it, or pass the "
           "whole config through tformer_jax.config.resolved(cfg)")
@@ -503,6 +514,10 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
     _fail(p + "num_kv_heads", f"num_heads={m.num_heads} must be divisible by num_kv_heads={m.kv_heads}")
   if m.mlp_ratio <= 0:
     _fail(p + "mlp_ratio", f"must be > 0, got {m.mlp_ratio}")
+
+
+def _check_choices(m: ModelConfig, p: str) -> None:
+  """Enum fields, eps, dropout rates and init scales."""
   choices = dict(attention=ATTENTIONS, activation=ACTIVATIONS, norm=NORMS, norm_position=NORM_POSITIONS,
                  position=POSITIONS, rope_layout=ROPE_LAYOUTS, remat=REMAT_POLICIES, dtype=DTYPES, param_dtype=DTYPES)
   for name, allowed in choices.items():
@@ -517,6 +532,10 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
     _fail(p + "init_std", f"must be > 0, got {m.init_std}")
   if m.attention_scale < 0:
     _fail(p + "attention_scale", f"must be >= 0 (0 = 1/sqrt(head_dim)), got {m.attention_scale}")
+
+
+def _check_positions(m: ModelConfig, p: str) -> None:
+  """RoPE, sinusoidal and T5 position settings (and the RoPE scaling rule)."""
   if m.position == "rope":
     if not 0.0 < m.rotary_fraction <= 1.0:
       _fail(p + "rotary_fraction", f"must be in (0, 1], got {m.rotary_fraction}")
@@ -527,6 +546,20 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
       _fail(p + "rope_theta", f"must be > 0, got {m.rope_theta}")
   if m.position == "sinusoidal" and m.d_model % 2:
     _fail(p + "d_model", f"sinusoidal positions need an even d_model, got {m.d_model}")
+  _check_rope_scaling(m, p)
+  if m.position == "t5":
+    if m.t5_num_buckets <= 0 or m.t5_max_distance <= 0:
+      _fail(p + "t5_num_buckets", "t5_num_buckets and t5_max_distance must be positive")
+    exact = (m.t5_num_buckets // (1 if m.causal else 2)) // 2    # ops/relative_bias.py: exact buckets
+    if exact < 1:
+      _fail(p + "t5_num_buckets", f"must be >= {2 if m.causal else 4} (causal={m.causal}), got {m.t5_num_buckets}")
+    if m.t5_max_distance <= exact:
+      _fail(p + "t5_max_distance", f"must exceed the {exact} exact buckets (log-spaced buckets reach it), "
+            f"got {m.t5_max_distance}")
+
+
+def _check_rope_scaling(m: ModelConfig, p: str) -> None:
+  """model.rope_scaling: its type, factor and per-type parameters."""
   rs = m.rope_scaling
   _check_choice(p + "rope_scaling.type", rs.type, ROPE_SCALINGS)
   if rs.original_max_len < 0:
@@ -546,15 +579,10 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
     if rs.attention_factor < 0:
       _fail(p + "rope_scaling.attention_factor", f"must be >= 0 (0 = 0.1 ln(factor) + 1), got "
             f"{rs.attention_factor}")
-  if m.position == "t5":
-    if m.t5_num_buckets <= 0 or m.t5_max_distance <= 0:
-      _fail(p + "t5_num_buckets", "t5_num_buckets and t5_max_distance must be positive")
-    exact = (m.t5_num_buckets // (1 if m.causal else 2)) // 2    # ops/relative_bias.py: exact buckets
-    if exact < 1:
-      _fail(p + "t5_num_buckets", f"must be >= {2 if m.causal else 4} (causal={m.causal}), got {m.t5_num_buckets}")
-    if m.t5_max_distance <= exact:
-      _fail(p + "t5_max_distance", f"must exceed the {exact} exact buckets (log-spaced buckets reach it), "
-            f"got {m.t5_max_distance}")
+
+
+def _check_sparsity(m: ModelConfig, p: str) -> None:
+  """The sliding window, global tokens and BigBird random blocks."""
   if m.window > m.max_len:
     _fail(p + "window", f"window={m.window} > max_len={m.max_len} is the same as no window (every query "
           f"already sees all its keys); use window=0 for full attention, or a window <= {m.max_len}")
@@ -572,6 +600,10 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
   if m.random_blocks >= n_blocks:
     _fail(p + "random_blocks", f"{m.random_blocks} random blocks of {m.random_block_size} cover all {n_blocks} "
           f"blocks of max_len={m.max_len}: use fewer (or window=0 for full attention)")
+
+
+def _check_linear(m: ModelConfig, p: str) -> None:
+  """What linear attention has no use for (sparsity, logit biases, softmax scale/dropout)."""
   if m.attention == "linear":
     sparse = [f"{k}={getattr(m, k)}" for k in ("window", "num_global_tokens", "random_blocks") if getattr(m, k)]
     if sparse:
@@ -582,10 +614,18 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
     for name in ("attn_dropout", "attention_scale"):
       if getattr(m, name):
         _fail(p + name, "'linear' attention has no softmax weights to scale or drop; set it to 0")
+
+
+def _check_layout(m: ModelConfig, p: str) -> None:
+  """The mask token id and the residual layout."""
   if not -1 <= m.mask_token_id < m.vocab_size:
     _fail(p + "mask_token_id", f"must be -1 (= vocab_size - 1) or an id in [0, {m.vocab_size}), got {m.mask_token_id}")
   if m.norm_position == "post" and m.parallel_residual:
     _fail(p + "parallel_residual", "parallel residual is a Pre-LN layout; set norm_position='pre'")
+
+
+def _check_moe(m: ModelConfig, p: str) -> None:
+  """The mixture-of-experts sub-config."""
   moe = m.moe
   for name in ("num_experts", "d_ff"):
     if getattr(moe, name) < 0:
@@ -797,15 +837,8 @@ def warmup_note(o: Any, steps: int) -> str | None:
           f"steps (a tenth) instead; set optim.warmup_fraction (or a shorter optim.warmup_steps) to choose")
 
 
-def _validate_optim(o: Any, d: Any, t: Any) -> None:
-  if o.get("name", "adamw") not in OPTIMIZERS:
-    _fail("optim.name", f"unknown value {o.name!r}; expected {_either([repr(n) for n in OPTIMIZERS])} "
-          "(tformer_jax/train/optim.py)")
-  if o.peak_lr <= 0:
-    _fail("optim.peak_lr", f"must be > 0, got {o.peak_lr}")
-  if o.get("eps", 1e-8) <= 0:
-    _fail("optim.eps", f"must be > 0 (Adam divides by sqrt(v) + eps), got {o.eps}")
-  _check_choice("optim.schedule", o.schedule, SCHEDULES)
+def _check_warmup(o: Any, t: Any) -> None:
+  """optim.warmup_steps / warmup_fraction, and a fractional warmup shorter than the run."""
   if o.warmup_steps < 0:
     _fail("optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
   if not 0.0 <= o.warmup_fraction < 1.0:
@@ -815,6 +848,18 @@ def _validate_optim(o: Any, d: Any, t: Any) -> None:
     if warm >= t.steps and warm > 0 and field == "optim.warmup_fraction":   # warmup_steps is clamped
       _fail(field, f"a warmup of {warm} steps is not shorter than train.steps={t.steps}: the learning rate "
             f"would never reach peak_lr; use a warmup < {t.steps} (or optim.warmup_steps=0)")
+
+
+def _validate_optim(o: Any, d: Any, t: Any) -> None:
+  if o.get("name", "adamw") not in OPTIMIZERS:
+    _fail("optim.name", f"unknown value {o.name!r}; expected {_either([repr(n) for n in OPTIMIZERS])} "
+          "(tformer_jax/train/optim.py)")
+  if o.peak_lr <= 0:
+    _fail("optim.peak_lr", f"must be > 0, got {o.peak_lr}")
+  if o.get("eps", 1e-8) <= 0:
+    _fail("optim.eps", f"must be > 0 (Adam divides by sqrt(v) + eps), got {o.eps}")
+  _check_choice("optim.schedule", o.schedule, SCHEDULES)
+  _check_warmup(o, t)
   if not 0.0 <= o.min_lr_ratio <= 1.0:
     _fail("optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
   for name in ("b1", "b2"):
@@ -843,6 +888,12 @@ def _validate_train(t: Any, check_paths: bool) -> None:
       _fail("train." + name, f"must be >= 0 (0 = off), got {t[name]}")
   if t.get("loss_chunk", 0) < 0:
     _fail("train.loss_chunk", f"must be >= 0 (tokens of logits per chunk; 0 = the full logits), got {t.loss_chunk}")
+  _check_loggers(t)
+  _check_init_from(t, check_paths)
+
+
+def _check_loggers(t: Any) -> None:
+  """train.loggers (jsonl always among them, installed packages) and the eval tasks' harness."""
   loggers = parse_loggers(t.get("loggers", "jsonl,tensorboard"))
   for name in loggers:
     _check_choice("train.loggers", name, LOGGERS)
@@ -855,6 +906,10 @@ def _validate_train(t: Any, check_paths: bool) -> None:
     _fail("train.eval_tasks", "needs lm-evaluation-harness (pip install 'tformer-jax[eval]'); it is not installed")
   if t.get("eval_tasks_limit", 0) < 0:
     _fail("train.eval_tasks_limit", f"must be >= 0 (0 = every document), got {t.eval_tasks_limit}")
+
+
+def _check_init_from(t: Any, check_paths: bool) -> None:
+  """train.init_from names an HF model directory (hf:DIR) or a training workdir, when paths are checked."""
   init_from = str(t.get("init_from", "") or "")
   if check_paths and init_from.startswith("hf:"):
     src = pathlib.Path(init_from[3:]).expanduser()
