@@ -298,6 +298,20 @@ _FIELD = re.compile(r"^\s+(\w+)(?:\s*:\s*[^=]+)?\s*=")
 _SECTION = re.compile(r"^\s+c\.(\w+)\s*=\s*ml_collections\.ConfigDict")
 
 
+_NESTED = re.compile(r"^\s+(\w+)\s*=\s*ml_collections\.ConfigDict")
+
+
+def _nested(lines: list[str], row: int) -> str:
+  """'lora.' for a field inside `lora=ml_collections.ConfigDict(dict(...))` within a section, else ''."""
+  indent = len(lines[row - 1]) - len(lines[row - 1].lstrip())
+  for back in range(row - 2, -1, -1):
+    above = lines[back]
+    if above.strip() and not above.strip().startswith("#") and len(above) - len(above.lstrip()) < indent:
+      m = _NESTED.match(above)
+      return m.group(1) + "." if m else ""
+  return ""
+
+
 def field_docs() -> dict[str, str]:
   """{'model.num_kv_heads': '0 = num_heads (MHA); 1 = MQA; ...', ...}: the comments beside the fields in
   tformer_jax/config.py (the dataclasses and default_config), a comment-only line continuing the
@@ -328,7 +342,7 @@ def field_docs() -> dict[str, str]:
         prefix = _SECTION_CLASSES.get(cls.group(1)) if cls else (sec.group(1) + "." if sec else None)
         break
     if m and prefix:
-      last, last_line = prefix + m.group(1), row
+      last, last_line = prefix + _nested(lines, row) + m.group(1), row
       docs[last] = text
     else:
       last = None
@@ -480,6 +494,45 @@ def check_model_source(args: types.SimpleNamespace) -> None:
     fail("--random_init needs --config=NAME (a shipped config such as llama_tiny, or a file)")
 
 
+def _common_flags(config: bool | str, from_workdir: bool) -> flags.FlagValues:
+  """Fresh FlagValues with --help (and, for a command with a config, --config and --print_config)."""
+  fv = flags.FlagValues()
+  flags.DEFINE_bool("help", False, "show this help and exit", short_name="h", flag_values=fv)
+  for name in HELP_FLAGS[1:]:
+    flags.DEFINE_bool(name, False, "same as --help", flag_values=fv)
+  if config is not False:
+    default = config if isinstance(config, str) and config != "required" else None
+    run = "; without it, the config.json of --workdir's run" if from_workdir else ""
+    flags.DEFINE_string("config", default, f"experiment file with get_config(): a path or a shipped name "
+                        f"(llama_tiny, bench/gpt2_cpu, ...), or a workdir (its config.json){run}. Override any "
+                        "field with --config.a.b=value, anywhere on the line; --print_config lists them",
+                        flag_values=fv)
+    flags.DEFINE_bool("print_config", False, "print every config field with its value (overrides "
+                      "applied) and its description, then exit", flag_values=fv)
+  return fv
+
+
+def _command_config(fv: flags.FlagValues, args: types.SimpleNamespace, config: bool | str, from_workdir: bool,
+                    from_hf: bool) -> tuple[ml_collections.ConfigDict | None, bool]:
+  """(the command's config before overrides, whether it is a run's config.json: already resolved) from
+  --config, --workdir's run or --hf (the defaults); (None, False) where a command may go without."""
+  hf_dir = getattr(args, "hf", None) if from_hf else None
+  cfg, from_run = None, False
+  if fv.config:
+    cfg, from_run = load_config_file(fv.config), pathlib.Path(fv.config).is_dir() and not hf_dir
+  elif from_workdir and getattr(args, "workdir", None):
+    cfg, args.config_file = workdir_config(args.workdir), str(pathlib.Path(args.workdir) / "config.json")
+    from_run = True
+  elif hf_dir:
+    cfg = default_config()
+  elif config == "required":
+    raise UsageError(CONFIG_HINT + (" (or --workdir=RUN)" if from_workdir else "")
+                     + (" (or --hf=DIR)" if from_hf else ""))
+  if cfg is not None and hf_dir:
+    cfg.train.init_from = f"hf:{hf_dir}"       # the directory is the model
+  return cfg, from_run
+
+
 def parse(argv: Sequence[str] | None, define: Callable[[flags.FlagValues], None] | None = None, *,
           doc: str = "", prog: str | None = None, config: bool | str = False,
           from_workdir: bool = False, from_hf: bool = False) -> types.SimpleNamespace:
@@ -503,19 +556,7 @@ def parse(argv: Sequence[str] | None, define: Callable[[flags.FlagValues], None]
     jax.config.update("jax_platforms", "cpu")     # before any backend starts: no libtpu start-up errors
   if not flags.FLAGS.is_parsed():
     flags.FLAGS.mark_as_parsed()       # grain's worker processes read absl's global flags
-  fv = flags.FlagValues()
-  flags.DEFINE_bool("help", False, "show this help and exit", short_name="h", flag_values=fv)
-  for name in HELP_FLAGS[1:]:
-    flags.DEFINE_bool(name, False, "same as --help", flag_values=fv)
-  if config is not False:
-    default = config if isinstance(config, str) and config != "required" else None
-    run = "; without it, the config.json of --workdir's run" if from_workdir else ""
-    flags.DEFINE_string("config", default, f"experiment file with get_config(): a path or a shipped name "
-                        f"(llama_tiny, bench/gpt2_cpu, ...), or a workdir (its config.json){run}. Override any "
-                        "field with --config.a.b=value, anywhere on the line; --print_config lists them",
-                        flag_values=fv)
-    flags.DEFINE_bool("print_config", False, "print every config field with its value (overrides "
-                      "applied) and its description, then exit", flag_values=fv)
+  fv = _common_flags(config, from_workdir)
   if define is not None:
     define(fv)
   try:
@@ -532,22 +573,8 @@ def parse(argv: Sequence[str] | None, define: Callable[[flags.FlagValues], None]
       fail(f"unexpected arguments: {' '.join(rest[1:])}")
     return args
   args.config_file, args.config, args.overrides = fv.config, None, {}
-  hf_dir = getattr(args, "hf", None) if from_hf else None
   try:
-    from_run = False        # a run's config.json: already resolved, kept as it is
-    if fv.config:
-      cfg = load_config_file(fv.config)
-      from_run = pathlib.Path(fv.config).is_dir() and not hf_dir
-    elif from_workdir and getattr(args, "workdir", None):
-      cfg, args.config_file = workdir_config(args.workdir), str(pathlib.Path(args.workdir) / "config.json")
-      from_run = True
-    elif hf_dir:
-      cfg, args.config_file = default_config(), None
-    elif config == "required":
-      raise UsageError(CONFIG_HINT + (" (or --workdir=RUN)" if from_workdir else "")
-                       + (" (or --hf=DIR)" if from_hf else ""))
-    else:
-      cfg = None
+    cfg, from_run = _command_config(fv, args, config, from_workdir, from_hf)
     if cfg is None and print_config:
       cfg = default_config()
     if cfg is None:
@@ -555,8 +582,6 @@ def parse(argv: Sequence[str] | None, define: Callable[[flags.FlagValues], None]
         extra = " (--config.a.b=v overrides need --config=FILE)" if rest[1].startswith("--config.") else ""
         raise UsageError(f"unexpected arguments: {' '.join(rest[1:])}{extra}")
       return args
-    if hf_dir:
-      cfg.train.init_from = f"hf:{hf_dir}"
     check_overrides(cfg, rest[1:])
     args.config, args.overrides, positional = _apply(cfg, [prog] + rest[1:], lock=True)
     if positional:
