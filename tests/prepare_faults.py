@@ -54,7 +54,7 @@ def main() -> int:
   p.add_argument("--signal", default="KILL")
   args, rest = p.parse_known_args()
   kill_after(args.kill_after, args.signal.upper())
-  from tformer_jax.data import prepare  # noqa: PLC0415 (after the fault is installed)
+  from tformer_jax.cli import prepare  # noqa: PLC0415 (after the fault is installed)
   return prepare.main([a for a in rest if a != "--"])
 
 

@@ -34,7 +34,7 @@ def _last_json(out: str) -> dict:
 
 
 def test_train_cli_prints_documented_json(capsys):
-  from tformer_jax.bench.__main__ import main
+  from tformer_jax.cli.bench import main
   res = main(["train", "--steps", "2", "--warmup", "1", "--peak-n", "128", "--peak-reps", "2", *_sets(TINY)])
   out = _last_json(capsys.readouterr().out)
   assert out == json.loads(json.dumps(res))
@@ -85,7 +85,7 @@ def test_unknown_override_exits_2_without_traceback():
 
 
 def test_every_bench_help_lists_its_flags(capsys):
-  from tformer_jax.bench.__main__ import main
+  from tformer_jax.cli.bench import main
   for name, flag in [("train", "--peak-n"), ("compile", "--layers"), ("attention", "--kv-heads"),
                      ("decode", "--new-tokens"), ("moe", "--capacity-factor")]:
     with pytest.raises(SystemExit) as e:
@@ -97,7 +97,7 @@ def test_every_bench_help_lists_its_flags(capsys):
 
 
 def test_compile_cli_prints_json(capsys):
-  from tformer_jax.bench.__main__ import main
+  from tformer_jax.cli.bench import main
   main(["compile", "--layers", "1,2", *_sets(TINY)])
   out = _last_json(capsys.readouterr().out)
   assert out["bench"] == "compile" and out["layers"] == [1, 2]
@@ -108,7 +108,7 @@ def test_compile_cli_prints_json(capsys):
 
 
 def test_dispatcher_help_lists_subcommands(capsys):
-  from tformer_jax.bench.__main__ import main
+  from tformer_jax.cli.bench import main
   main(["--help"])
   text = capsys.readouterr().out
   for name in ("train", "attention", "compile", "decode", "moe", "compare"):

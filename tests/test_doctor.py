@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tformer_jax.cli.doctor import main as doctor_main
 from tformer_jax.cli_common import load_config
 from tformer_jax.config import validate
 from tformer_jax.doctor import checks, faults
-from tformer_jax.doctor.__main__ import main as doctor_main
 from tformer_jax.nn import Transformer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -16,7 +16,8 @@ import prepare_faults
 import pytest
 
 from tformer_jax.bench.tokenizer import tokenizer_ceiling
-from tformer_jax.data import prepare as prepare_cli, sources
+from tformer_jax.cli import prepare as prepare_cli
+from tformer_jax.data import sources
 from tformer_jax.data.corpora import DataError, load_corpus
 from tformer_jax.data.prepared import PROGRESS, open_prepared, prepare, token_dtype
 

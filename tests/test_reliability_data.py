@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tformer_jax.data import prepare as prepare_cli
+from tformer_jax.cli import prepare as prepare_cli
 from tformer_jax.data.corpora import DataError, load_corpus
 from tformer_jax.data.prepared import LOCK, PROGRESS, open_prepared, prepare
 
@@ -53,7 +53,7 @@ def _cmd(*args: str, kill_after: int = 0, signal_name: str = "KILL") -> list[str
   if kill_after:
     return [sys.executable, str(REPO / "tests" / "prepare_faults.py"), f"--kill-after={kill_after}",
             f"--signal={signal_name}", "--", *args, "--noprogress"]
-  return [sys.executable, "-m", "tformer_jax.data.prepare", *args, "--noprogress"]
+  return [sys.executable, "-m", "tformer_jax.cli.prepare", *args, "--noprogress"]
 
 
 # --- owned output directories -------------------------------------------------------------------------
@@ -171,7 +171,7 @@ def test_data_errors_with_one_worker_name_the_source_in_a_fresh_interpreter(tmp_
   other.write_text('{"body": "no text field"}\n')
   script = f"""
 import sys
-from tformer_jax.data import prepare
+from tformer_jax.cli import prepare
 cases = [{str(bad)!r}, "--field=text"], [{str(latin)!r}, "--on_bad_utf8=fail"], [{str(other)!r}, "--field=text"]
 for i, argv in enumerate(cases):
   out = {str(tmp_path)!r} + "/o" + str(i)

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from tformer_jax.doctor import checks
 from tformer_jax.ops import attention as attn_ops, positions as pos_ops
 from tformer_jax.ops.masks import Visibility
 
@@ -107,3 +108,22 @@ CONFIG_FAULTS = {
 }
 OTHER_FAULTS = ("zero_pos_embed", "positions_not_added", "labels_not_shifted")
 ALL = tuple(ATTENTION_FAULTS) + tuple(CONFIG_FAULTS) + OTHER_FAULTS
+
+
+def plant(fault: str, ctx: Any) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+  """(config overrides, per-check injected arguments) that plant `fault` into the checks of `ctx`
+  (doctor/checks.py `make_context`)."""
+  if fault in CONFIG_FAULTS:
+    return CONFIG_FAULTS[fault](ctx.m), {}
+  if fault in ATTENTION_FAULTS:
+    fn = ATTENTION_FAULTS[fault]
+    return {}, {k: {"attention_fn": fn} for k in ("scale", "padding", "causal", "rows")}
+  if fault == "zero_pos_embed":
+    return {}, {"order": {"params": zero_pos_embed(ctx.params)}}
+  if fault == "positions_not_added":
+    fn = positions_not_added
+    return {}, {"order": {"apply_fn": fn}, "causal": {"apply_fn": fn}}
+  if fault == "labels_not_shifted":
+    bad = labels_not_shifted(checks.default_batch_fn(ctx.cfg))
+    return {}, {"data": {"batch_fn": bad}, "overfit": {"batch_fn": bad}}
+  raise ValueError(f"unknown fault {fault!r}; known: {', '.join(ALL)}")

@@ -1,7 +1,7 @@
 """Tokenize text sources once into a prepared dataset (sharded token ids + document offsets + manifest).
 
   tformer-prepare --source=DATA --out=DIR --tokenizer=bpe [--field=title --field=paragraphs] [--workers=2]
-  python -m tformer_jax.data.prepare ...   (the same)
+  python -m tformer_jax.cli.prepare ...    (the same)
 
 Sources (--source, repeatable; a file, a directory or a glob pattern): .txt (one document per file, line or
 paragraph: --txt_split), .jsonl / .ndjson, .json arrays, .parquet (pyarrow), a `datasets` directory from
