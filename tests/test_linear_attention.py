@@ -94,7 +94,7 @@ def test_masked_quadratic_form():
   np.testing.assert_allclose(np.asarray(masked(q, k, v)), np.asarray(chunked(q, k, v)), **TOL)
 
 
-# --- model.attention='linear' (issue 21 item 8) -------------------------------------------------------
+# --- model.attention='linear' -------------------------------------------------------------------------
 
 def _linear_cfg(**kw):
   from tformer_jax.config import ModelConfig

@@ -1,4 +1,4 @@
-"""Checkpoint and metrics reliability with the faults injected for real (issue 18, items 2 and 4).
+"""Checkpoint and metrics reliability with the faults injected for real.
 
 Save failures: the checkpoint directory is a regular file, or a path component is (root ignores
 permissions, so these stand in for read-only); a full disk (a small tmpfs mounted over the directory,

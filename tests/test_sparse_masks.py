@@ -143,7 +143,7 @@ def test_visibility_random_blocks_equal_the_op(causal, num_global):
     np.testing.assert_array_equal(np.asarray(row(jnp.int32(p)))[0, 0, 0], want[0, 0, p])
 
 
-# --- BigBird random blocks as a model option (issue 21 item 8) ----------------------------------------
+# --- BigBird random blocks as a model option -------------------------------------------------------------
 
 def _bigbird(**kw):
   from tformer_jax.config import ModelConfig

@@ -1,12 +1,10 @@
 """The host allocator under XLA:CPU: why the CLIs run under tcmalloc, and how.
 
-XLA:CPU mallocs each executable's temp buffer on every call (728 MB for the gpt2_cpu train step).
+XLA:CPU mallocs each executable's temp buffer on every call (hundreds of MB for a train step).
 glibc serves a request that large with a fresh `mmap` and unmaps it on `free`, so every step
-page-faults the whole buffer in again: measured 184k minor faults and 0.35 CPU-s of kernel time per
-step on 2 cores (about 16% of the step's CPU; `resource.getrusage` before/after). tcmalloc keeps
-freed spans and hands the same pages back: ~0 faults per step and 29% more tokens/s (1788 -> 2300).
+page-faults the whole buffer in again. tcmalloc keeps freed spans and hands the same pages back.
 Without tcmalloc, glibc's `glibc.malloc.hugetlb=1` tunable (glibc >= 2.35: those mmaps get
-transparent 2 MB pages) cuts the faults 50x and gains 7% (1918). See docs/benchmarks.md.
+transparent 2 MB pages) cuts the faults. docs/benchmarks.md ('Host allocator') has the measurements.
 
 Both must be chosen when the process starts (`LD_PRELOAD`, `GLIBC_TUNABLES`), so `maybe_reexec()`
 re-executes the current command once with them set, silently (`backends.resolve_runtime` logs the

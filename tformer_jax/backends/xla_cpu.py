@@ -2,7 +2,7 @@
 
 Same values as the reference backend (tests/test_backends.py: gradients within 1e-5 in float32);
 what changes is how XLA:CPU runs them (docs/benchmarks.md has the measurements):
-  norm       the closed-form LayerNorm/RMSNorm backward (ops/norms.py: +1.1-1.4% on gpt2_cpu).
+  norm       the closed-form LayerNorm/RMSNorm backward (ops/norms.py).
   dense      a hand-written VJP whose weight gradient is x^T dy (XLA's autodiff layout makes it
              transpose dy and fuse the backward residual chain into each transpose); with the C++
              kernels, that product by OpenBLAS (ops/cpu_kernel/matmul.py).
@@ -134,10 +134,9 @@ def grad_fusion_barrier(x: Array) -> Array:
 
   Why: XLA:CPU fuses the residual-stream gradient, a sum over every later layer's contribution, into
   each of its consumers instead of computing it once, so layer l's backward recomputes the chain of
-  all layers above it (O(L^2) elementwise work; gpt2_cpu: fusions with 27 to 113 operands). Put at
-  each block's input it cuts the chain per layer: on gpt2_cpu LayerNorm backward 55 -> 20 ms/step,
-  +2.8% tokens/s, 24-layer unrolled compile 30 -> 14 s. On GPU a while loop's trip count goes
-  through the host, so only this backend uses it."""
+  all layers above it (O(L^2) elementwise work). Put at each block's input it cuts the chain per
+  layer (docs/benchmarks.md, 'The residual-gradient barrier', has the effect). On GPU a while loop's
+  trip count goes through the host, so only this backend uses it."""
   return x
 
 

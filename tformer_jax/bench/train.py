@@ -172,11 +172,6 @@ def matmul_rates(n: int = 2048, reps: int = 5, dtype: str = "float32",
           "mean": fl * len(times) / sum(times)}
 
 
-def matmul_peak_gflops(n: int = 2048, reps: int = 5, dtype: str = "float32") -> float:
-  """Best-of-`reps` rate of a jitted n x n @ n x n matmul in GFLOP/s."""
-  return matmul_rates(n, reps, dtype)["best"]
-
-
 def machine_info() -> dict[str, Any]:
   """nproc, CPU model, load average, jax backend and device: what a figure was measured on."""
   cpu = ""

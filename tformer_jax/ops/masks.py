@@ -125,11 +125,6 @@ def causal_mask(q_len: int, kv_len: int | None = None, *, offset: int = 0) -> Ar
   return band(dist, causal=True, window=0)[None, None]
 
 
-def causal_mask_from_positions(q_pos_BxL: Array, k_pos_BxS: Array) -> Array:
-  """(B, 1, L, S) causal mask from explicit positions (left-padded batches, caches)."""
-  return (k_pos_BxS[:, None, None, :] <= q_pos_BxL[:, None, :, None])
-
-
 def padding_mask_from_lengths(lengths_B: Array, kv_len: int) -> Array:
   """(B, 1, 1, S): keys at index >= length are padding."""
   return (jnp.arange(kv_len)[None, :] < lengths_B[:, None])[:, None, None, :]
