@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tformer_jax import cli as cli_pkg, cli_common, config as config_lib
-from tformer_jax.cli import convert, estimate_memory, eval as eval_cli, generate, train as train_cli
+from tformer_jax.cli import convert, estimate_memory, eval as eval_cli, generate, launch_local, train as train_cli
 from tformer_jax.data import pipeline
 from tformer_jax.data.corpora import load_corpus
 from tformer_jax.train import loop, optim
@@ -221,6 +221,9 @@ def test_one_command_line_surface(capsys):
   with pytest.raises(SystemExit) as e:
     convert.main(["--form=x"])
   assert e.value.code == 2 and "did you mean --from?" in capsys.readouterr().err
+  with pytest.raises(SystemExit) as e:
+    launch_local.main(["--procs=2", "--", "--config=gpt2_tiny"])
+  assert e.value.code == 2 and "did you mean --processes?" in capsys.readouterr().err
   with pytest.raises(SystemExit) as e:
     train_cli.main(["--config=gpt2_tiny", "--workdir=x", "--steps=60"])
   err = capsys.readouterr().err

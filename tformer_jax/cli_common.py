@@ -429,15 +429,19 @@ def _config_paths(cfg: Any, prefix: str = "") -> list[str]:
 
 
 def unknown_flag_hint(name: str, fv: flags.FlagValues, cfg: Any = None) -> str:
-  """' (did you mean --config.train.steps?)' for an unknown --NAME: the config field of that name (a
-  command with a config, or the defaults'), else the closest of the command's flags or fields; '' if
+  """' (did you mean --config.train.steps?)' for an unknown --NAME: a near-identical flag of the command,
+  else (a command with --config) the config field of that name, else the closest flag or field; '' if
   nothing is close."""
   name = name.replace("-", "_")
+  own = [f.name for f in _own_flags(fv)]
+  near = difflib.get_close_matches(name, own, n=1, cutoff=0.85)
+  if near or "config" not in fv:
+    close = near or difflib.get_close_matches(name, own, n=1, cutoff=0.7)
+    return f" (did you mean --{close[0]}?)" if close else ""
   paths = _config_paths(cfg if cfg is not None else default_config())
   exact = [p for p in paths if p.rsplit(".", 1)[-1] == name or p == name]
   if exact:
     return " (did you mean " + " or ".join(f"--config.{p}" for p in exact[:3]) + "?)"
-  own = [f.name for f in _own_flags(fv)]
   close = difflib.get_close_matches(name, own, n=1, cutoff=0.7)
   if close:
     return f" (did you mean --{close[0]}?)"
@@ -447,10 +451,12 @@ def unknown_flag_hint(name: str, fv: flags.FlagValues, cfg: Any = None) -> str:
 
 
 def _flag_error(e: BaseException, fv: flags.FlagValues, cfg: Any = None) -> str:
-  text = _one_line(e)
+  """One line for a flag error; an unknown flag names the closest flag or config field."""
   if isinstance(e, flags.UnrecognizedFlagError) and getattr(e, "flagname", None):
-    text += unknown_flag_hint(e.flagname, fv, cfg) + "; --help lists the flags, --print_config the fields"
-  return text
+    fields = ", --print_config the config fields" if "print_config" in fv else ""
+    return (f"unknown command line flag --{e.flagname}{unknown_flag_hint(e.flagname, fv, cfg)}; --help lists "
+            f"the flags{fields}")
+  return _one_line(e)
 
 
 def _own_flags(fv: flags.FlagValues) -> list[flags.Flag]:

@@ -12,7 +12,6 @@ launcher are forwarded to every process (train.py then saves a checkpoint and ex
 """
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import signal
@@ -21,6 +20,10 @@ import subprocess
 import sys
 import threading
 import time
+
+from absl import flags
+
+from tformer_jax import cli_common
 
 
 def free_port() -> int:
@@ -113,18 +116,22 @@ def launch(processes: int, devices: int, port: int, args: list[str], script: str
   return code
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_integer("processes", None, "number of processes (N; required)", flag_values=fv)
+  flags.DEFINE_integer("devices-per-process", 1, "fake CPU devices each (D)", flag_values=fv)
+  flags.DEFINE_integer("port", 0, "coordinator port on 127.0.0.1 (0 = a free one)", flag_values=fv)
+  flags.DEFINE_string("script", None, "the program to run (default: tformer-train)", flag_values=fv)
+  flags.DEFINE_float("grace", 10.0, "seconds between SIGTERM and SIGKILL", flag_values=fv)
+
+
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   ours, rest = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--processes", type=int, required=True, help="number of processes (N)")
-  ap.add_argument("--devices-per-process", type=int, default=1, help="fake CPU devices each (D)")
-  ap.add_argument("--port", type=int, default=0, help="coordinator port on 127.0.0.1 (0 = a free one)")
-  ap.add_argument("--script", default=None, help="the program to run (default: tformer-train)")
-  ap.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
-  a = ap.parse_args(ours)
+  a = cli_common.parse(ours, define_flags, doc=__doc__, prog="tformer-launch-local")
+  if a.processes is None:
+    cli_common.fail("pass --processes=N")
   if a.processes < 1 or a.devices_per_process < 1:
-    ap.error("--processes and --devices-per-process must be >= 1")
+    cli_common.fail("--processes and --devices-per-process must be >= 1")
   return launch(a.processes, a.devices_per_process, a.port or free_port(), rest, a.script, a.grace)
 
 
