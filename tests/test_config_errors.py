@@ -236,13 +236,13 @@ def test_train_cli_maps_errors_raised_while_training(monkeypatch, capsys, tmp_pa
   from tformer_jax.train import loop
   argv = [f"--config={REPO / 'configs' / 'shakespeare_char.py'}", f"--workdir={tmp_path / 'run'}"]
   for error in _anticipated():
-    def train(cfg, workdir, error=error):
+    def train(cfg, workdir, error=error, **_):
       raise error
     monkeypatch.setattr(loop, "train", train)
     assert cli_common.run_main(cli.main, argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and len(err.splitlines()) == 1, err
-  monkeypatch.setattr(loop, "train", lambda cfg, workdir: {}.pop("unexpected"))
+  monkeypatch.setattr(loop, "train", lambda cfg, workdir, **_: {}.pop("unexpected"))
   with pytest.raises(KeyError):
     cli_common.run_main(cli.main, argv)
 
@@ -355,7 +355,7 @@ SCRIPT = textwrap.dedent("""
     from tformer_jax import cli_common
     from tformer_jax.cli import train as cli
     from tformer_jax.train import loop
-    def train(cfg, workdir):
+    def train(cfg, workdir, **_):
       if sys.argv[1] == "checkpoint":
         from tformer_jax.checkpoint import CheckpointError
         raise CheckpointError("checkpoint step 3 in /w does not fit the state being restored:\\n  x: (2,) vs (3,)")
