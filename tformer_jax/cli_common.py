@@ -271,7 +271,8 @@ def override(cfg: ml_collections.ConfigDict, overrides: Mapping[str, Any]) -> ml
 
 def load_config(path: str | None = None, overrides: Mapping[str, Any] | None = None,
                 workdir: str | None = None) -> ml_collections.ConfigDict:
-  """The config file (or a run's config.json) with overrides, as a command line would give it."""
+  """The config file (or a run's config.json) with overrides, as a command line would give it (train.init_from
+  resolved: `resolve_source`)."""
   if path:
     cfg = load_config_file(path)
   elif workdir:
@@ -279,7 +280,7 @@ def load_config(path: str | None = None, overrides: Mapping[str, Any] | None = N
   else:
     raise UsageError(CONFIG_HINT)
   out = override(cfg, overrides or {})
-  from_run = workdir and not path or pathlib.Path(path or "").is_dir()
+  from_run = not path or pathlib.Path(path).is_dir()       # a run's config.json: resolved already
   return out if from_run else resolve_source(out, overrides or {})
 
 
