@@ -421,3 +421,32 @@ def test_decode_layout_is_a_runtime_choice_per_platform():
   assert not umodel.cfg.scan_layers and "layers_1" in uparams
   np.testing.assert_array_equal(got, decode.generate(model, params, PROMPTS, max_new_tokens=N_NEW,
                                                      temperature=0.0, scan_layers=True))
+
+
+def test_every_decode_layout_gives_the_same_logits_and_tokens_and_the_choice_is_logged(caplog):
+  """Scanned and unrolled decoding: teacher-forced logits through the cache within 1e-5 (float32),
+  the same greedy tokens from generate and generate_stream; the prefill and the step loop compile
+  together once; resolve_runtime logs the layout with its reason."""
+  import logging
+
+  from tformer_jax import backends
+  from tformer_jax.config import default_config
+  model, params = build(CASES["rope-gqa"])
+  tokens = np.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+  logp = {scan: decode.cache_logprobs(model, params, tokens, scan_layers=scan) for scan in (True, False)}
+  np.testing.assert_allclose(logp[True], logp[False], atol=ATOL)
+  prompts, kw = [[7, 8, 9], [1]], dict(max_new_tokens=6, temperature=0.0)
+  logged = len(decode.COMPILE_LOG)
+  out = {scan: decode.generate(model, params, prompts, scan_layers=scan, **kw) for scan in (True, False)}
+  names = [n for n, _ in decode.COMPILE_LOG[logged:]]
+  assert sorted(names) == ["decode_loop", "decode_loop", "prefill", "prefill"]
+  np.testing.assert_array_equal(out[True], out[False])
+  stream = np.concatenate(list(decode.generate_stream(model, params, prompts, chunk_size=4, scan_layers=False,
+                                                      **kw)), axis=1)
+  np.testing.assert_array_equal(stream, out[False])
+  logged = len(decode.COMPILE_LOG)
+  decode.generate(model, params, prompts, scan_layers=False, **kw)
+  assert len(decode.COMPILE_LOG) == logged                            # compiled once, reused
+  with caplog.at_level(logging.INFO, logger="tformer_jax"):
+    backends.resolve_runtime(default_config(), platform="cpu")
+  assert "decode unrolled: " in caplog.text

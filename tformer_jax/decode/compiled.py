@@ -1,6 +1,12 @@
-"""The executables decoding compiles: lowered and compiled once per shapes, kept (bounded), logged."""
+"""The executables decoding compiles: lowered and compiled once per shapes, kept (bounded), logged.
+
+`lower` + `compile_together` compile several functions at once on threads (XLA compiles without
+holding the GIL), so a first call that needs a prefill and a step loop waits for the longer of the
+two compiles rather than their sum (the machine's cores permitting)."""
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import time
 from typing import Any, Callable
 
@@ -22,19 +28,57 @@ def _model_key(model: nn.Module) -> Any:
     return id(model)
 
 
+@dataclasses.dataclass
+class Lowered:
+  """A function lowered for one argument signature, not compiled yet."""
+  name: str
+  full_key: Any
+  lowered: Any      # jax.stages.Lowered (its out_info: the result's shapes)
+  lower_s: float
+
+
+def _full_key(name: str, key: Any, args: tuple[Any, ...]) -> Any:
+  leaves, tree = jax.tree_util.tree_flatten(args)
+  avals = tuple((np.shape(x), str(getattr(x, "dtype", None) or np.result_type(x))) for x in leaves)
+  return (name, key, tree, avals)
+
+
+def lower(name: str, key: Any, fn: Callable, *args: Any, donate: tuple[int, ...] = ()) -> Lowered | None:
+  """`fn` lowered for these arguments (arrays or jax.ShapeDtypeStruct), or None if it is compiled."""
+  full_key = _full_key(name, key, args)
+  if full_key in _COMPILED:
+    return None
+  t0 = time.perf_counter()
+  low = jax.jit(fn, donate_argnums=donate).lower(*args)
+  return Lowered(name, full_key, low, time.perf_counter() - t0)
+
+
+def _store(full_key: Any, exe: Any) -> None:
+  if len(_COMPILED) >= _MAX_COMPILED:
+    _COMPILED.pop(next(iter(_COMPILED)))
+  _COMPILED[full_key] = exe
+
+
+def compile_together(pending: list[Lowered]) -> None:
+  """Compile the lowered functions, one thread each, and keep them; each is logged in COMPILE_LOG
+  with its own lower + compile seconds (their sum exceeds the wall time when they overlap)."""
+  def one(p: Lowered) -> tuple[Lowered, Any, float]:
+    t0 = time.perf_counter()
+    return p, p.lowered.compile(), time.perf_counter() - t0
+  if len(pending) == 1:
+    done = [one(pending[0])]
+  else:
+    with concurrent.futures.ThreadPoolExecutor(len(pending)) as pool:
+      done = list(pool.map(one, pending))
+  for p, exe, compile_s in done:
+    COMPILE_LOG.append((p.name, p.lower_s + compile_s))
+    _store(p.full_key, exe)
+
+
 def _aot(name: str, key: Any, fn: Callable, *args: Any, donate: tuple[int, ...] = ()) -> Any:
   """Lower+compile `fn` once per (name, key, argument shapes/dtypes); cached in `_COMPILED`.
   donate: argument positions whose buffers the executable may reuse (then invalid after the call)."""
-  leaves, tree = jax.tree_util.tree_flatten(args)
-  avals = tuple((np.shape(x), str(getattr(x, "dtype", None) or np.result_type(x))) for x in leaves)
-  full_key = (name, key, tree, avals)
-  exe = _COMPILED.get(full_key)
-  if exe is None:
-    t0 = time.perf_counter()
-    exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
-    COMPILE_LOG.append((name, time.perf_counter() - t0))
-    if len(_COMPILED) >= _MAX_COMPILED:
-      _COMPILED.pop(next(iter(_COMPILED)))
-    _COMPILED[full_key] = exe
-  return exe
-
+  pending = lower(name, key, fn, *args, donate=donate)
+  if pending is not None:
+    compile_together([pending])
+  return _COMPILED[_full_key(name, key, args)]

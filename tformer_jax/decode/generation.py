@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tformer_jax.decode.cache import _cache_shapes, with_cache_dtype
-from tformer_jax.decode.compiled import _aot, _model_key
+from tformer_jax.decode.compiled import _aot, _model_key, compile_together, lower
 from tformer_jax.decode.layout import decode_layout
 from tformer_jax.decode.request import (
   DecodeState,
@@ -105,18 +105,37 @@ class Request:
   rng: Array
   pad_id: int
 
-  def prefill(self, params: Any) -> DecodeState:
+  def _prefill(self, params: Any) -> tuple[str, Any, Callable, tuple[Any, ...]]:
     b, p = self.tokens_BxP.shape
-    key = (_model_key(self.model), b, self.slots)
     args = (params, self.tokens_BxP, self.mask_BxP, self.lengths_B, self.rng)
-    return _aot("prefill", key, _prefill_fn(self.model, self.slots), *args)(*args)
+    return "prefill", (_model_key(self.model), b, self.slots), _prefill_fn(self.model, self.slots), args
+
+  def _steps(self, params: Any, st: Any, n_steps: int, chunk: int, feed_last: bool
+             ) -> tuple[str, Any, Callable, tuple[Any, ...]]:
+    args = (params, st, np.int32(n_steps), self.stop_S, np.int32(self.pad_id), *self.knobs)
+    return ("decode_loop", (_model_key(self.model), self.spec, chunk, feed_last),
+            _loop_fn(self.model, self.spec, chunk, feed_last), args)
+
+  def compile(self, params: Any, chunk: int, feed_last: bool) -> None:
+    """Compile the prefill and the step loop (`steps(.., chunk, feed_last)`) together, on two
+    threads, when the prefill is not compiled yet: the first call waits for the longer compile."""
+    name, key, fn, args = self._prefill(params)
+    pre = lower(name, key, fn, *args)
+    if pre is None:
+      return
+    st = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), pre.lowered.out_info)
+    name, key, fn, args = self._steps(params, st, 1, chunk, feed_last)
+    loop = lower(name, key, fn, *args)
+    compile_together([x for x in (pre, loop) if x is not None])
+
+  def prefill(self, params: Any) -> DecodeState:
+    name, key, fn, args = self._prefill(params)
+    return _aot(name, key, fn, *args)(*args)
 
   def steps(self, params: Any, st: DecodeState, n_steps: int, chunk: int, feed_last: bool
             ) -> tuple[DecodeState, Array]:
-    key = (_model_key(self.model), self.spec, chunk, feed_last)
-    args = (params, st, np.int32(n_steps), self.stop_S, np.int32(self.pad_id), *self.knobs)
-    fn = _loop_fn(self.model, self.spec, chunk, feed_last)
-    return _aot("decode_loop", key, fn, *args)(*args)
+    name, key, fn, args = self._steps(params, st, n_steps, chunk, feed_last)
+    return _aot(name, key, fn, *args)(*args)
 
 
 def make_request(model: nn.Module, prompt_tokens: Any, *, max_new_tokens: int, temperature: float = 1.0,
@@ -167,6 +186,7 @@ def generate(model: nn.Module, params: Any, prompt_tokens: Any, *, max_new_token
                      top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                      stop_tokens=stop_tokens, rng=rng, max_len=max_len, pad_id=pad_id,
                      bucket_prompts=bucket_prompts)
+  req.compile(params, req.max_new_tokens, False)
   st = req.prefill(params)
   st, out = req.steps(params, st, req.max_new_tokens, req.max_new_tokens, False)
   out = np.asarray(out)
@@ -185,6 +205,7 @@ def generate_stream(model: nn.Module, params: Any, prompt_tokens: Any, *, max_ne
     raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
   model, params = decode_layout(with_cache_dtype(model, cache_dtype), nn.unbox(params), scan_layers)
   req = make_request(model, prompt_tokens, max_new_tokens=max_new_tokens, **kwargs)
+  req.compile(params, chunk_size, req.max_new_tokens > chunk_size)
   st = req.prefill(params)
   left = req.max_new_tokens
   while left > 0:

@@ -58,12 +58,11 @@ def decode_layout(model: nn.Module, params: Any, scan: bool | None = None) -> tu
   remat; None = the runtime's choice (`backends.current().decode_layout`, decided per platform by
   `resolve_runtime`; outside a `backends.use` block: scanned).
 
-  Scanning compiles one layer body instead of num_layers copies (the decode loop's compile time falls
-  by the layer count's share); on XLA:CPU each scanned step slices every layer's weights out of the
-  stack (a copy), so unrolled layers decode faster per token there (0.9B bf16, 2 cores: 64 vs 208
-  ms/token) but compile 2.6x longer (4.7 vs 1.8 s). Params are converted to the chosen layout (a copy
-  of the layer weights), the last conversion kept. A stack whose layers differ (MoE every k-th layer)
-  stays unrolled.
+  Scanning compiles one layer body instead of num_layers copies; on XLA:CPU each scanned step slices
+  every layer's weights out of the stack (a copy per layer per token), so unrolled layers decode
+  faster per token there but compile longer (figures: docs/runtime.md). Params are converted to the
+  chosen layout (a copy of the layer weights), the last conversion kept. A stack whose layers differ
+  (MoE every k-th layer) stays unrolled.
   """
   cfg = _cfg(model)
   if scan is None:
