@@ -82,6 +82,78 @@ def _mib(x: Any) -> str:
   return _f(None if x is None else x / 2 ** 20, ",.0f")
 
 
+def _train_lines(res: dict[str, Any], train: dict[str, Any] | None, args: Any) -> list[str]:
+  out = ["\n(a) training: " + (f"{res['config']}, batch {train['batch']} x {train['seq']}, "
+                               f"{(train.get('runtime') or {}).get('attention')} attention, {train.get('dtype')}"
+                               if train else "no result")]
+  if train:
+    out += [f"  {'tokens/s':<26}{train['tokens_per_s']:>12,.0f}",
+            f"  {'step ms (median)':<26}{train['step_ms_median']:>12.1f}   compile {train['compile_s']:.1f} s",
+            f"  {'MFU vs nominal':<26}{100 * train['mfu']:>11.1f}%   of {args.nominal_tflops:.0f} TFLOP/s",
+            f"  {'MFU vs measured matmul':<26}{100 * train['mfu_measured_peak']:>11.1f}%   "
+            f"matmul {train['peak_gflops'] / 1e3:.1f} TFLOP/s ({train.get('peak_dtype')})"]
+  return out
+
+
+def _torch_lines(res: dict[str, Any], torch_out: dict[str, Any] | None, skipped: str | None) -> list[str]:
+  out = ["\n(b) PyTorch peer (transformers LlamaForCausalLM, SDPA, bf16 autocast, fused AdamW)"
+         + (f", batch {torch_out['batch']} x {torch_out['seq']}" if torch_out else f": {skipped or 'no result'}")]
+  ratios = (res.get("summary") or {}).get("torch_ratios", {})
+  for mode, label in (("eager", "eager"), ("compile", "torch.compile")):
+    m = (torch_out or {}).get(mode)
+    if m is None:
+      continue
+    if "error" in m:
+      out.append(f"  {label:<26}ERROR: {m['error'][:90]}")
+      continue
+    r = ratios.get(f"ours_vs_torch_{mode}")
+    out.append(f"  {label:<26}{m['tokens_per_s']:>12,.0f} tok/s   first step {m['first_step_s']:.1f} s   "
+               f"ours / torch {_f(r, '.2f')}x")
+  return out
+
+
+def _generation_lines(c: dict[str, Any]) -> list[str]:
+  out = [f"\n(c) generation, greedy, bf16, prompt {c.get('prompt_len')} + {c.get('new_tokens')} new tokens",
+         f"  {'impl':<28}{'batch':>6}{'compile s':>11}{'first call s':>14}{'ttft ms':>10}{'ms/token':>10}{'tok/s':>11}"]
+  for x in c.get("rows", []):
+    name = "tformer_jax" if x["impl"] == "tformer_jax" else \
+        f"transformers {'eager' if x.get('mode') == 'eager' else 'static+compile'}"
+    if "error" in x:
+      out.append(f"  {name:<28}{x['batch']:>6}  ERROR: {x['error'][:80]}")
+      continue
+    out.append(f"  {name:<28}{x['batch']:>6}{_f(x.get('compile_s'), '.1f'):>11}"
+               f"{_f(x.get('first_call_s'), '.1f'):>14}{_f(x.get('ttft_ms'), '.1f'):>10}"
+               f"{_f(x.get('per_token_ms'), '.2f'):>10}{_f(x.get('tok_s'), ',.0f'):>11}")
+  if c.get("transformers_skipped"):
+    out.append(f"  transformers: skipped ({c['transformers_skipped']})")
+  return out
+
+
+def _attention_lines(d: dict[str, Any]) -> list[str]:
+  out = ["\n(d) attention, one causal layer fwd+bwd, bf16, batch 1",
+         f"  {'impl':<12}{'seq':>7}{'time ms':>10}{'compiled peak MiB':>19}{'device peak MiB':>17}  note"]
+  for x in d.get("rows", []):
+    note = x.get("error") or x.get("skipped") or ""
+    ms = None if x.get("time_s") is None else 1e3 * x["time_s"]
+    out.append(f"  {x['impl']:<12}{x['seq']:>7}{_f(ms, '.2f'):>10}"
+               f"{_mib(x.get('peak_bytes')):>19}{_mib(x.get('device_peak_bytes')):>17}  {note[:70]}")
+  return out
+
+
+def _numerics_lines(e: dict[str, Any]) -> list[str]:
+  out = [f"\n(e) attention numerics in bf16 vs the float32 reference, seq {e.get('seq')} "
+         "(relative error, ||x - ref|| / ||ref||)",
+         f"  {'impl':<15}{'out':>10}{'dq':>10}{'dk':>10}{'dv':>10}{'tol (out/grad)':>16}  verdict"]
+  for x in e.get("rows", []):
+    name = x["impl"] + (f"->{x['resolved']}" if x.get("resolved") else "")
+    if x.get("skipped") or x.get("error"):
+      out.append(f"  {name:<15}  {'skipped: ' + x['skipped'] if x.get('skipped') else 'ERROR: ' + x['error']}"[:120])
+      continue
+    out.append(f"  {name:<15}" + "".join(f"{x[f'{k}_rel_err']:>10.2e}" for k in ("out", "dq", "dk", "dv"))
+               + f"{x['tolerance']:>8g} /{x['grad_tolerance']:<6g}  {'ok' if x['ok'] else 'ABOVE TOLERANCE'}")
+  return out
+
+
 def render(res: dict[str, Any], args: Any) -> str:
   st = res["stages"]
   results = lambda k: (st.get(k) or {}).get("results") or {}  # noqa: E731
@@ -93,70 +165,13 @@ def render(res: dict[str, Any], args: Any) -> str:
     note = rec.get("skipped") or (rec.get("error") or "").split("\n")[0]
     out.append(f"{k + ' ' + STAGES[k]:<30}{rec.get('status', ''):<10}{_f(rec.get('seconds'), '.1f'):>9}"
                f"{_f(rec.get('budget_s'), '.0f'):>8}  {note[:90]}")
-  train = results("a").get("train")
-  if "a" in st:
-    out.append("\n(a) training: " + (f"{res['config']}, batch {train['batch']} x {train['seq']}, "
-                                      f"{(train.get('runtime') or {}).get('attention')} attention, {train.get('dtype')}"
-                                      if train else "no result"))
-    if train:
-      out += [f"  {'tokens/s':<26}{train['tokens_per_s']:>12,.0f}",
-              f"  {'step ms (median)':<26}{train['step_ms_median']:>12.1f}   compile {train['compile_s']:.1f} s",
-              f"  {'MFU vs nominal':<26}{100 * train['mfu']:>11.1f}%   of {args.nominal_tflops:.0f} TFLOP/s",
-              f"  {'MFU vs measured matmul':<26}{100 * train['mfu_measured_peak']:>11.1f}%   "
-              f"matmul {train['peak_gflops'] / 1e3:.1f} TFLOP/s ({train.get('peak_dtype')})"]
-  torch_out = results("b").get("torch")
-  if "b" in st:
-    out.append("\n(b) PyTorch peer (transformers LlamaForCausalLM, SDPA, bf16 autocast, fused AdamW)"
-               + (f", batch {torch_out['batch']} x {torch_out['seq']}" if torch_out else
-                  f": {st['b'].get('skipped') or 'no result'}"))
-    ratios = (res.get("summary") or {}).get("torch_ratios", {})
-    for mode, label in (("eager", "eager"), ("compile", "torch.compile")):
-      m = (torch_out or {}).get(mode)
-      if m is None:
-        continue
-      if "error" in m:
-        out.append(f"  {label:<26}ERROR: {m['error'][:90]}")
-        continue
-      r = ratios.get(f"ours_vs_torch_{mode}")
-      out.append(f"  {label:<26}{m['tokens_per_s']:>12,.0f} tok/s   first step {m['first_step_s']:.1f} s   "
-                 f"ours / torch {_f(r, '.2f')}x")
-  if "c" in st:
-    c = results("c")
-    out.append(f"\n(c) generation, greedy, bf16, prompt {c.get('prompt_len')} + {c.get('new_tokens')} new tokens")
-    out.append(f"  {'impl':<28}{'batch':>6}{'compile s':>11}{'first call s':>14}{'ttft ms':>10}{'ms/token':>10}"
-               f"{'tok/s':>11}")
-    for x in c.get("rows", []):
-      name = "tformer_jax" if x["impl"] == "tformer_jax" else \
-          f"transformers {'eager' if x.get('mode') == 'eager' else 'static+compile'}"
-      if "error" in x:
-        out.append(f"  {name:<28}{x['batch']:>6}  ERROR: {x['error'][:80]}")
-        continue
-      out.append(f"  {name:<28}{x['batch']:>6}{_f(x.get('compile_s'), '.1f'):>11}"
-                 f"{_f(x.get('first_call_s'), '.1f'):>14}{_f(x.get('ttft_ms'), '.1f'):>10}"
-                 f"{_f(x.get('per_token_ms'), '.2f'):>10}{_f(x.get('tok_s'), ',.0f'):>11}")
-    if c.get("transformers_skipped"):
-      out.append(f"  transformers: skipped ({c['transformers_skipped']})")
-  if "d" in st:
-    d = results("d")
-    out.append("\n(d) attention, one causal layer fwd+bwd, bf16, batch 1")
-    out.append(f"  {'impl':<12}{'seq':>7}{'time ms':>10}{'compiled peak MiB':>19}{'device peak MiB':>17}  note")
-    for x in d.get("rows", []):
-      note = x.get("error") or x.get("skipped") or ""
-      ms = None if x.get("time_s") is None else 1e3 * x["time_s"]
-      out.append(f"  {x['impl']:<12}{x['seq']:>7}{_f(ms, '.2f'):>10}"
-                 f"{_mib(x.get('peak_bytes')):>19}{_mib(x.get('device_peak_bytes')):>17}  {note[:70]}")
-  if "e" in st:
-    e = results("e")
-    out.append(f"\n(e) attention numerics in bf16 vs the float32 reference, seq {e.get('seq')} "
-               "(relative error, ||x - ref|| / ||ref||)")
-    out.append(f"  {'impl':<15}{'out':>10}{'dq':>10}{'dk':>10}{'dv':>10}{'tol (out/grad)':>16}  verdict")
-    for x in e.get("rows", []):
-      name = x["impl"] + (f"->{x['resolved']}" if x.get("resolved") else "")
-      if x.get("skipped") or x.get("error"):
-        out.append(f"  {name:<15}  {'skipped: ' + x['skipped'] if x.get('skipped') else 'ERROR: ' + x['error']}"[:120])
-        continue
-      out.append(f"  {name:<15}" + "".join(f"{x[f'{k}_rel_err']:>10.2e}" for k in ("out", "dq", "dk", "dv"))
-                 + f"{x['tolerance']:>8g} /{x['grad_tolerance']:<6g}  {'ok' if x['ok'] else 'ABOVE TOLERANCE'}")
+  sections = {"a": lambda: _train_lines(res, results("a").get("train"), args),
+              "b": lambda: _torch_lines(res, results("b").get("torch"), st["b"].get("skipped")),
+              "c": lambda: _generation_lines(results("c")), "d": lambda: _attention_lines(results("d")),
+              "e": lambda: _numerics_lines(results("e"))}
+  for k, lines in sections.items():
+    if k in st:
+      out += lines()
   out.append("\ntargets (reported, never a failure):")
   for t in res.get("targets", []):
     verdict = "not measured" if t["met"] is None else ("met" if t["met"] else "MISSED")
@@ -166,4 +181,3 @@ def render(res: dict[str, Any], args: Any) -> str:
   out.append(f"JSON: {pathlib.Path(args.out) / 'gpu_check.json'}" + ("" if smoke else "; earlier runs' figures: "
                                                                      "docs/benchmarks.md"))
   return "\n".join(out)
-

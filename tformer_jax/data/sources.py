@@ -38,6 +38,7 @@ import re
 from typing import Any, BinaryIO, Iterator, Sequence
 
 from tformer_jax.data.corpora import DataError
+from tformer_jax.data.fields import Fields, fields_text, parse_fields, record_text  # noqa: F401 (re-exported)
 from tformer_jax.data.json_array import ArrayReader
 
 log = logging.getLogger(__name__)
@@ -154,84 +155,6 @@ def resolve_sources(specs: Sequence[str]) -> list[Source]:
                         f"expected {known} (optionally .gz) or a datasets directory")
       out.append(_source(path, fmt, gz))
   return out
-
-
-# --- fields -----------------------------------------------------------------------------------------
-
-Fields = tuple[tuple[str, ...], ...]
-
-
-def parse_fields(spec: str | Sequence[str] | None) -> Fields:
-  """'title,paragraphs' or ['title', 'paragraphs'] or 'meta.text' -> key paths; None -> ()."""
-  if spec is None:
-    return ()
-  items = [spec] if isinstance(spec, str) else list(spec)
-  out = []
-  for item in items:
-    for name in str(item).split(","):
-      name = name.strip()
-      if not name:
-        continue
-      parts = tuple(p.strip() for p in name.split("."))
-      if any(not p for p in parts):
-        raise DataError(f"field {name!r}: empty key in the path (fields are key paths like 'a.b.c')")
-      out.append(parts)
-  if not out:
-    raise DataError(f"field spec {spec!r} names no field")
-  return tuple(out)
-
-
-def fields_text(fields: Fields) -> list[str]:
-  return [".".join(f) for f in fields]
-
-
-def _pieces(value: Any, path: tuple[str, ...], full: str, where: str, out: list[str]) -> None:
-  if value is None:
-    return
-  if isinstance(value, list):
-    for item in value:
-      _pieces(item, path, full, where, out)
-    return
-  if path:
-    if not isinstance(value, dict):
-      raise DataError(f"{where}: field {full!r}: {'.'.join(path)!r} is read from a {type(value).__name__}, "
-                      "not an object")
-    if path[0] not in value:
-      keys = ", ".join(map(repr, list(value)[:12])) or "none"
-      raise DataError(f"{where}: no field {full!r} (missing key {path[0]!r}; the keys there: {keys})")
-    _pieces(value[path[0]], path[1:], full, where, out)
-    return
-  if isinstance(value, str):
-    out.append(value)
-  elif isinstance(value, (bytes, bytearray)):
-    out.append(bytes(value).decode("utf-8", errors="surrogateescape"))
-  else:
-    raise DataError(f"{where}: field {full!r} holds a {type(value).__name__} ({str(value)[:40]}), not text")
-
-
-def record_text(record: Any, fields: Fields, where: str) -> str:
-  """The text of one record: its fields' strings joined with newlines."""
-  if not fields:
-    if isinstance(record, str):
-      return record
-    keys = f" (its keys: {', '.join(map(repr, list(record)[:12]))})" if isinstance(record, dict) else ""
-    raise DataError(f"{where}: the record is a {type(record).__name__}{keys}, not a string: pass the text "
-                    "field(s) with --field / --column (text_field=...)")
-  out: list[str] = []
-  for f in fields:
-    if len(f) == 1 and type(record) is dict:     # the common case, without the general walk
-      value = record.get(f[0], _MISSING)
-      if type(value) is str:
-        out.append(value)
-        continue
-      if type(value) is list and all(type(v) is str for v in value):
-        out += value
-        continue
-    _pieces(record, f, ".".join(f), where, out)
-  return "\n".join(out)
-
-
-_MISSING = object()
 
 
 # --- units (main process) ---------------------------------------------------------------------------
@@ -447,54 +370,67 @@ def _loads(text: str, where: str) -> Any:
     raise DataError(f"{where}: invalid JSON: {e}") from None
 
 
+def _files_documents(unit: Unit, fields: Fields, on_bad_utf8: str) -> list[str | int]:
+  """Whole files: a .txt is one document, a JSON file its record(s)."""
+  out: list[str | int] = []
+  for file, fmt, gz in unit.data:
+    data = _read(file, gz)
+    if fmt == "txt":
+      out.append(_doc_or_code(data, file, on_bad_utf8))
+      continue
+    value = _loads(data.decode("utf-8", errors="surrogateescape"), file)
+    records = value if isinstance(value, list) else [value]
+    out += [_doc_or_code(record_text(r, fields, f"{file}: record {i}"), f"{file}: record {i}", on_bad_utf8)
+            for i, r in enumerate(records)]
+  return out
+
+
+def _txt_documents(unit: Unit, on_bad_utf8: str, txt_split: str) -> list[str | int]:
+  """A block of a .txt file: its non-empty lines, or its paragraphs, each named by its first line."""
+  data: bytes = unit.data
+  out: list[str | int] = []
+  if txt_split == "line":
+    for i, line in enumerate(data.split(b"\n")):
+      line = line.rstrip(b"\r")
+      if line.strip():
+        out.append(_doc_or_code(line, f"{unit.path}:{unit.position.line + i}", on_bad_utf8))
+    return out
+  line, pos = unit.position.line, 0
+  for m in [*_PARAGRAPH.finditer(data), None]:
+    end = m.start() if m else len(data)
+    para = data[pos:end]
+    if para.strip():
+      first = line + para[:len(para) - len(para.lstrip(b"\r\n"))].count(b"\n")
+      out.append(_doc_or_code(para.strip(b"\r\n"), f"{unit.path}:{first}", on_bad_utf8))
+    if m:
+      line += data.count(b"\n", pos, m.end())
+      pos = m.end()
+  return out
+
+
+def _jsonl_documents(unit: Unit, fields: Fields, on_bad_utf8: str) -> list[str | int]:
+  out: list[str | int] = []
+  for i, line in enumerate(unit.data.split(b"\n")):
+    if not line.strip():
+      continue
+    where = f"{unit.path}:{unit.position.line + i}"
+    record = _loads(line.decode("utf-8", errors="surrogateescape"), where)
+    out.append(_doc_or_code(record_text(record, fields, where), where, on_bad_utf8))
+  return out
+
+
 def unit_documents(unit: Unit, fields: Fields, on_bad_utf8: str, txt_split: str) -> list[str | int]:
   """Each record of the unit in order: its document text, or NOT_UTF8 / EMPTY for a skipped one."""
-  path = unit.path
   if unit.kind == "files":
-    out: list[str | int] = []
-    for file, fmt, gz in unit.data:
-      data = _read(file, gz)
-      if fmt == "txt":
-        out.append(_doc_or_code(data, file, on_bad_utf8))
-        continue
-      value = _loads(data.decode("utf-8", errors="surrogateescape"), file)
-      records = value if isinstance(value, list) else [value]
-      out += [_doc_or_code(record_text(r, fields, f"{file}: record {i}"), f"{file}: record {i}", on_bad_utf8)
-              for i, r in enumerate(records)]
-    return out
+    return _files_documents(unit, fields, on_bad_utf8)
   if unit.kind == "binary":
-    return [_bad_utf8(path, on_bad_utf8, "a binary file: it holds NUL bytes", binary=True)]
+    return [_bad_utf8(unit.path, on_bad_utf8, "a binary file: it holds NUL bytes", binary=True)]
   if unit.kind == "txt_block":
-    data: bytes = unit.data
-    out = []
-    if txt_split == "line":
-      for i, line in enumerate(data.split(b"\n")):
-        line = line.rstrip(b"\r")
-        if line.strip():
-          out.append(_doc_or_code(line, f"{path}:{unit.position.line + i}", on_bad_utf8))
-      return out
-    line, pos = unit.position.line, 0
-    for m in [*_PARAGRAPH.finditer(data), None]:
-      end = m.start() if m else len(data)
-      para = data[pos:end]
-      if para.strip():
-        first = line + para[:len(para) - len(para.lstrip(b"\r\n"))].count(b"\n")
-        out.append(_doc_or_code(para.strip(b"\r\n"), f"{path}:{first}", on_bad_utf8))
-      if m:
-        line += data.count(b"\n", pos, m.end())
-        pos = m.end()
-    return out
+    return _txt_documents(unit, on_bad_utf8, txt_split)
   if unit.kind == "jsonl_block":
-    out = []
-    for i, line in enumerate(unit.data.split(b"\n")):
-      if not line.strip():
-        continue
-      where = f"{path}:{unit.position.line + i}"
-      record = _loads(line.decode("utf-8", errors="surrogateescape"), where)
-      out.append(_doc_or_code(record_text(record, fields, where), where, on_bad_utf8))
-    return out
+    return _jsonl_documents(unit, fields, on_bad_utf8)
   if unit.kind == "records":
     first = unit.position.offset
-    return [_doc_or_code(record_text(r, fields, f"{path}: record {first + i}"), f"{path}: record {first + i}",
-                         on_bad_utf8) for i, r in enumerate(unit.data)]
+    return [_doc_or_code(record_text(r, fields, f"{unit.path}: record {first + i}"),
+                         f"{unit.path}: record {first + i}", on_bad_utf8) for i, r in enumerate(unit.data)]
   raise DataError(f"unknown unit kind {unit.kind!r}")
