@@ -125,7 +125,7 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
   is_main = jax.process_index() == 0
 
   ds = pipeline.build_dataset(cfg.data)
-  # model, optimizer, abstract sharded state and the jitted steps: the same builder as tformer_jax/aot.py
+  # model, optimizer, abstract sharded state and the jitted steps: the same builder as tformer_jax/aot/
   program = setup_lib.build(cfg, mesh, runtime.backend, vocab_size=ds.vocab_size)
   model, rules, abstract, shardings = program.model, program.rules, program.abstract, program.shardings
   objectives.check_mask_token(model.cfg, ds.vocab_size)   # encoders: a [MASK] id of their own

@@ -5,7 +5,7 @@
   program.train_step        # jit(in_shardings=(state, batch), out_shardings=(state, None), donate state)
   program.train_step.lower(program.abstract, abstract_batch(cfg, mesh)).compile()   # ahead of time
 
-train/loop.py runs `train_step` on arrays; tformer_jax/aot.py lowers the very same function on abstract
+train/loop.py runs `train_step` on arrays; tformer_jax/aot/ lowers the very same function on abstract
 inputs for a TPU topology. One builder serves both, so the compiled figures are those of the step the
 loop runs: same model config (train.precision applied), logical-axis rules, optimizer and state tree,
 shardings, donation, remat/scan. Nothing here touches data, a workdir or device memory: `init` is only
