@@ -41,7 +41,7 @@ def _cfg(**kw) -> ModelConfig:
 def _setup(m: ModelConfig, length: int = 13):
   model = Transformer(m)
   tokens = jax.random.randint(jax.random.PRNGKey(3), (2, length), 0, m.vocab_size)
-  params = nn.unbox(model.init(jax.random.PRNGKey(0), tokens)["params"])
+  params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), tokens)["params"])
   return model, params, tokens
 
 
@@ -55,15 +55,20 @@ def test_forward_mode_autodiff_through_apply():
   def loss(p):
     return jnp.mean(jnp.tanh(model.apply({"params": p}, tokens)))
 
+  # Each transform under jit: the same traced program, compiled once instead of op by op.
   direction = jax.tree.map(lambda x: jax.random.normal(jax.random.PRNGKey(x.size), x.shape), params)
-  _, jvp = jax.jvp(loss, (params,), (direction,))
-  vjp = sum(jnp.vdot(g, d) for g, d in zip(jax.tree.leaves(jax.grad(loss)(params)),
+  _, jvp = jax.jit(lambda p, d: jax.jvp(loss, (p,), (d,)))(params, direction)
+  vjp = sum(jnp.vdot(g, d) for g, d in zip(jax.tree.leaves(jax.jit(jax.grad(loss))(params)),
                                           jax.tree.leaves(direction)))
   np.testing.assert_allclose(float(jvp), float(vjp), rtol=1e-4)
 
-  y, lin = jax.linearize(loss, params)
-  np.testing.assert_allclose(float(lin(direction)), float(jvp), rtol=1e-5)
-  np.testing.assert_allclose(float(y), float(loss(params)), rtol=1e-6)
+  def linearized(p, d):
+    y, lin = jax.linearize(loss, p)
+    return y, lin(d)
+
+  y, lin_d = jax.jit(linearized)(params, direction)
+  np.testing.assert_allclose(float(lin_d), float(jvp), rtol=1e-5)
+  np.testing.assert_allclose(float(y), float(jax.jit(loss)(params)), rtol=1e-6)
 
   # jacfwd of the logits w.r.t. the embedding table of a tiny model, against reverse mode
   emb = params["embed"]
@@ -71,8 +76,8 @@ def test_forward_mode_autodiff_through_apply():
   def logits_of(e):
     return model.apply({"params": {**params, "embed": e}}, tokens[:1, :4])[0, -1, :5]
 
-  np.testing.assert_allclose(np.asarray(jax.jacfwd(logits_of)(emb)),
-                             np.asarray(jax.jacrev(logits_of)(emb)), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(jax.jit(jax.jacfwd(logits_of))(emb)),
+                             np.asarray(jax.jit(jax.jacrev(logits_of))(emb)), rtol=1e-5, atol=1e-6)
 
 
 # -- reference == xla_cpu ---------------------------------------------------------------------------
