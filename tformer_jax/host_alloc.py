@@ -17,6 +17,7 @@ libtcmalloc-minimal4`.
 """
 from __future__ import annotations
 
+import ctypes
 import glob
 import importlib.util
 import os
@@ -119,6 +120,25 @@ def plan(env: Mapping[str, str], tcmalloc: str | None, glibc: tuple[int, int] | 
   if glibc is None or glibc < (2, 35) or HUGETLB in tunables:
     return None
   return {"GLIBC_TUNABLES": f"{tunables}:{HUGETLB}" if tunables else HUGETLB, ENV_DONE: "hugetlb"}
+
+
+def release_free_memory() -> str | None:
+  """Hand the allocator's free pages back to the system, so that RSS falls to what is allocated:
+  tcmalloc's MallocExtension_ReleaseFreeMemory, glibc's malloc_trim(0). Returns which ran (None: neither).
+  tcmalloc keeps every freed span mapped, so one-off transients (loading a checkpoint or HF weights,
+  compiling, the first steps' buffers before the allocator settles) stay in RSS for the whole run; the
+  train loop calls this after them and after each evaluation, never every step (the step's temp buffer
+  would then fault in again)."""
+  try:
+    lib = ctypes.CDLL(None)
+  except OSError:
+    return None
+  for name, args in (("MallocExtension_ReleaseFreeMemory", ()), ("malloc_trim", (0,))):
+    fn = getattr(lib, name, None)
+    if fn is not None:
+      fn(*args)
+      return name
+  return None
 
 
 def maybe_reexec() -> None:

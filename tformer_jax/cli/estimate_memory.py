@@ -103,6 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   if source:
     print(f"source: train.init_from={source} (its architecture: max_len {m.max_len}, vocabulary {m.vocab_size})")
   print(est_lib.format_report(m, est, batch, seq, xla, kv))
+  host = est_lib.host_rss(est, cfg) if platform == "cpu" and args.devices <= 1 else None
+  if host is not None:
+    print("\n" + est_lib.format_host(host))
   if skipped:
     print(f"\nXLA side skipped: {skipped}")
   if args.json:
@@ -110,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
            "phases": est.phases,
            "execution": est.execution, "notes": est.notes, "activation_per_layer": est.activation_per_layer,
            "flops_per_token": est.flops_per_token, "executed_flops_per_token": est.executed_flops_per_token,
-           "xla": xla, "ratio": (est.total / xla["total"]) if xla else None}
+           "xla": xla, "ratio": (est.total / xla["total"]) if xla else None, "host_rss": host}
     if kv:
       out["kv_cache_bytes_fp16"] = est_lib.kv_cache_bytes(m.num_layers, kv[0], kv[1], m.kv_heads, m.hd, 2)
       out["kv_cache_bytes_int8"] = est_lib.kv_cache_bytes_as(m, kv[0], kv[1], "int8")

@@ -80,7 +80,7 @@ from tformer_jax import backends
 from tformer_jax.bench import flops as flops_lib
 from tformer_jax.config import GLU_ACTIVATIONS, ModelConfig, default_config
 from tformer_jax.nn import Transformer
-from tformer_jax.ops import kv_quant, moe_parallel
+from tformer_jax.ops import kv_quant, lora as lora_ops, moe_parallel
 from tformer_jax.ops.chunked_attention import chunk_table
 from tformer_jax.ops.moe import capacity as moe_capacity
 from tformer_jax.parallel import mesh as mesh_lib, rules as rules_lib
@@ -127,6 +127,7 @@ class Execution:
   optim: Any = None                 # the optim config section (None: the defaults, AdamW)
   batch_arrays: tuple[tuple[str, int], ...] = (("inputs", 4), ("targets", 4))   # (name, bytes per token)
   moe_exchange: str = "global"      # runtime.moe_exchange resolved: global | all_to_all | ragged
+  lora: tuple[tuple[str, ...], int] | None = None   # train.lora (targets, rank): adapters on a frozen base
 
   def attention_path(self, m: ModelConfig) -> str:
     """What the layers run (backends/base.py Backend.attention): 'dense' (reference, xla), 'chunked_cpu'
@@ -143,8 +144,10 @@ class Execution:
 
   def describe(self, m: ModelConfig) -> str:
     kernels = f", C++ kernels {'on' if self.cpu_kernels else 'off'}" if self.backend == "xla_cpu" else ""
+    lora = f", LoRA rank {self.lora[1]} on {','.join(self.lora[0])}" if self.lora else ""
     return (f"{self.backend} (attention {self.attention} -> {self.attention_path(m)}{kernels}) on {self.platform}; "
-            f"{m.dtype} compute, loss_chunk {self.loss_chunk}, {self.optim_name()}, grad_accum {self.grad_accum}")
+            f"{m.dtype} compute, loss_chunk {self.loss_chunk}, {self.optim_name()}, grad_accum {self.grad_accum}"
+            f"{lora}")
 
 
 @dataclasses.dataclass
@@ -204,6 +207,14 @@ def optimizer_state_bytes(m: ModelConfig, optim_cfg: Any = None) -> int:
   tx, _ = optim.make_optimizer(optim_cfg if optim_cfg is not None else default_config().optim, 1000)
   state = jax.eval_shape(tx.init, param_shapes(m))
   return int(sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state)))
+
+
+def lora_shapes(m: ModelConfig, lora: tuple[tuple[str, ...], int]) -> tuple[int, int]:
+  """(adapter parameters, parameters of the kernels they adapt) of train.lora on m (ops/lora.py)."""
+  shapes = param_shapes(m)
+  adapters = jax.eval_shape(lambda p: lora_ops.init(jax.random.PRNGKey(0), p, lora[0], lora[1]), shapes)
+  targeted = sum(math.prod(w.shape) for _, w, _, _ in lora_ops._targeted(shapes, lora[0]))
+  return int(sum(math.prod(x.shape) for x in jax.tree.leaves(adapters))), int(targeted)
 
 
 def kv_cache_bytes(num_layers: int, batch: int, length: int, kv_heads: int, head_dim: int,
@@ -386,12 +397,18 @@ def estimate(m: ModelConfig, batch: int, seq: int, *, remat: bool | None = None,
     activations, working = activations + outer_norms, max(loss, recompute)
   else:
     activations, working = sum(k for k, _ in blocks) + outer_norms, max([loss] + [tr for _, tr in blocks])
-  grads = n * F32 if ex.grad_accum > 1 else 0               # the running sum of micro-batch gradients
-  if m.scan_layers:
-    grads += (SCAN_WEIGHT_COPIES if m.num_layers > 1 else 1) * _layer_params(m) * F32
+  trained = n                                               # parameters with gradients and optimizer state
+  grads = 0
+  if ex.lora:   # the adapters are trained; the merged kernels (base + A @ B) exist while the step runs
+    trained, targeted = lora_shapes(m, ex.lora)
+    grads = targeted * F32 * (2 if m.scan_layers else 1)    # (+ their transposes hoisted out of a scan)
+  elif m.scan_layers:
+    grads = (SCAN_WEIGHT_COPIES if m.num_layers > 1 else 1) * _layer_params(m) * F32
+  grads += trained * F32 if ex.grad_accum > 1 else 0       # the running sum of micro-batch gradients
   fused = ex.backend == "xla_cpu" and ex.cpu_kernels and ex.optim_name() == "adamw"
-  update = n * F32 * (1 if fused else 3)                    # gradients (+ optax's updates and new moments)
-  fixed = {"params": n * _bytes(m.param_dtype), "optimizer": optimizer_state_bytes(m, ex.optim),
+  update = trained * F32 * (1 if fused else 3)              # gradients (+ optax's updates and new moments)
+  optimizer = (optimizer_state_bytes(m, ex.optim) * trained // n)
+  fixed = {"params": (n + (trained if ex.lora else 0)) * _bytes(m.param_dtype), "optimizer": optimizer,
            "batch": sum(b for _, b in ex.batch_arrays) * batch * seq,
            "compute_params": compute_cast_params(m) * w if m.dtype != m.param_dtype else 0}
   phases = {"backward": activations + working + grads, "update": update}
@@ -550,16 +567,69 @@ def execution_of(cfg: Any, *, platform: str | None = None, mesh_devices: int = 1
   rt = backends.resolve_runtime(cfg, platform=platform, mesh_devices=mesh_devices, quiet=True)
   b = rt.backend
   arrays = tuple((name, jnp.dtype(dt).itemsize) for name, (_, dt) in setup_lib.batch_spec(cfg.data).items())
+  lora = setup_lib.lora_settings(cfg)
   return Execution(backend=b.name, attention=b.attention_impl, block_q=b.block_q, block_k=b.block_k,
                    cpu_kernels=bool(getattr(b, "cpu_kernels", False)), platform=rt.platform,
                    loss_chunk=int(cfg.train.get("loss_chunk", 0) or 0), grad_accum=int(cfg.optim.grad_accum),
-                   optim=cfg.optim, batch_arrays=arrays, moe_exchange=str(getattr(b, "moe_exchange", "global")))
+                   optim=cfg.optim, batch_arrays=arrays, moe_exchange=str(getattr(b, "moe_exchange", "global")),
+                   lora=lora[:2] if lora else None)
 
 
 def estimate_config(cfg: Any, *, platform: str | None = None) -> Estimate:
   """The estimate for cfg's train step: the model with train.precision applied, the runtime resolved."""
   m = setup_lib.resolve_model_config(cfg, check_paths=False)
   return estimate(m, int(cfg.data.batch_size), int(cfg.data.seq_len), execution=execution_of(cfg, platform=platform))
+
+
+# -- host memory (RSS) of a CPU run ------------------------------------------------------------------------
+
+# What a CPU training process holds besides the train step's arrays, measured on the 2-core machine with
+# the allocator the CLIs use (tcmalloc; /proc/PID/status VmRSS sampled every 0.25 s, docs/finetune.md):
+# python + jax/XLA:CPU + the package's imports + the compiled executables + the data pipeline's buffers
+# before the first step (llama_tiny, finetune_hf on a 135M Llama: 0.40-0.55 GiB).
+RUNTIME_BASELINE = 480 * MiB
+# tcmalloc keeps freed spans mapped, and the train step's temp buffer (malloc'd on every call) is served
+# from a second span once (XLA:CPU's allocations between calls fragment the first): the heap holds two
+# temp buffers' worth from the first steps on, while one is in use.
+TEMP_COPIES = 2
+
+
+def host_rss(est: Estimate, cfg: Any) -> dict[str, int]:
+  """The peak resident memory of cfg's training process on CPU, by term (bytes): on CPU the "device"
+  arrays are host memory, so the train step's estimate plus what the host adds:
+    runtime     RUNTIME_BASELINE (interpreter, jax/XLA:CPU, imports, executables, data pipeline)
+    state       params + optimizer state (+ the batch) live for the whole run
+    step_temp   the step's temporaries (est.total - state), TEMP_COPIES of them held by the allocator
+    checkpoint  Orbax's host copy of the saved state while it writes (a LoRA run: the adapters only)
+    init_from   loading the source's weights: a float32 host copy next to the state being built
+  peak = runtime + state + max(step_temp, checkpoint, init_from): the three happen at different
+  times; the loop hands free pages back after loading and after each evaluation (host_alloc)."""
+  state = est.bytes.get("params", 0) + est.bytes.get("optimizer", 0) + est.bytes.get("batch", 0)
+  temp = max(est.total - state, 0)
+  lora = cfg.train.get("lora") if "train" in cfg else None
+  lora_on = bool(lora) and int(lora.get("rank", 0)) > 0
+  trained = est.params if not lora_on else est.bytes.get("optimizer", 0) // (2 * F32)
+  saved = trained * F32 + est.bytes.get("optimizer", 0)
+  source = str(cfg.train.get("init_from", "") or "") if "train" in cfg else ""
+  load = est.params * F32 if source else 0
+  terms = {"runtime": RUNTIME_BASELINE, "state": state, "step_temp": TEMP_COPIES * temp,
+           "checkpoint": saved, "init_from": load}
+  terms["peak"] = terms["runtime"] + state + max(terms["step_temp"], saved, load)
+  return terms
+
+
+def format_host(terms: dict[str, int]) -> str:
+  """The host-RSS lines of tformer-estimate (a CPU run)."""
+  g = lambda b: f"{b / (1024 * MiB):6.2f} GiB"  # noqa: E731
+  return "\n".join([
+      "host RSS of this run on CPU (train step + what the host adds; peak = runtime + state + the largest of "
+      "the rest):",
+      f"  runtime        {g(terms['runtime'])}  (python, jax/XLA:CPU, imports, executables, data pipeline)",
+      f"  state          {g(terms['state'])}  (params + optimizer state + batch)",
+      f"  step_temp      {g(terms['step_temp'])}  (the step's temporaries x{TEMP_COPIES}: the allocator's heap)",
+      f"  checkpoint     {g(terms['checkpoint'])}  (Orbax's host copy of the saved state)",
+      f"  init_from      {g(terms['init_from'])}  (the source's weights in float32 while they load)",
+      f"  peak           {g(terms['peak'])}"])
 
 
 # -- XLA's side ---------------------------------------------------------------------------------------------
@@ -678,5 +748,5 @@ def format_report(m: ModelConfig, est: Estimate, batch: int, seq: int, xla: dict
 
 __all__ = ["Estimate", "Execution", "activation_bytes_per_layer", "compiled_analysis", "compiled_analysis_config",
            "estimate", "estimate_config", "execution_of", "extra_flops_per_token", "flops_per_token",
-           "format_report", "kv_cache_bytes", "optimizer_state_bytes", "param_count",
+           "format_host", "format_report", "host_rss", "kv_cache_bytes", "optimizer_state_bytes", "param_count",
            "param_shapes"]

@@ -22,7 +22,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from tformer_jax import backends, config as config_lib, decode
+from tformer_jax import backends, config as config_lib, decode, host_alloc
 from tformer_jax.checkpoint import Checkpointer
 from tformer_jax.data import pipeline, prepared as prepared_lib
 from tformer_jax.eval.in_training import HarnessEval, task_names
@@ -155,6 +155,7 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
     start = 0
     if given:
       log.info("initialised %s from %s", "the frozen base" if lora else "parameters", cfg.train.init_from)
+  host_alloc.release_free_memory()   # the loading's transients (host_alloc: kept mapped otherwise)
   n_params = state_lib.param_count(state.params) + state_lib.param_count(state.frozen or {})
   if lora and is_main:
     log.info("LoRA: %s adapter parameters trained (rank %d, targets %s) on a frozen base of %s",
@@ -235,6 +236,8 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
         finish_step(*pending)                # ... before reading step N's metrics
       pending = (step + 1, metrics)
       progress.update(1)
+      if step - start in (1, 2):   # the compiles and the first steps' buffers are behind: their free pages back
+        host_alloc.release_free_memory()
       done = step + 1
       if done % cfg.train.eval_every == 0 or done == cfg.train.steps:
         finish_step(*pending)
@@ -244,6 +247,7 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
           ev.update(harness_eval(mesh_lib.to_host(program.full_params(state))))
         writer.write(done, ev)
         final.update(ev)
+        host_alloc.release_free_memory()
         if is_main and not model.cfg.causal:
           log.info("step %d: val_loss %.4f (masked LM), masked-token accuracy %.4f", done, ev["val_loss"],
                    ev["val_accuracy"])

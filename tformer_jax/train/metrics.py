@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import pathlib
+import sys
 from typing import Any, Sequence
 
 from tformer_jax.config import ConfigError
@@ -46,6 +47,20 @@ def _parse(path: pathlib.Path, text: str) -> list[tuple[str, dict]]:
   return rows
 
 
+def _summary_writer() -> Any:
+  """tensorboardX's SummaryWriter, imported without PyTorch: tensorboardX imports torch when it is
+  installed (only to accept torch tensors; we log floats), ~210 MB of RSS and seconds of start-up."""
+  if "torch" in sys.modules:
+    from tensorboardX import SummaryWriter  # noqa: PLC0415 (slow import, ~1 s; only enabled writers need it)
+    return SummaryWriter
+  sys.modules["torch"] = None   # type: ignore[assignment]  # `import torch` raises ImportError meanwhile
+  try:
+    from tensorboardX import SummaryWriter  # noqa: PLC0415
+  finally:
+    del sys.modules["torch"]
+  return SummaryWriter
+
+
 class MetricWriter:
   """Every metric row to the run's loggers (train.loggers): jsonl (WORKDIR/metrics.jsonl, the run's
   record: resume, plots and tests read it), tensorboard (WORKDIR/tb, tensorboardX) and wandb (Weights &
@@ -69,8 +84,7 @@ class MetricWriter:
         write_atomic(self.path, "".join(line + "\n" for line in keep).encode())
     self._file = self.path.open("a")
     if "tensorboard" in loggers:
-      from tensorboardX import SummaryWriter  # noqa: PLC0415 (slow import, ~1 s; only enabled writers need it)
-      self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tb"))
+      self._tb = _summary_writer()(str(pathlib.Path(workdir) / "tb"))
     if "wandb" in loggers:
       self._wandb = _wandb_run(pathlib.Path(workdir), project, run_config or {})
 
