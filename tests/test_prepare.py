@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import json
 import os
 import pathlib
@@ -19,6 +20,7 @@ from tformer_jax.bench.tokenizer import tokenizer_ceiling
 from tformer_jax.cli import prepare as prepare_cli
 from tformer_jax.data import sources
 from tformer_jax.data.corpora import DataError, load_corpus
+from tformer_jax.data.json_array import ArrayReader
 from tformer_jax.data.prepared import PROGRESS, open_prepared, prepare, token_dtype
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -146,6 +148,22 @@ def test_corrupt_or_truncated_shard_is_named(tmp_path, paragraphs):
 
 
 # --- formats and fields ------------------------------------------------------------------------------
+
+def test_the_json_array_reader_reads_any_chunking_like_json_loads(monkeypatch):
+  """The streamed reader of large .json arrays (data/json_array.py) at chunk sizes that cut numbers, strings
+  and nesting anywhere: the values json.loads gives; a truncated array names the character where it ends."""
+  records = [{"title": "T", "n": 12345, "x": -1.5e-3, "ok": True, "none": None, "lines": ["a", "b, c"]},
+             7, 0.25, "text with , and ]", [], {}]
+  text = json.dumps(records, indent=1)
+  for chunk in (1, 2, 3, 7, 1 << 20):
+    monkeypatch.setattr(ArrayReader, "CHUNK", chunk)
+    assert list(ArrayReader(io.StringIO(text), "w").elements()) == records
+    assert list(ArrayReader(io.StringIO(" [ ] "), "w").elements()) == []
+    with pytest.raises(DataError, match=r"w: invalid JSON at character 8: the file ends inside the array"):
+      list(ArrayReader(io.StringIO("[1, 2345"), "w").elements())
+    with pytest.raises(DataError, match=r"expected ',' or '\]', found '2'"):
+      list(ArrayReader(io.StringIO("[1 2]"), "w").elements())
+
 
 def test_formats_and_fields(tmp_path, paragraphs, monkeypatch):
   docs = paragraphs[:40]
