@@ -1,10 +1,13 @@
 """Context parallelism (a 'context' mesh axis splits each sequence) on the 8 fake CPU devices.
 
-Invariants: a model's logits and parameter gradients on meshes (data=2, context=4) and (context=8),
-strategies 'all_gather' and 'ring', equal one device's within 1e-5 (float32; GQA, RoPE at global
-positions, a sliding window, packed documents); 30 training steps through the real CLI equal the
-single-device losses within 1e-4; a long forward takes less memory per device on (context=8) than
-on one device (XLA's compiled memory analysis); an unused mesh axis is a one-line ConfigError.
+Invariants: a model's logits (back in natural order) and parameter gradients on meshes (data=2,
+context=4) and (context=8), strategies 'all_gather' (the sequence striped for load balance by the
+step's `context_layout`, and contiguous) and 'ring', equal one device's within 1e-5 (float32; GQA,
+RoPE at global positions, a sliding window, packed documents); splash on a striped context axis equals
+the reference; 30 training steps through the real CLI (striped) equal the single-device losses within
+1e-4; striping gives every shard the same visible causal tiles; a long forward takes less memory per
+device on (context=8) than on one device (XLA's compiled memory analysis); an unused mesh axis is a
+one-line ConfigError.
 """
 import json
 import sys
@@ -19,9 +22,13 @@ import pytest
 from jax.sharding import AxisType
 
 from tformer_jax import backends
-from tformer_jax.config import ConfigError, ModelConfig
+from tformer_jax.backends import splash as splash_lib
+from tformer_jax.config import ConfigError, ModelConfig, validate
 from tformer_jax.nn.transformer import Transformer
+from tformer_jax.ops import context_parallel as cp_ops
+from tformer_jax.ops.masks import Visibility
 from tformer_jax.parallel import mesh as mesh_lib, rules as rules_lib
+from tformer_jax.train import step as step_lib
 
 from train_utils import REPO, env, run, tiny_config
 
@@ -42,39 +49,111 @@ def _batch():
 
 
 def _logits_and_grads(backend, mesh=None):
+  """Loss, logits (in natural order) and gradients of CFG on _batch(), the batch laid out as the
+  train step lays it out (`step.context_layout`: striped over the context shards when it balances),
+  and the number of context shards it was striped over (1: not striped)."""
   model = Transformer(CFG)
   tokens, seg, pos = _batch()
   params = model.init(jax.random.PRNGKey(0), tokens[:, :-1])["params"]
+  stripes = []
 
   def loss_fn(p):
-    logits = model.apply({"params": p}, tokens[:, :-1], segment_ids_BxL=seg, positions_BxL=pos)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(), logits
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg, "positions": pos}
+    with step_lib.context_layout(model, batch) as b:
+      stripes.append(backends.current().context_stripes)
+      logits = model.apply({"params": p}, b["inputs"], segment_ids_BxL=b["segment_ids"], positions_BxL=b["positions"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"]).mean()
+    n = stripes[-1]
+    return loss, cp_ops.unstripe(logits, n) if n > 1 else logits
 
   fn = jax.value_and_grad(loss_fn, has_aux=True)
   with backends.use(backend):
     if mesh is None:
-      return jax.jit(fn)(params)
+      return jax.jit(fn)(params), max(1, stripes[-1])
     rules = rules_lib.get_rules("dp", mesh.axis_names)
     with jax.set_mesh(mesh):
-      return jax.jit(mesh_lib.traced_under(fn, mesh, rules))(params)
+      return jax.jit(mesh_lib.traced_under(fn, mesh, rules))(params), max(1, stripes[-1])
 
 
 @pytest.fixture(scope="module")
 def one_device():
-  return _logits_and_grads(backends.Backend(attention_impl="blockwise", block_q=8, block_k=8))
+  return _logits_and_grads(backends.Backend(attention_impl="blockwise", block_q=8, block_k=8))[0]
 
 
-@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
-@pytest.mark.parametrize("shape,axes", [((2, 4), ("data", "context")), ((8,), ("context",))],
-                         ids=["data2_context4", "context8"])
-def test_context_parallel_matches_one_device(one_device, strategy, shape, axes):
-  backend = backends.Backend(attention_impl="blockwise", block_q=8, block_k=8, context_strategy=strategy)
-  (loss, logits), grads = _logits_and_grads(backend, _mesh(shape, axes))
+D2C4, C8 = ((2, 4), ("data", "context")), ((8,), ("context",))
+
+
+@pytest.mark.parametrize("strategy,balance,mesh,stripes", [
+    ("all_gather", True, D2C4, 4), ("all_gather", True, C8, 8), ("all_gather", False, C8, 1),
+    ("ring", True, D2C4, 1), ("ring", True, C8, 1)],
+    ids=["data2_context4-all_gather-striped", "context8-all_gather-striped", "context8-all_gather-contiguous",
+         "data2_context4-ring", "context8-ring"])
+def test_context_parallel_matches_one_device(one_device, strategy, balance, mesh, stripes):
+  backend = backends.Backend(attention_impl="blockwise", block_q=8, block_k=8, context_strategy=strategy,
+                             context_load_balance=balance)
+  ((loss, logits), grads), used = _logits_and_grads(backend, _mesh(*mesh))
+  assert used == stripes   # the layout the step chose: striped for all_gather, contiguous for ring
   (ref_loss, ref_logits), ref_grads = one_device
   np.testing.assert_allclose(logits, ref_logits, **TOL)
   np.testing.assert_allclose(loss, ref_loss, **TOL)
   for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
     np.testing.assert_allclose(g, r, **TOL)
+
+
+def test_stripe_layout_gives_every_shard_chunks_i_and_2n_minus_1_minus_i():
+  pos = cp_ops.stripe_positions(16, 4)   # 8 chunks of 2
+  np.testing.assert_array_equal(pos.reshape(4, 4), [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]])
+  x = jnp.arange(2 * 16 * 3).reshape(2, 16, 3)
+  np.testing.assert_array_equal(cp_ops.stripe(x, 4)[:, :, 0], x[:, pos, 0])
+  np.testing.assert_array_equal(cp_ops.unstripe(cp_ops.stripe(x, 4), 4), x)
+  batch = cp_ops.stripe_batch({"inputs": x[..., 0], "loss_mask": x[..., 1] * 1.0}, 4)
+  np.testing.assert_array_equal(batch["positions"], np.broadcast_to(pos, (2, 16)))
+  np.testing.assert_array_equal(batch["loss_mask"], x[:, pos, 1])
+
+
+def _visible_tiles_per_shard(rows, n, s, block):
+  """Per context shard: the (block x block) tiles of a causal mask with rows at global positions
+  `rows` that hold a visible key (what the splash kernel computes; the others it skips)."""
+  mask = splash_lib.BandMask((len(rows), s), None, 0, rows)
+  per = len(rows) // n
+  return [sum(bool(mask[slice(q, q + block), slice(k, k + block)].any())
+              for q in range(i * per, (i + 1) * per, block) for k in range(0, s, block)) for i in range(n)]
+
+
+def test_striping_evens_the_causal_work_per_shard():
+  l, n, block = 4096, 8, 128
+  contiguous = _visible_tiles_per_shard(np.arange(l), n, l, block)
+  striped = _visible_tiles_per_shard(cp_ops.stripe_positions(l, n), n, l, block)
+  assert sum(contiguous) == sum(striped)   # the same tiles in all, dealt out differently
+  assert max(contiguous) / min(contiguous) > 10 and max(striped) == min(striped), (contiguous, striped)
+
+
+def test_splash_on_a_striped_context_axis_matches_the_reference():
+  """The splash kernel (interpret mode) with its query tiles sharded over context=4 and the sequence
+  striped (mask rows at their striped positions, K/V back in natural order per shard): output and
+  q/k/v gradients equal the dense reference on the natural order (GQA, window, packed documents)."""
+  b, l, h, kh, d, n = 2, 1024, 4, 2, 8, 4
+  ks = jax.random.split(jax.random.PRNGKey(3), 4)
+  q, ct = (jax.random.normal(k_, (b, l, h, d)) for k_ in ks[:2])
+  k, v = (jax.random.normal(k_, (b, l, kh, d)) for k_ in ks[2:])
+  seg = jnp.asarray(np.stack([np.repeat([1, 2, 3], [300, 500, 224]), np.repeat([1, 2], [700, 324])]), jnp.int32)
+  mesh = _mesh((2, 4), ("data", "context"))
+  splash = backends.Backend(attention_impl="splash", splash_block_q=128, splash_block_kv=128, context_stripes=n)
+
+  def run(backend, q, k, v, seg, striped):
+    vis = Visibility(causal=True, window=300, q_segment_ids_BxL=seg, kv_segment_ids_BxS=seg)
+    out = lambda q, k, v: backend.attention(q, k, v, vis)[0]  # noqa: E731
+    f = lambda q, k, v: jnp.sum(out(q, k, v) * (cp_ops.stripe(ct, n) if striped else ct))  # noqa: E731
+    return out(q, k, v), jax.grad(f, argnums=(0, 1, 2))(q, k, v)
+
+  rules = rules_lib.get_rules("dp", mesh.axis_names)
+  with jax.set_mesh(mesh):
+    fn = jax.jit(mesh_lib.traced_under(lambda *a: run(splash, *a, striped=True), mesh, rules))
+    out, grads = fn(*(cp_ops.stripe(x, n) for x in (q, k, v, seg)))
+  ref, ref_grads = run(backends.Backend(), q, k, v, seg, striped=False)
+  np.testing.assert_allclose(cp_ops.unstripe(out, n), ref, **TOL)
+  for g, r in zip(grads, ref_grads):
+    np.testing.assert_allclose(cp_ops.unstripe(g, n), r, **TOL)
 
 
 def test_long_forward_takes_less_memory_per_device_on_a_context_axis():
@@ -110,6 +189,9 @@ def test_mesh_axis_no_rule_uses_is_a_one_line_error():
   assert "\n" not in str(e.value)
   ok = tiny_config(steps=1, **{"mesh.axes": ("data", "context"), "mesh.shape": (2, 4)})
   mesh_lib.check_layout(ok, mesh_lib.make_mesh(ok.mesh))   # the presets map 'length' to 'context'
+  ok.mesh = ml_collections.ConfigDict(dict(ok.mesh) | {"context_load_balance": "yes"})
+  with pytest.raises(ConfigError, match="mesh.context_load_balance: expected true or false"):
+    validate(ok)
 
 
 def _cli_losses(workdir, *flags):
@@ -131,11 +213,11 @@ def _cli_losses(workdir, *flags):
 
 @pytest.mark.slow
 def test_thirty_cli_steps_on_a_context_mesh_match_one_device(tmp_path):
+  """The default context layout (all_gather, the sequence striped by the train and eval steps)."""
   one = _cli_losses(tmp_path / "one", "--config.mesh.num_devices=1")
-  ring = _cli_losses(tmp_path / "ring", "--config.mesh.axes=('data','context')", "--config.mesh.shape=(2,4)",
-                     "--config.mesh.context_strategy=ring")
-  assert sorted(one) == sorted(ring) == list(range(1, 31))
-  np.testing.assert_allclose([ring[s] for s in one], [one[s] for s in one], atol=1e-4, rtol=0)
+  striped = _cli_losses(tmp_path / "striped", "--config.mesh.axes=('data','context')", "--config.mesh.shape=(2,4)")
+  assert sorted(one) == sorted(striped) == list(range(1, 31))
+  np.testing.assert_allclose([striped[s] for s in one], [one[s] for s in one], atol=1e-4, rtol=0)
 
 
 def test_decoding_ignores_the_context_axis():
@@ -143,7 +225,6 @@ def test_decoding_ignores_the_context_axis():
   mesh = _mesh((8,), ("context",))
   q = jnp.ones((1, 1, 4, 8))
   kv = jnp.ones((1, 16, 2, 8))
-  from tformer_jax.ops.masks import Visibility
   vis = Visibility(q_offset=jnp.int32(5))
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules_lib.get_rules("dp", mesh.axis_names)):
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):

@@ -71,11 +71,16 @@ class Backend:
   moe_interpret: bool = False
   # splash (backends/splash.py): its query / key tiles (clipped to the sequence) and Pallas interpret
   # mode (a target other than TPU). context_strategy: how attention runs when the traced mesh shards
-  # the logical 'length' axis (context parallelism, ops/context_parallel.py).
+  # the logical 'length' axis (context parallelism, ops/context_parallel.py); context_load_balance:
+  # the train/eval steps stripe a causal model's sequence over the context shards ('all_gather'
+  # only; `stripe_shards`), and trace the model under this backend with context_stripes = the shard
+  # count, which tells attention the token order is striped (0: contiguous).
   splash_block_q: int = 512
   splash_block_kv: int = 512
   splash_interpret: bool = True
   context_strategy: str = "all_gather"
+  context_load_balance: bool = True
+  context_stripes: int = 0
   # '' : a call cuDNN cannot serve is an error (the user asked for 'cudnn'); else the impl it runs
   # instead ('auto' on a GPU).
   cudnn_fallback: str = ""
@@ -97,6 +102,15 @@ class Backend:
 
   def describe(self) -> str:
     return f"{self.name} (attention {self.attention_impl})"
+
+  def stripe_shards(self, length: int) -> int:
+    """The context shards a causal model's sequence of `length` tokens is striped over in the step
+    being traced (ops.context_parallel.stripe_batch), 1 for none: load balancing on, strategy
+    'all_gather', a context axis > 1 in the traced mesh and length a multiple of 2 x its size."""
+    layout = attention_layout()
+    n = 1 if layout is None else layout.fit(1, length, 1, 1).context_size
+    on = self.context_load_balance and self.context_strategy == "all_gather"
+    return n if on and n > 1 and length % (2 * n) == 0 else 1
 
   def dense(self, spec: str, x: Array, w: Array) -> Array:
     return jnp.einsum(spec, x, w)
@@ -152,6 +166,9 @@ class Backend:
                          "blocks cannot split the sequence; use a mesh without a 'context' axis")
       return self.context_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, vis, layout, alibi_slopes_H=alibi_slopes_H,
                                     scale=scale, splash_ok=why_not is None), None
+    if self.context_stripes > 1:
+      raise ValueError("context load balancing: a striped sequence reached attention that is not context-parallel "
+                       "self-attention (a query offset, or no context axis in the traced mesh)")
     if impl == "splash" and why_not is None and l % splash_lib.LANES == 0 and s % splash_lib.LANES == 0:
       return self.splash_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, vis, layout, scale=scale), None
     impl = _serving(impl, frozenset(name for name, on in (
@@ -195,6 +212,8 @@ class Backend:
     """The splash kernel per batch/head shard (and query shard under context parallelism)."""
     kw = {} if layout is None else dict(mesh=layout.mesh, batch_axes=layout.batch, head_axes=layout.heads,
                                         context_axes=layout.context)
+    if layout is not None and self.context_stripes > 1 and layout.context_size > 1:
+      kw["stripes"] = self.context_stripes
     return splash_lib.splash_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, vis, scale=scale,
                                        block_q=self.splash_block_q, block_kv=self.splash_block_kv,
                                        interpret=self.splash_interpret, **kw)
@@ -204,8 +223,13 @@ class Backend:
                         splash_ok: bool) -> Array:
     """Self-attention with the sequence split over the mesh's context axis: splash with its query
     tiles sharded ('all_gather' under runtime.attention='splash', shards of whole 128-key tiles), else
-    `ops.context_parallel` (blockwise tiles) with `context_strategy`."""
+    `ops.context_parallel` (blockwise tiles) with `context_strategy`. The sequence is in striped order
+    when context_stripes says so (the step permuted the batch)."""
     c = q_BxLxHxD.shape[1] // layout.context_size
+    striped = self.context_stripes > 1
+    if striped and self.context_stripes != layout.context_size:
+      raise ValueError(f"context load balancing: the batch was striped over {self.context_stripes} shards, "
+                       f"attention's context axis has {layout.context_size}")
     if (self.attention_impl == "splash" and self.context_strategy == "all_gather" and splash_ok
         and c % splash_lib.LANES == 0):
       return self.splash_attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, vis, layout, scale=scale)
@@ -218,7 +242,7 @@ class Backend:
     return cp_ops.context_parallel_attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, mesh=layout.mesh,
                                              axis=layout.context, strategy=self.context_strategy,
                                              batch_axes=layout.batch, head_axes=layout.heads,
-                                             kv_head_axes=layout.kv_heads, **kw)
+                                             kv_head_axes=layout.kv_heads, striped=striped, **kw)
 
   def chunked_attention(self, q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, **kw) -> Array:
     return chunked_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, **kw)

@@ -39,7 +39,8 @@ class Runtime:
     return {"backend": b.name, "attention": b.attention_impl, "attention_block_q": b.block_q,
             "attention_block_k": b.block_k, "splash_block_q": b.splash_block_q,
             "splash_block_kv": b.splash_block_kv, "splash_interpret": b.splash_interpret,
-            "context_strategy": b.context_strategy, "cpu_kernels": bool(getattr(b, "cpu_kernels", False)),
+            "context_strategy": b.context_strategy, "context_load_balance": b.context_load_balance,
+            "cpu_kernels": bool(getattr(b, "cpu_kernels", False)),
             "platform": self.platform, "allocator": self.allocator,
             "moe_exchange": b.moe_exchange, "moe_gmm": b.moe_gmm, "moe_interpret": b.moe_interpret,
             "decode_layout": b.decode_layout}
@@ -74,7 +75,12 @@ def resolve_runtime(cfg: Any, *, model: config_lib.ModelConfig | None = None, me
                 block_k=int(rt["attention_block_k"]), cudnn_fallback=fallback,
                 splash_block_q=int(rt.get("splash_block_q", 512)),
                 splash_block_kv=int(rt.get("splash_block_kv", 512)), splash_interpret=platform != "tpu",
-                context_strategy=str(cfg.get("mesh", {}).get("context_strategy", "all_gather")))
+                context_strategy=str(cfg.get("mesh", {}).get("context_strategy", "all_gather")),
+                context_load_balance=bool(cfg.get("mesh", {}).get("context_load_balance", True)))
+  if "context" in tuple(cfg.get("mesh", {}).get("axes", ())):
+    lb = blocks["context_load_balance"] and blocks["context_strategy"] == "all_gather"
+    reasons.append(f"context {blocks['context_strategy']}: " + (
+        "the causal sequence striped over the context shards (load balance)" if lb else "contiguous shards"))
   if attention == "splash" and platform != "tpu":
     reasons.append("splash in Pallas interpret mode: the target is not a TPU")
   blocks.update(_resolve_moe(rt, m, platform, reasons))

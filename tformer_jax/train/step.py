@@ -14,16 +14,19 @@ gradients back to float32 before accumulation and the optimizer (docs/runtime.md
 step", has the measurements behind the default)."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
-from typing import Any
+from typing import Any, Iterator
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
+from tformer_jax import backends
 from tformer_jax.nn import moe as moe_nn
-from tformer_jax.ops import lora as lora_ops, losses
+from tformer_jax.ops import context_parallel as cp_ops, lora as lora_ops, losses
 from tformer_jax.train import objectives, optim, precision
 from tformer_jax.train.state import TrainState
 
@@ -36,6 +39,22 @@ cross_entropy = losses.cross_entropy_logits   # (logits_BxLxV, targets_BxL) -> p
 def document_args(batch: dict) -> dict[str, jax.Array]:
   """Packed-document batches (data.packing='document') carry segment ids and per-document positions."""
   return {k + "_BxL": batch[k] for k in ("segment_ids", "positions") if k in batch}
+
+
+@contextlib.contextmanager
+def context_layout(model: nn.Module, batch: dict) -> Iterator[dict]:
+  """The batch as the model sees it in this step: with a 'context' axis in the traced mesh and
+  mesh.context_load_balance (strategy 'all_gather', a causal softmax model), every (B, L) array in
+  striped order (`ops.context_parallel.stripe_batch`: each context shard holds chunks i and 2n - 1 - i,
+  the same causal work on every shard), traced under the backend with context_stripes set so that
+  attention knows; else unchanged. Token sums (the loss, counts, accuracy) do not depend on the order."""
+  b = backends.current()
+  n = b.stripe_shards(batch["inputs"].shape[1]) if model.cfg.causal and model.cfg.attention == "softmax" else 1
+  if n <= 1:
+    yield batch
+    return
+  with backends.use(dataclasses.replace(b, context_stripes=n)):
+    yield cp_ops.stripe_batch(batch, n)
 
 
 def moe_log_metrics(mut: Any) -> dict[str, jax.Array]:
@@ -110,7 +129,8 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, tx: optax.Gr
   if cast_params is None:
     cast_params = grad_accum > 1
   compute_params = precision.cast_for_compute(state.params, model.cfg.dtype) if cast_params else state.params
-  (scaled_loss, aux), grads = optim.accumulate_gradients(grad_fn, compute_params, batch, rng, grad_accum)
+  with context_layout(model, batch) as batch:
+    (scaled_loss, aux), grads = optim.accumulate_gradients(grad_fn, compute_params, batch, rng, grad_accum)
   if axis_name is not None:
     scaled_loss, grads = psum((scaled_loss, grads))
     aux = {k: psum(v) if k == "nll_sum" else jax.lax.pmean(v, axis_name) for k, v in aux.items()}
@@ -153,14 +173,15 @@ def eval_step(params: Any, batch: dict, *, model: nn.Module, loss_chunk: int = 0
   logits == target). loss_chunk: as in train_step."""
   if not model.cfg.causal:   # masked LM, the same masks at every evaluation (objectives.eval_rng)
     batch = objectives.masked_lm_batch(batch, objectives.eval_rng(batch), model.cfg)
-  if loss_chunk > 0:
-    h_BxLxD, unembed_DxV = model.apply({"params": params}, batch["inputs"], **document_args(batch),
-                                       deterministic=True, return_hidden=True)
-    nll_BxL, correct = losses.nll_and_correct(h_BxLxD, unembed_DxV, batch["targets"], chunk=loss_chunk)
-  else:
-    logits = model.apply({"params": params}, batch["inputs"], **document_args(batch), deterministic=True)
-    nll_BxL = cross_entropy(logits, batch["targets"])
-    correct = jnp.argmax(logits, -1) == batch["targets"]
+  with context_layout(model, batch) as batch:
+    if loss_chunk > 0:
+      h_BxLxD, unembed_DxV = model.apply({"params": params}, batch["inputs"], **document_args(batch),
+                                         deterministic=True, return_hidden=True)
+      nll_BxL, correct = losses.nll_and_correct(h_BxLxD, unembed_DxV, batch["targets"], chunk=loss_chunk)
+    else:
+      logits = model.apply({"params": params}, batch["inputs"], **document_args(batch), deterministic=True)
+      nll_BxL = cross_entropy(logits, batch["targets"])
+      correct = jnp.argmax(logits, -1) == batch["targets"]
   mask = batch.get("loss_mask")
   mask = jnp.ones_like(nll_BxL) if mask is None else mask.astype(jnp.float32)
   correct = correct.astype(jnp.float32)
