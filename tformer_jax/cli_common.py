@@ -540,6 +540,28 @@ def _command_config(fv: flags.FlagValues, args: types.SimpleNamespace, config: b
   return cfg, from_run
 
 
+def _parse_flags(argv: list[str], define: Callable[[flags.FlagValues], None] | None, doc: str, prog: str,
+                 config: bool | str, from_workdir: bool) -> tuple[flags.FlagValues, list[str]]:
+  """(the command's FlagValues, parsed; the arguments left for --config.a.b=v overrides). Prints the
+  help and exits 0 for -h/--help; a flag error prints one line and exits 2."""
+  if host_alloc.idle_libtpu():
+    import jax  # noqa: PLC0415 (only here: tformer-prepare and --help never import jax)
+    jax.config.update("jax_platforms", "cpu")     # before any backend starts: no libtpu start-up errors
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()       # grain's worker processes read absl's global flags
+  fv = _common_flags(config, from_workdir)
+  if define is not None:
+    define(fv)
+  try:
+    rest = fv([prog] + argv, known_only=config is not False)
+  except (flags.Error, ValueError) as e:
+    fail(_flag_error(e, fv))
+  if any(fv[name].value for name in HELP_FLAGS):
+    print(help_text(fv, doc, prog))
+    raise SystemExit(0)
+  return fv, rest
+
+
 def parse(argv: Sequence[str] | None, define: Callable[[flags.FlagValues], None] | None = None, *,
           doc: str = "", prog: str | None = None, config: bool | str = False,
           from_workdir: bool = False, from_hf: bool = False) -> types.SimpleNamespace:
@@ -556,23 +578,8 @@ def parse(argv: Sequence[str] | None, define: Callable[[flags.FlagValues], None]
   --print_config) sees the model that will run.
   `-h` / `--help` prints the flags and exits 0; a usage error prints one line and exits 2.
   """
-  argv = list(sys.argv[1:] if argv is None else argv)
   prog = prog or pathlib.Path(sys.argv[0]).name
-  if host_alloc.idle_libtpu():
-    import jax  # noqa: PLC0415 (only here: tformer-prepare and --help never import jax)
-    jax.config.update("jax_platforms", "cpu")     # before any backend starts: no libtpu start-up errors
-  if not flags.FLAGS.is_parsed():
-    flags.FLAGS.mark_as_parsed()       # grain's worker processes read absl's global flags
-  fv = _common_flags(config, from_workdir)
-  if define is not None:
-    define(fv)
-  try:
-    rest = fv([prog] + argv, known_only=config is not False)
-  except (flags.Error, ValueError) as e:
-    fail(_flag_error(e, fv))
-  if any(fv[name].value for name in HELP_FLAGS):
-    print(help_text(fv, doc, prog))
-    raise SystemExit(0)
+  fv, rest = _parse_flags(list(sys.argv[1:] if argv is None else argv), define, doc, prog, config, from_workdir)
   args = types.SimpleNamespace(**{f.name.replace("-", "_"): f.value for f in _own_flags(fv)})
   print_config = bool(getattr(args, "print_config", False))
   if config is False:
