@@ -1,7 +1,8 @@
 """runtime.attention='splash' (jax's Pallas TPU kernel, interpret mode on CPU) against the reference.
 
 Tolerance: float32, outputs and q/k/v gradients within atol 1e-5 (rtol 1e-5) of the dense reference
-attention under the same `Visibility`; a tiny model's training losses within 1e-5. Also: the 'cudnn'
+attention under the same `Visibility`; a tiny model's training losses within 1e-5; BandMask's block
+tables equal the kernel's stock masks' (exactly). Also: the 'cudnn'
 argument mapping and refusals, the platform-driven choices of resolve_runtime, config refusals.
 """
 import flax.linen as nn
@@ -11,10 +12,12 @@ import ml_collections
 import numpy as np
 import optax
 import pytest
+from jax.experimental.pallas.ops.tpu import splash_attention as sa
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as info
 from jax.sharding import AxisType
 
 from tformer_jax import backends, config as config_lib
-from tformer_jax.backends import base as base_lib
+from tformer_jax.backends import base as base_lib, splash as splash_lib
 from tformer_jax.config import ConfigError, ModelConfig
 from tformer_jax.nn.transformer import Transformer
 from tformer_jax.ops.masks import Visibility
@@ -178,3 +181,19 @@ def test_heads_split_over_the_tensor_axis_with_their_kv_heads():
   fitted = layout.fit(8, 256, 8, 4)
   assert (fitted.batch, fitted.heads, fitted.kv_heads) == (("data", "fsdp"), "tensor", "tensor")
   assert (layout.fit(8, 256, 8, 1).heads, layout.fit(8, 256, 8, 1).kv_heads) == (None, None)
+
+
+@pytest.mark.parametrize("left,right", [(None, 0), (99, 0), (99, 99)], ids=["causal", "window", "bidirectional_window"])
+def test_band_mask_gives_the_kernels_own_mask_tables(left, right):
+  """BandMask answers the tiles its bounds decide without evaluating them: the kernel's block tables
+  (forward and dK/dV, 4 query shards) equal those of its stock CausalMask / LocalMask."""
+  l = 2048
+  stock = (sa.CausalMask((l, l), shard_count=4) if left is None
+           else sa.LocalMask((l, l), (left, right), 0, shard_count=4))
+  band = splash_lib.BandMask((l, l), left, right, np.arange(l), shard_count=4)
+  for dkv in (False, True):
+    got = info._process_mask(sa.MultiHeadMask([band] * 2), (256, 512), dkv, q_seq_shards=4)[0]
+    want = info._process_mask(sa.MultiHeadMask([stock] * 2), (256, 512), dkv, q_seq_shards=4)[0]
+    for field in want._fields:
+      a, b = getattr(got, field), getattr(want, field)
+      assert (a is None) == (b is None) and (a is None or np.array_equal(np.asarray(a), np.asarray(b))), field
