@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 from absl import flags
@@ -55,8 +55,8 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("json", None, "also write the numbers to this file", flag_values=fv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  args = cli_common.parse(argv, define_flags, doc=__doc__, prog="tformer-estimate", config="required")
+def _apply_flags(args: Any) -> Any:
+  """args.config with --batch_size / --seq_len (or the deprecated --batch / --seq) and --remat applied."""
   cfg = args.config
   for old, new in (("batch", "batch_size"), ("seq", "seq_len")):
     if getattr(args, old) is not None:
@@ -73,6 +73,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg.model.remat, cfg.model.scan_layers = "full", True
   if args.devices < 0:
     raise cli_common.UsageError(f"--devices: must be >= 0, got {args.devices}")
+  return cfg
+
+
+def _xla_side(args: Any, cfg: Any, platform: str, here: str) -> tuple[dict | None, str]:
+  """(XLA's compiled memory and FLOPs of the step, or None; why it was skipped, '' when it was not)."""
+  if args.no_compile:
+    return None, "--no-compile"
+  if args.devices > 1:
+    return None, (f"--devices={args.devices}: XLA compiles one device here; tformer-aot compiles the sharded "
+                  "step for a TPU topology")
+  if platform != here:
+    return None, (f"--platform={platform}: XLA compiles for this machine's platform ({here}) only; "
+                  "tformer-aot compiles for TPU topologies")
+  return est_lib.compiled_analysis_config(cfg, flops=not args.no_flops), ""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = cli_common.parse(argv, define_flags, doc=__doc__, prog="tformer-estimate", config="required")
+  cfg = _apply_flags(args)
   here = jax.default_backend()
   platform = args.platform or here
   try:
@@ -85,17 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     hint = "" if args.platform else " (--platform=gpu|tpu estimates for another platform's runtime)"
     raise ConfigError(f"{cli_common.one_line(e)}{hint}") from None
   batch, seq = int(cfg.data.batch_size), int(cfg.data.seq_len)
-  xla, skipped = None, ""
-  if args.no_compile:
-    skipped = "--no-compile"
-  elif args.devices > 1:
-    skipped = (f"--devices={args.devices}: XLA compiles one device here; tformer-aot compiles the sharded step "
-               "for a TPU topology")
-  elif platform != here:
-    skipped = (f"--platform={platform}: XLA compiles for this machine's platform ({here}) only; "
-               "tformer-aot compiles for TPU topologies")
-  else:
-    xla = est_lib.compiled_analysis_config(cfg, flops=not args.no_flops)
+  xla, skipped = _xla_side(args, cfg, platform, here)
   kv = None
   if args.kv_batch or args.kv_len:
     kv = (args.kv_batch or 1, args.kv_len or m.max_len)
