@@ -21,6 +21,11 @@ def get_config():
   m = c.model                        # replaced by the source's architecture when init_from is set
   m.d_model, m.num_layers, m.num_heads, m.num_kv_heads = 256, 4, 8, 2
   m.position, m.norm, m.activation, m.tie_embeddings, m.max_len = "rope", "rmsnorm", "swiglu", False, 1024
+  # memory: the run keeps these (execution fields, not the source's): one scanned layer body whose
+  # inputs alone are kept (remat), and a loss that never holds the (tokens x vocab) logits
+  m.scan_layers, m.remat = True, "full"
+  c.train.loss_chunk = 512
+  c.train.max_to_keep = 1            # a full fine-tune's checkpoint is params + AdamW's two moments
   c.data.corpus, c.data.seq_len, c.data.batch_size = "shakespeare", 512, 8
   o = c.optim
   o.peak_lr, o.schedule, o.warmup_steps, o.weight_decay, o.clip_norm = 2e-5, "constant", 20, 0.0, 1.0

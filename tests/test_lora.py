@@ -139,9 +139,11 @@ def test_merged_export_reloads_in_transformers(runs, hf_dir, tmp_path):
   root, _, _ = runs
   cfg, merged = restore_params(root / "lora")
   _, base = load_hf(hf_dir)
+  assert cfg.model.scan_layers and "layers" in merged            # trained scanned (the preset), from layers_i
   for name in ("wq", "wo"):     # the adapters moved the targeted kernels; the rest is the base's
-    assert np.abs(merged["layers_1"]["attn"][name] - np.asarray(base["layers_1"]["attn"][name])).max() > 1e-3
+    assert np.abs(merged["layers"]["attn"][name][1] - np.asarray(base["layers_1"]["attn"][name])).max() > 1e-3
   np.testing.assert_array_equal(merged["embed"], np.asarray(base["embed"]))
+  np.testing.assert_array_equal(merged["layers"]["ln1"]["scale"][0], np.asarray(base["layers_0"]["ln1"]["scale"]))
   out = tmp_path / "export"
   assert convert.main(["--from", str(root / "lora"), "--to-hf", str(out)]) == 0
   tokens = np.arange(40, dtype=np.int32).reshape(2, 20) % 300

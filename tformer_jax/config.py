@@ -760,7 +760,7 @@ def validate(cfg: ml_collections.ConfigDict, *, check_paths: bool = True) -> Mod
   if "decode" in cfg:
     _validate_decode(cfg.decode)
   if train is not None and "lora" in train:
-    _validate_lora(train, cfg.get("mesh"))
+    _validate_lora(train, cfg.get("mesh"), check_paths)
   if "runtime" in cfg:
     precision = train.get("precision", "float32") if train is not None else "float32"
     validate_runtime(cfg.runtime, m, precision)
@@ -924,8 +924,9 @@ def _check_init_from(t: Any, check_paths: bool) -> None:
       _fail("train.init_from", f"{init_from}: not a training workdir (no config.json in {src.resolve()})")
 
 
-def _validate_lora(t: Any, mesh: Any) -> None:
-  """train.lora: rank >= 0 (0 = off), alpha > 0, known targets; a LoRA run needs its base (init_from)."""
+def _validate_lora(t: Any, mesh: Any, check_paths: bool = True) -> None:
+  """train.lora: rank >= 0 (0 = off), alpha > 0, known targets; a run (check_paths: one that reads its
+  files, not a preset waiting for --config.train.init_from) needs its base, train.init_from."""
   lo = t.lora
   if not isinstance(lo.rank, int) or lo.rank < 0:
     _fail("train.lora.rank", f"must be an integer >= 0 (0 = off), got {lo.rank!r}")
@@ -938,7 +939,7 @@ def _validate_lora(t: Any, mesh: Any) -> None:
     return
   if not targets:
     _fail("train.lora.targets", "is empty: name at least one projection (e.g. 'q,v')")
-  if not str(t.get("init_from", "") or ""):
+  if check_paths and not str(t.get("init_from", "") or ""):
     _fail("train.lora.rank", "LoRA trains adapters on a frozen base: set train.init_from (hf:DIR or a workdir)")
   if mesh is not None and mesh.get("parallelism", "jit") == "pmap":
     _fail("train.lora.rank", "LoRA runs under mesh.parallelism='jit' only")

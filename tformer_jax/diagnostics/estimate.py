@@ -107,6 +107,10 @@ CAPACITY_KEPT = 2.5
 # float32 copies of the stacked layer weights a scan_layers backward holds: the stacked gradients and the
 # weights transposed for the backward matmuls, hoisted out of the loop (a one-layer scan: the gradients).
 SCAN_WEIGHT_COPIES = 2
+# float32 copies of the adapted kernels a LoRA step holds: the merged W + s A @ B, its gradient (from which
+# the adapters' gradients are formed) and, under scan_layers, both transposed for the backward (read off one
+# run: the 135M Llama at rank 8 on q,k,v,o, docs/finetune.md).
+LORA_KERNEL_COPIES = 4
 # (T, V) float32 arrays of the full-logits loss: logits, log-softmax and its gradient (tied embeddings:
 # + the gradient transposed for the embedding's).
 LOGITS_KEPT = 3
@@ -401,7 +405,7 @@ def estimate(m: ModelConfig, batch: int, seq: int, *, remat: bool | None = None,
   grads = 0
   if ex.lora:   # the adapters are trained; the merged kernels (base + A @ B) exist while the step runs
     trained, targeted = lora_shapes(m, ex.lora)
-    grads = targeted * F32 * (2 if m.scan_layers else 1)    # (+ their transposes hoisted out of a scan)
+    grads = targeted * F32 * LORA_KERNEL_COPIES
   elif m.scan_layers:
     grads = (SCAN_WEIGHT_COPIES if m.num_layers > 1 else 1) * _layer_params(m) * F32
   grads += trained * F32 if ex.grad_accum > 1 else 0       # the running sum of micro-batch gradients

@@ -260,6 +260,7 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
         if final.get("bad_steps", 0) > 0:  # never replace good checkpoints by a state mid-NaN-streak
           log.warning("step %d: not saving during a run of non-finite steps", done)
         else:
+          host_alloc.release_free_memory()   # the host copy of the state reuses no free span: RSS stays level
           ckpt.save(done, state.replace(frozen=None), it.get_state(), {"step": done}, force=bool(stop["signal"]))
           saved = done
       if stop["signal"]:
