@@ -289,7 +289,9 @@ def _leaf_checksum(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return a, b
 
 
-_checksums_jit = jax.jit(lambda leaves: [_leaf_checksum(x) for x in leaves])
+# One leaf per call: XLA materialises a leaf's index and mixed words (two uint32 arrays of its size), so one
+# program over the whole state held 2x the state in temporaries (a 1.5 GiB state: +3.1 GiB of RSS at a save).
+_checksum_jit = jax.jit(_leaf_checksum)
 
 
 def _local(x: Any) -> Any:
@@ -298,12 +300,12 @@ def _local(x: Any) -> Any:
 
 
 def array_checksums(tree: PyTree) -> dict[str, dict[str, Any]]:
-  """{leaf path: {"dtype", "shape", "checksum"}} of every array leaf of `tree`, computed on device
-  under one `jit` (all processes of a multi-process run must call it together, like a save)."""
+  """{leaf path: {"dtype", "shape", "checksum"}} of every array leaf of `tree`, computed on device, one
+  leaf at a time (all processes of a multi-process run must call it together, like a save)."""
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   if not flat:
     return {}
-  sums = jax.device_get([(_local(a), _local(b)) for a, b in _checksums_jit([x for _, x in flat])])
+  sums = [jax.device_get(tuple(_local(v) for v in _checksum_jit(x))) for _, x in flat]
   out = {}
   for (path, x), (a, b) in zip(flat, sums):
     dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
