@@ -8,10 +8,11 @@ AdamW moments; scanned layers with full remat. Mesh (data, fsdp, tensor) = (1, 1
 
   tformer-aot --config=configs/scale/llama_70b.py --topology=v5p:4x4x4
 
-Checked (2026-12-01, libtpu 0.0.42.1 / jax 0.10.2, docs/scaling.md) on v5p:4x4x4 (a v5p-128: 64 chips,
-95 GiB HBM each): fits, XLA:TPU peak 42.68 GiB per chip with the default runtime ('auto': splash attention on TPU;
-47.40 GiB with --config.runtime.attention=xla, the figures below) (parameters + AdamW state 12.33 GiB,
-temporaries 49.06 GiB), compiled in 139 s on the shared 2-core machine.
+On v5p:4x4x4 (a v5p-128: 64 chips, 95 GiB HBM each; libtpu 0.0.42, docs/scaling.md): fits, XLA:TPU
+peak 41.95 GiB per chip with the default runtime ('auto': splash attention on TPU, heads split over
+tensor with their KV heads; parameters + AdamW state 12.33 GiB, temporaries 37.74 GiB; HLO FLOPs 0.94x
+the formula with remat; tformer-estimate 0.99x the peak), compiled in 66 s on the shared 2-core machine;
+47.40 GiB with --config.runtime.attention=xla.
 """
 from tformer_jax.config import default_config
 
