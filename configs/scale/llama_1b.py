@@ -8,11 +8,11 @@ rules 'fsdp'.
 
   tformer-aot --config=configs/scale/llama_1b.py --topology=v5e:2x2
 
-Checked (2026-12-01, libtpu 0.0.42.1 / jax 0.10.2, docs/scaling.md) on v5e:2x2 (4 chips, 16 GiB HBM
-each): fits, XLA:TPU peak 9.24 GiB per chip with the default runtime ('auto': splash attention on TPU; 10.55 GiB
-with --config.runtime.attention=xla, the figures below) (parameters + AdamW state 3.45 GiB, temporaries 9.19 GiB),
-compiled in 220 s on the shared 2-core machine. Without the accumulation (4 sequences per chip at once)
-XLA:TPU asks for 26.1 GiB and refuses it.
+On v5e:2x2 (4 chips, 16 GiB HBM each; libtpu 0.0.42, docs/scaling.md): fits, XLA:TPU peak 9.24 GiB per
+chip with the default runtime ('auto': splash attention on TPU; 10.55 GiB with
+--config.runtime.attention=xla, the figures below) (parameters + AdamW state 3.45 GiB, temporaries 9.19
+GiB), compiled in 220 s on the shared 2-core machine. Without the accumulation (4 sequences per chip at
+once) XLA:TPU asks for 26.1 GiB and refuses it.
 """
 from tformer_jax.config import default_config
 
