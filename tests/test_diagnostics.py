@@ -1,6 +1,6 @@
 """Diagnostics: attention maps and flags, training-time statistics, the memory/FLOPs estimator against
 XLA's compiled analysis, the heatmap/ablation commands on tiny configs, and the one command-line
-syntax (tformer_jax/cli_common.py: --config=FILE --config.a.b=v)."""
+syntax (tformer_jax/cli_common/: --config=FILE --config.a.b=v)."""
 import contextlib
 import importlib.util
 import json

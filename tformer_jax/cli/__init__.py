@@ -17,5 +17,5 @@
   tformer-bench           bench.py            benchmarks writing JSON (each in tformer_jax/bench/)
 
 Each module has `main(argv) -> int` (anticipated errors raise) and `entry()`, the console command
-(anticipated errors are one line and exit status 2: tformer_jax/cli_common.py).
+(anticipated errors are one line and exit status 2: tformer_jax/cli_common/errors.py).
 """

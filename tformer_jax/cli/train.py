@@ -1,6 +1,6 @@
 """`tformer-train --config=NAME --workdir=runs/x [--config.a.b=v ...]` (NAME: a shipped config or a file).
 
-The command line is every tool's (tformer_jax/cli_common.py). The whole config is validated here,
+The command line is every tool's (tformer_jax/cli_common/). The whole config is validated here,
 before jax is imported: a bad value is one line `error: <field>: <rule>` and exit status 2 within a
 second, with nothing compiled and the workdir untouched. Later errors a user can cause (data,
 checkpoints, distributed start-up, a run stopped by non-finite steps) are one line and status 2 too

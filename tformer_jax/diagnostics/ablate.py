@@ -6,7 +6,7 @@
 
 Every run is `tformer_jax.train.loop.train` on a copy of the base config with the overrides applied
 (each value text parsed by its field's type, exactly as `--config.KEY=VALUE` on a command line;
-tformer_jax/cli_common.py), in its own workdir OUT/runs/<name>. Reported per run: the final train
+tformer_jax/cli_common/), in its own workdir OUT/runs/<name>. Reported per run: the final train
 loss (mean of the last 10% of the logged steps, the per-step loss is noisy), the final validation
 loss / token accuracy, for synthetic tasks the exact-match accuracy of the answer spans (validation
 batches, greedy argmax with teacher forcing), the parameter count, throughput and wall time
