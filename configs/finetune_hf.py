@@ -10,8 +10,8 @@ ids of its tokenizer_config.json); this file only sets how to train: a small con
 learning rate, no weight decay, clipping at 1 (add --config.train.precision=bf16 on a GPU/TPU).
 Without init_from it trains its own small Llama from scratch, which is rarely what you want here.
 Memory (scanned layers, remat 'full', loss_chunk 512, one checkpoint kept; docs/finetune.md): a
-SmolLM2-135M-shaped Llama (134.5M parameters, vocabulary 49,152) at batch 8 x 512 on 2 CPU cores holds
-4.2-4.3 GiB RSS at 17-18 s/step (226-243 tokens/s), a 1.4 GB checkpoint; before, batch 2 x 512 unrolled
+SmolLM2-135M-shaped Llama (134.5M parameters, vocabulary 49,152) at batch 8 x 512 on 2 CPU cores peaks at
+4.26 GiB RSS at 17-18 s/step (226-248 tokens/s), a 1.4 GB checkpoint; before, batch 2 x 512 unrolled
 with full logits peaked at 7.0 GiB (3.6 s/step) and batch 8 at 13.9 GB. `tformer-estimate` prints the
 run's host RSS (4.66 GiB here). LoRA: configs/finetune_lora.py.
 Measured (tests/test_finetune.py's setting: a 2-layer random transformers Llama with a 320-token
