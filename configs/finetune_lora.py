@@ -11,7 +11,9 @@ the adapters train: the optimizer state and the checkpoints hold them alone (the
 its base through train.init_from, which must stay readable); tformer-convert, tformer-generate,
 tformer-eval and tformer-serve merge them into that base. A LoRA learning rate is ~10-50x a full
 fine-tune's. --config.train.lora.targets=q,k,v,o,up,gate,down adapts the FFN too.
-Measured: docs/finetune.md (a SmolLM2-135M-shaped Llama on 2 CPU cores, against full fine-tuning).
+Measured (docs/finetune.md: a SmolLM2-135M-shaped Llama, batch 8 x 512, 2 CPU cores, against
+finetune_hf on the same data): 921,600 adapter parameters (0.69%), peak RSS 2.8-3.2 GiB (full: 4.26),
+a 9.9 MB checkpoint (full: 1.4 GB); tests/test_lora.py: the merged export equals transformers to 1e-4.
 """
 from tformer_jax.cli_common import load_config_file
 
