@@ -230,3 +230,14 @@ def test_decoding_ignores_the_context_axis():
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
       out = backends.Backend(attention_impl="blockwise").attention(q, kv, kv, vis)[0]
   np.testing.assert_allclose(out, jnp.ones((1, 1, 4, 8)), **TOL)
+
+
+def test_models_that_drop_tokens_in_token_order_are_not_striped():
+  """Capacity dispatch (and a bounded expert-parallel buffer) drops tokens by their order: striping
+  would change which are dropped, so those MoE models keep the contiguous layout."""
+  from tformer_jax.config import MoEConfig
+  moe = lambda **kw: ModelConfig(moe=MoEConfig(num_experts=4, **kw))  # noqa: E731
+  assert step_lib._stripable(ModelConfig()) and step_lib._stripable(moe(dispatch="dropless"))
+  assert not step_lib._stripable(moe(dispatch="capacity"))
+  assert not step_lib._stripable(moe(dispatch="dropless", ep_buffer_factor=1.5))
+  assert not step_lib._stripable(ModelConfig(causal=False))

@@ -18,7 +18,7 @@ from tformer_jax.interop.hf import load_hf
 from tformer_jax.nn import Transformer
 from tformer_jax.ops import lora as lora_ops
 from tformer_jax.parallel import mesh as mesh_lib
-from tformer_jax.train import loop, setup as setup_lib
+from tformer_jax.train import init_from, loop, setup as setup_lib
 from tformer_jax.train.metrics import read_metrics
 
 torch = pytest.importorskip("torch")
@@ -164,3 +164,11 @@ def test_lora_resume_is_exact(runs, hf_dir, tmp_path):
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(x, y)
   assert again["loss"] == lora["loss"]
+
+
+def test_a_relative_base_is_recorded_as_an_absolute_path(hf_dir, monkeypatch):
+  """A LoRA run reads its base from config.json's train.init_from: a relative source is recorded
+  absolute, so the run reads the same base from any directory."""
+  monkeypatch.chdir(hf_dir.parent)
+  resolved = init_from.resolve(_cfg(hf_dir.name, 8, 8))
+  assert resolved.train.init_from == f"hf:{hf_dir.resolve()}"

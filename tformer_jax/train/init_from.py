@@ -138,12 +138,21 @@ def _source_present(source: str) -> bool:
   return (pathlib.Path(source).expanduser() / "config.json").is_file()
 
 
+def _absolute(source: str) -> str:
+  """A local source as an absolute path (a run's config.json, which a LoRA run reads its base from,
+  then names the same source from any directory); a remote one unchanged."""
+  if "://" in source:
+    return source
+  prefix = HF_PREFIX if source.startswith(HF_PREFIX) else ""
+  return prefix + str(pathlib.Path(source[len(prefix):]).expanduser().resolve())
+
+
 def resolve(cfg: ml_collections.ConfigDict, overrides: Mapping[str, Any] | None = None
             ) -> ml_collections.ConfigDict:
   """The config a run with train.init_from really runs: the source's architecture, max_len and
   tokenizer (`with_source_architecture`, the prepared corpus's tokenizer checked), then the command
   line's `overrides` ({'model.max_len': 4096, ...}: those of model.*, data.tokenizer and data.seq_len)
-  on top.
+  on top; a local source is recorded as an absolute path.
   Every command resolves once, before anything reads the config (cli_common.parse); unchanged without
   init_from or when the source is missing here (validate reports that)."""
   source = str(cfg.get("train", {}).get("init_from", "") or "")
@@ -153,9 +162,10 @@ def resolve(cfg: ml_collections.ConfigDict, overrides: Mapping[str, Any] | None 
   out = check_data_tokenizer(with_source_architecture(cfg))
   again = {k: v for k, v in (overrides or {}).items()
            if k.startswith("model.") or k in ("data.tokenizer", "data.seq_len")}
-  if again:
-    out = out.copy_and_resolve_references()
-    with out.unlocked():
+  out = out.copy_and_resolve_references()
+  with out.unlocked():
+    out.train.init_from = _absolute(source)
+    if again:
       out.update_from_flattened_dict(again)
   return out
 

@@ -41,15 +41,23 @@ def document_args(batch: dict) -> dict[str, jax.Array]:
   return {k + "_BxL": batch[k] for k in ("segment_ids", "positions") if k in batch}
 
 
+def _stripable(m: Any) -> bool:
+  """A causal softmax model whose outputs do not depend on the token order (an MoE that drops tokens,
+  by capacity or a bounded expert-parallel buffer, drops them in token order: it stays contiguous)."""
+  drops = m.moe.num_experts > 0 and (m.moe.dispatch == "capacity" or m.moe.ep_buffer_factor > 0)
+  return m.causal and m.attention == "softmax" and not drops
+
+
 @contextlib.contextmanager
 def context_layout(model: nn.Module, batch: dict) -> Iterator[dict]:
   """The batch as the model sees it in this step: with a 'context' axis in the traced mesh and
-  mesh.context_load_balance (strategy 'all_gather', a causal softmax model), every (B, L) array in
-  striped order (`ops.context_parallel.stripe_batch`: each context shard holds chunks i and 2n - 1 - i,
-  the same causal work on every shard), traced under the backend with context_stripes set so that
-  attention knows; else unchanged. Token sums (the loss, counts, accuracy) do not depend on the order."""
+  mesh.context_load_balance (strategy 'all_gather', a causal softmax model that drops no tokens),
+  every (B, L) array in striped order (`ops.context_parallel.stripe_batch`: each context shard holds
+  chunks i and 2n - 1 - i, the same causal work on every shard), traced under the backend with
+  context_stripes set so that attention knows; else unchanged. Token sums (the loss, counts,
+  accuracy) do not depend on the order."""
   b = backends.current()
-  n = b.stripe_shards(batch["inputs"].shape[1]) if model.cfg.causal and model.cfg.attention == "softmax" else 1
+  n = b.stripe_shards(batch["inputs"].shape[1]) if _stripable(model.cfg) else 1
   if n <= 1:
     yield batch
     return
