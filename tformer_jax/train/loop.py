@@ -119,95 +119,142 @@ def _lock_workdir(workdir: str | os.PathLike) -> workdir_lib.WorkdirLock | None:
 
 def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax.sharding.Mesh,
            runtime: backends.Runtime, stop: dict[str, Any]) -> dict[str, float]:
-  workdir_lib.check_architecture(workdir, cfg)   # before anything in the workdir changes
-  work = prepare_workdir(workdir)
-  backends.enable_compilation_cache(cfg.data.cache_dir)
-  is_main = jax.process_index() == 0
+  """The loop over named steps: train, evaluate every eval_every, save every ckpt_every, stop on a signal."""
+  run = _Run(cfg, workdir, mesh, runtime)
+  steps = cfg.train.steps
+  try:
+    for step in range(run.start, steps):
+      run.train_step(step)
+      done = step + 1
+      if done % cfg.train.eval_every == 0 or done == steps:
+        run.evaluate(done)
+      if done % cfg.train.ckpt_every == 0 or done == steps or stop["signal"]:
+        run.save(done, force=bool(stop["signal"]))
+      if stop["signal"]:
+        run.report_stop(stop["signal"], done)
+        break
+    run.flush()
+    run.ckpt.wait()   # raises if the last save failed
+  finally:
+    run.close()
+  return run.result(sample=not stop["signal"])
 
-  ds = pipeline.build_dataset(cfg.data)
-  # model, optimizer, abstract sharded state and the jitted steps: the same builder as tformer_jax/aot/
-  program = setup_lib.build(cfg, mesh, runtime.backend, vocab_size=ds.vocab_size)
-  model, rules, abstract, shardings = program.model, program.rules, program.abstract, program.shardings
-  objectives.check_mask_token(model.cfg, ds.vocab_size)   # encoders: a [MASK] id of their own
-  rng = jax.random.PRNGKey(cfg.train.seed)
-  ckpt = Checkpointer(work / "checkpoints", max_to_keep=cfg.train.max_to_keep)
-  # the prepared data: the same as when the run started (a resume), its shards intact (hashed once)
-  run_data = prepared_lib.check_run_data(work, pipeline.prepared_datasets(ds), resuming=ckpt.latest_step() is not None,
-                                         cache_dir=cfg.data.get("cache_dir") or None)
-  lora = program.lora_scale is not None   # the frozen base is never saved: init_from holds it
-  restored = ckpt.restore(abstract.replace(frozen=None), require_data_state=True)   # without its iterator: damage
-  it = pipeline.train_iterator(ds, cfg.data, process_index=jax.process_index(),
-                               process_count=jax.process_count())
-  if restored is not None:
-    start, state, data_state, _ = restored
-    if lora:
-      state = state.replace(frozen=init_from.load_params(cfg.train.init_from, abstract.frozen, model.cfg.num_layers))
-    if data_state:
-      it.set_state(data_state)
-    log.info("resumed from step %d", start)
-  else:
-    given = {}   # the source's weights, loaded first: the state's own random init of them is never computed
-    if cfg.train.init_from:
-      field = "frozen" if lora else "params"
-      given[field] = init_from.load_params(cfg.train.init_from, getattr(abstract, field), model.cfg.num_layers)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-      state = state_lib.create_state(program.init, rng, shardings, **given)
-    start = 0
-    if given:
-      log.info("initialised %s from %s", "the frozen base" if lora else "parameters", cfg.train.init_from)
-  host_alloc.release_free_memory()   # the loading's transients (host_alloc: kept mapped otherwise)
-  n_params = state_lib.param_count(state.params) + state_lib.param_count(state.frozen or {})
-  if lora and is_main:
-    log.info("LoRA: %s adapter parameters trained (rank %d, targets %s) on a frozen base of %s",
-             f"{state_lib.param_count(state.params):,}", cfg.train.lora.rank, cfg.train.lora.targets,
-             f"{state_lib.param_count(state.frozen):,}")
-  if is_main:  # only now: a config that cannot restore this workdir has changed nothing in it
-    (work / "config.json").write_text(cfg.to_json_best_effort(indent=2))
-    (work / "runtime.json").write_text(json.dumps(runtime.as_dict(), indent=2))
-    prepared_lib.write_run_data(work, run_data)
 
-  batch_sh = program.batch_sharding
-  use_pmap = cfg.mesh.parallelism == "pmap"
-  jstep, jeval, jstats = program.train_step, program.eval_step, program.stats_step
-  stats_every = int(cfg.train.get("stats_every", 0))
+class _Run:
+  """One training run's state between the loop's steps: the program, data, checkpointer, writer and the
+  metrics of the step dispatched last (`pending`: read only after the next step is dispatched)."""
 
-  def to_global(local: dict) -> dict:
-    if use_pmap:
-      return pmap_lib.split_batch(local, mesh)
-    return {k: jax.make_array_from_process_local_data(batch_sh, np.asarray(v)) for k, v in local.items()}
+  def __init__(self, cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax.sharding.Mesh,
+               runtime: backends.Runtime):
+    workdir_lib.check_architecture(workdir, cfg)   # before anything in the workdir changes
+    self.cfg, self.mesh, self.work = cfg, mesh, prepare_workdir(workdir)
+    backends.enable_compilation_cache(cfg.data.cache_dir)
+    self.is_main = jax.process_index() == 0
+    self.ds = pipeline.build_dataset(cfg.data)
+    # model, optimizer, abstract sharded state and the jitted steps: the same builder as tformer_jax/aot/
+    self.program = setup_lib.build(cfg, mesh, runtime.backend, vocab_size=self.ds.vocab_size)
+    self.model = self.program.model
+    objectives.check_mask_token(self.model.cfg, self.ds.vocab_size)   # encoders: a [MASK] id of their own
+    self.ckpt = Checkpointer(self.work / "checkpoints", max_to_keep=cfg.train.max_to_keep)
+    # the prepared data: the same as when the run started (a resume), its shards intact (hashed once)
+    run_data = prepared_lib.check_run_data(self.work, pipeline.prepared_datasets(self.ds),
+                                           resuming=self.ckpt.latest_step() is not None,
+                                           cache_dir=cfg.data.get("cache_dir") or None)
+    self.it = pipeline.train_iterator(self.ds, cfg.data, process_index=jax.process_index(),
+                                      process_count=jax.process_count())
+    self.state, self.start = self._restore_or_init()
+    host_alloc.release_free_memory()   # the loading's transients (host_alloc: kept mapped otherwise)
+    self.n_params = state_lib.param_count(self.state.params) + state_lib.param_count(self.state.frozen or {})
+    if self.program.lora_scale is not None and self.is_main:
+      log.info("LoRA: %s adapter parameters trained (rank %d, targets %s) on a frozen base of %s",
+               f"{state_lib.param_count(self.state.params):,}", cfg.train.lora.rank, cfg.train.lora.targets,
+               f"{state_lib.param_count(self.state.frozen):,}")
+    if self.is_main:  # only now: a config that cannot restore this workdir has changed nothing in it
+      (self.work / "config.json").write_text(cfg.to_json_best_effort(indent=2))
+      (self.work / "runtime.json").write_text(json.dumps(runtime.as_dict(), indent=2))
+      prepared_lib.write_run_data(self.work, run_data)
+    self.eval_set = [self.to_global(b) for b in pipeline.eval_batches(
+        self.ds, cfg.data, cfg.train.eval_batches, process_index=jax.process_index(),
+        process_count=jax.process_count())]
+    self.bpt = bytes_per_token(self.ds)
+    # train.eval_tasks: harness tasks with the loss (names checked here, before the first step)
+    self.harness_eval = (HarnessEval(cfg, self.model, self.ds.tokenizer)
+                         if task_names(cfg.train.get("eval_tasks", "")) else None)
+    self.writer = MetricWriter(self.work, enabled=self.is_main, truncate_after=self.start,
+                               loggers=config_lib.parse_loggers(cfg.train.get("loggers", "jsonl,tensorboard")),
+                               run_config=cfg.to_dict(), project=str(cfg.train.get("wandb_project", "tformer_jax")))
+    if self.is_main:
+      log.info("model: %s parameters; mesh %s; rules %s", f"{self.n_params:,}", dict(mesh.shape), cfg.mesh.rules)
+    self.progress = _progress(self.is_main, self.start, cfg.train.steps)
+    self.final: dict[str, float] = {}
+    self.pending: tuple[int, Any] | None = None
+    self.saved: int | None = None   # the step of the last save of this run
+    self.t_last, self.steps_since = time.perf_counter(), 0
 
-  eval_set = [to_global(b) for b in pipeline.eval_batches(
-      ds, cfg.data, cfg.train.eval_batches, process_index=jax.process_index(),
-      process_count=jax.process_count())]
-  bpt = bytes_per_token(ds)
-  # train.eval_tasks: harness tasks with the loss (names checked here, before the first step)
-  harness_eval = (HarnessEval(cfg, model, ds.tokenizer) if task_names(cfg.train.get("eval_tasks", ""))
-                  else None)
+  def _restore_or_init(self) -> tuple[Any, int]:
+    """(state, first step): the latest good checkpoint's (with its data iterator state), else a new state
+    (train.init_from's weights loaded first: their random init is never computed). A LoRA run's frozen
+    base is never saved: init_from holds it."""
+    cfg, program, model = self.cfg, self.program, self.model
+    abstract, lora = program.abstract, program.lora_scale is not None
+    restored = self.ckpt.restore(abstract.replace(frozen=None), require_data_state=True)  # without its iterator: damage
+    if restored is not None:
+      start, state, data_state, _ = restored
+      if lora:
+        state = state.replace(frozen=init_from.load_params(cfg.train.init_from, abstract.frozen, model.cfg.num_layers))
+      if data_state:
+        self.it.set_state(data_state)
+      log.info("resumed from step %d", start)
+    else:
+      given = {}
+      if cfg.train.init_from:
+        field = "frozen" if lora else "params"
+        given[field] = init_from.load_params(cfg.train.init_from, getattr(abstract, field), model.cfg.num_layers)
+      with jax.set_mesh(self.mesh), nn.logical_axis_rules(program.rules):
+        state = state_lib.create_state(program.init, jax.random.PRNGKey(cfg.train.seed), program.shardings, **given)
+      start = 0
+      if given:
+        log.info("initialised %s from %s", "the frozen base" if lora else "parameters", cfg.train.init_from)
+    return state, start
 
-  def evaluate(params) -> dict[str, float]:
-    sums = [jeval(params, b) for b in eval_set]
-    return eval_summary({k: float(sum(float(s[k]) for s in sums)) for k in sums[0]}, bpt)
+  def to_global(self, local: dict) -> dict:
+    """A process-local batch as the step's global arrays (pmap: split over the local devices)."""
+    if self.cfg.mesh.parallelism == "pmap":
+      return pmap_lib.split_batch(local, self.mesh)
+    sharding = self.program.batch_sharding
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local.items()}
 
-  loggers = config_lib.parse_loggers(cfg.train.get("loggers", "jsonl,tensorboard"))
-  writer = MetricWriter(work, enabled=is_main, truncate_after=start, loggers=loggers,
-                        run_config=cfg.to_dict(), project=str(cfg.train.get("wandb_project", "tformer_jax")))
-  if is_main:
-    log.info("model: %s parameters; mesh %s; rules %s", f"{n_params:,}", dict(mesh.shape), cfg.mesh.rules)
-  tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-  progress = _progress(is_main, start, cfg.train.steps)
-  final: dict[str, float] = {}
-  pending = None
-  saved = None   # the step of the last save of this run
-  t_last, steps_since = time.perf_counter(), 0
+  def train_step(self, step: int) -> None:
+    """Dispatches step `step` + 1, then reads the previous step's metrics (so the host never waits on
+    the device between steps); train.stats_every's statistics before the step, which donates the state."""
+    self.ckpt.check()   # a failed asynchronous save stops the run here, not minutes later
+    batch = self.to_global(next(self.it))
+    stats_every = int(self.cfg.train.get("stats_every", 0))
+    if self.program.stats_step is not None and (step + 1) % stats_every == 0:
+      stats = jax.device_get(self.program.stats_step(self.state, batch))
+      self.writer.write(step + 1, {f"stats/{k}": float(v) for k, v in stats.items()})
+    self.state, metrics = self.program.train_step(self.state, batch)   # dispatch step N+1 ...
+    self.flush()                                                         # ... before reading step N's metrics
+    self.pending = (step + 1, metrics)
+    self.progress.update(1)
+    if step - self.start in (1, 2):   # the compiles and the first steps' buffers are behind: their free pages back
+      host_alloc.release_free_memory()
 
-  def finish_step(step_done: int, metrics) -> None:
-    nonlocal t_last, steps_since, final
+  def flush(self) -> None:
+    """Reads and logs the pending step's metrics, if any."""
+    if self.pending is not None:
+      step_done, metrics = self.pending
+      self.pending = None
+      self._finish_step(step_done, metrics)
+
+  def _finish_step(self, step_done: int, metrics: Any) -> None:
+    cfg = self.cfg
     m = {k: float(v) for k, v in jax.device_get(metrics).items()}
     m["ppl"] = math.exp(min(m["nll"], 50.0))
-    m["bpb"] = m["nll"] / math.log(2) / bpt
-    steps_since += 1
+    m["bpb"] = m["nll"] / math.log(2) / self.bpt
+    self.steps_since += 1
     if m["bad_steps"] >= cfg.train.max_nonfinite:
-      last = ckpt.latest_step()
+      last = self.ckpt.latest_step()
       kept = ("no checkpoint was saved yet" if last is None
               else f"the last good checkpoint (step {last}) is untouched")
       raise TrainingError(
@@ -219,80 +266,67 @@ def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax
                   int(m["bad_steps"]))
     if step_done % cfg.train.log_every == 0 or step_done == cfg.train.steps:
       now = time.perf_counter()
-      m["tokens_per_s"] = steps_since * tokens_per_step / max(now - t_last, 1e-9)
-      t_last, steps_since = now, 0
-      writer.write(step_done, m)
-      progress.set_postfix(loss=f"{m['loss']:.3f}", lr=f"{m['lr']:.2e}", tok_s=f"{m['tokens_per_s']:.0f}")
-    final.update(m)
+      m["tokens_per_s"] = self.steps_since * cfg.data.batch_size * cfg.data.seq_len / max(now - self.t_last, 1e-9)
+      self.t_last, self.steps_since = now, 0
+      self.writer.write(step_done, m)
+      self.progress.set_postfix(loss=f"{m['loss']:.3f}", lr=f"{m['lr']:.2e}", tok_s=f"{m['tokens_per_s']:.0f}")
+    self.final.update(m)
 
-  try:
-    for step in range(start, cfg.train.steps):
-      ckpt.check()   # a failed asynchronous save stops the run here, not minutes later
-      batch = to_global(next(it))
-      if jstats is not None and (step + 1) % stats_every == 0:  # before the step, which donates `state`
-        writer.write(step + 1, {f"stats/{k}": float(v) for k, v in jax.device_get(jstats(state, batch)).items()})
-      state, metrics = jstep(state, batch)   # dispatch step N+1 ...
-      if pending is not None:
-        finish_step(*pending)                # ... before reading step N's metrics
-      pending = (step + 1, metrics)
-      progress.update(1)
-      if step - start in (1, 2):   # the compiles and the first steps' buffers are behind: their free pages back
-        host_alloc.release_free_memory()
-      done = step + 1
-      if done % cfg.train.eval_every == 0 or done == cfg.train.steps:
-        finish_step(*pending)
-        pending = None
-        ev = evaluate(program.eval_params(state))
-        if harness_eval is not None:
-          ev.update(harness_eval(mesh_lib.to_host(program.full_params(state))))
-        writer.write(done, ev)
-        final.update(ev)
-        host_alloc.release_free_memory()
-        if is_main and not model.cfg.causal:
-          log.info("step %d: val_loss %.4f (masked LM), masked-token accuracy %.4f", done, ev["val_loss"],
-                   ev["val_accuracy"])
-        elif is_main:
-          log.info("step %d: val_loss %.4f (%.3f bits/byte)", done, ev["val_loss"], ev["val_bpb"])
-      if done % cfg.train.ckpt_every == 0 or done == cfg.train.steps or stop["signal"]:
-        if pending is not None:
-          finish_step(*pending)
-          pending = None
-        if final.get("bad_steps", 0) > 0:  # never replace good checkpoints by a state mid-NaN-streak
-          log.warning("step %d: not saving during a run of non-finite steps", done)
-        else:
-          host_alloc.release_free_memory()   # the host copy of the state reuses no free span: RSS stays level
-          ckpt.save(done, state.replace(frozen=None), it.get_state(), {"step": done}, force=bool(stop["signal"]))
-          saved = done
-      if stop["signal"]:
-        if pending is not None:
-          finish_step(*pending)
-          pending = None
-        if saved == done:
-          log.warning("%s received: saved step %d, exiting", stop["signal"], done)
-        else:
-          last = ckpt.latest_step()
-          log.warning("%s received at step %d: not saved (non-finite steps); %s, exiting", stop["signal"],
-                      done, "no checkpoint yet" if last is None else f"the last checkpoint is step {last}")
-        break
-    if pending is not None:
-      finish_step(*pending)
-    ckpt.wait()   # raises if the last save failed
-  finally:
-    progress.close()
+  def evaluate(self, done: int) -> None:
+    """The validation loss (and train.eval_tasks) at step `done`, written and logged."""
+    self.flush()
+    program = self.program
+    params = program.eval_params(self.state)
+    sums = [program.eval_step(params, b) for b in self.eval_set]
+    ev = eval_summary({k: float(sum(float(s[k]) for s in sums)) for k in sums[0]}, self.bpt)
+    if self.harness_eval is not None:
+      ev.update(self.harness_eval(mesh_lib.to_host(program.full_params(self.state))))
+    self.writer.write(done, ev)
+    self.final.update(ev)
+    host_alloc.release_free_memory()
+    if self.is_main and not self.model.cfg.causal:
+      log.info("step %d: val_loss %.4f (masked LM), masked-token accuracy %.4f", done, ev["val_loss"],
+               ev["val_accuracy"])
+    elif self.is_main:
+      log.info("step %d: val_loss %.4f (%.3f bits/byte)", done, ev["val_loss"], ev["val_bpb"])
+
+  def save(self, done: int, force: bool) -> None:
+    """Saves step `done` (asynchronously), unless the run is in a streak of non-finite steps."""
+    self.flush()
+    if self.final.get("bad_steps", 0) > 0:  # never replace good checkpoints by a state mid-NaN-streak
+      log.warning("step %d: not saving during a run of non-finite steps", done)
+      return
+    host_alloc.release_free_memory()   # the host copy of the state reuses no free span: RSS stays level
+    self.ckpt.save(done, self.state.replace(frozen=None), self.it.get_state(), {"step": done}, force=force)
+    self.saved = done
+
+  def report_stop(self, signal_name: str, done: int) -> None:
+    self.flush()
+    if self.saved == done:
+      log.warning("%s received: saved step %d, exiting", signal_name, done)
+    else:
+      last = self.ckpt.latest_step()
+      log.warning("%s received at step %d: not saved (non-finite steps); %s, exiting", signal_name,
+                  done, "no checkpoint yet" if last is None else f"the last checkpoint is step {last}")
+
+  def close(self) -> None:
+    self.progress.close()
     try:
-      writer.close()
+      self.writer.close()
     finally:
-      ckpt.close(quiet=True)   # an exception already on its way out wins over a late save failure
+      self.ckpt.close(quiet=True)   # an exception already on its way out wins over a late save failure
 
-  sample = not stop["signal"] and cfg.train.sample_tokens > 0 and model.cfg.causal   # encoders do not generate
-  if sample:
-    host_params = mesh_lib.to_host(program.full_params(state))  # every process: a gather when params span hosts
-  if is_main and sample:
-    final["sample"] = sample_text(model, host_params, ds.tokenizer, cfg, prompt=data_prompt(ds, cfg))
-    print(f"\n--- sample (step {int(state.step)}) ---\n{final['sample']}\n---", flush=True)
-  final["params"] = n_params
-  final["step"] = int(state.step)
-  return final
+  def result(self, sample: bool) -> dict[str, float]:
+    """The final metrics, with the end-of-training sample (causal models; not after a signal)."""
+    cfg, model, state, final = self.cfg, self.model, self.state, self.final
+    if sample and cfg.train.sample_tokens > 0 and model.cfg.causal:   # encoders do not generate
+      host_params = mesh_lib.to_host(self.program.full_params(state))  # every process: a gather across hosts
+      if self.is_main:
+        final["sample"] = sample_text(model, host_params, self.ds.tokenizer, cfg, prompt=data_prompt(self.ds, cfg))
+        print(f"\n--- sample (step {int(state.step)}) ---\n{final['sample']}\n---", flush=True)
+    final["params"] = self.n_params
+    final["step"] = int(state.step)
+    return final
 
 
 SAMPLE_PROMPT_TOKENS = 16
