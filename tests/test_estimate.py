@@ -1,4 +1,4 @@
-"""The memory/FLOPs estimator (tformer_jax/diagnostics/estimate.py) against XLA's compiled analysis of the
+"""The memory/FLOPs estimator (tformer_jax/diagnostics/estimate/) against XLA's compiled analysis of the
 very train step a run compiles (train/setup.py, one device, cfg.runtime resolved on this CPU): a dense
 model and both MoE dispatchers within 15% of XLA's arguments + temporaries, the exact terms exact, the
 estimate following the runtime it models, and the command's report with its ratio."""

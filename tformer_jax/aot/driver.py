@@ -49,7 +49,7 @@ def formula_flops(m: Any, batch: int, seq: int) -> dict[str, Any]:
 
 
 def _estimate(cfg: ml_collections.ConfigDict, devices: int, state: dict[str, int]) -> dict[str, Any]:
-  """tformer-estimate's per-device peak for this mesh (diagnostics/estimate.py: nothing compiled),
+  """tformer-estimate's per-device peak for this mesh (diagnostics/estimate/mesh.py: nothing compiled),
   with the exact state this build computed."""
   try:
     layout = dataclasses.replace(estimate_lib.layout_of(cfg, devices), params=state["params"],
