@@ -1,5 +1,5 @@
 """`--print_config`: every config field with its value and its description, the descriptions read from
-the comments beside the fields in tformer_jax/config.py and an enum field's values from its tuple."""
+the comments beside the fields in tformer_jax/config/schema.py and an enum field's values from its tuple."""
 from __future__ import annotations
 
 import inspect
@@ -32,10 +32,10 @@ def _nested(lines: list[str], row: int) -> str:
 
 def field_docs() -> dict[str, str]:
   """{'model.num_kv_heads': '0 = num_heads (MHA); 1 = MQA; ...', ...}: the comments beside the fields in
-  tformer_jax/config.py (the dataclasses and default_config), a comment-only line continuing the
+  tformer_jax/config/schema.py (the dataclasses and default_config), a comment-only line continuing the
   field above it; an enum field's values are listed from its tuple (`enum_fields`). The schema's one
   source of descriptions."""
-  source = inspect.getsource(config_lib)
+  source = inspect.getsource(config_lib.schema)
   docs: dict[str, str] = {}
   prefix, last, last_line = None, None, -1
   lines = source.splitlines()
@@ -70,7 +70,7 @@ def field_docs() -> dict[str, str]:
 
 
 def enum_fields() -> dict[str, tuple[str, ...]]:
-  """{field: its allowed values}: the config's own tuples (config.py), which `field_docs` lists."""
+  """{field: its allowed values}: the config's own tuples (config/enums.py), which `field_docs` lists."""
   c = config_lib
   model = dict(attention=c.ATTENTIONS, activation=c.ACTIVATIONS, norm=c.NORMS, norm_position=c.NORM_POSITIONS,
                position=c.POSITIONS, rope_layout=c.ROPE_LAYOUTS, remat=c.REMAT_POLICIES, dtype=c.DTYPES,

@@ -1,4 +1,4 @@
-"""A data section's field, or the schema's default for it (tformer_jax/config.py `default_config().data`:
+"""A data section's field, or the schema's default for it (tformer_jax/config/schema.py `default_config().data`:
 the one owner of the data defaults and choices)."""
 from __future__ import annotations
 

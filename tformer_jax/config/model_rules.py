@@ -1,0 +1,181 @@
+"""`validate_model`: every rule of the model section, as named checks."""
+from __future__ import annotations
+
+from tformer_jax.config.enums import (
+  ACTIVATIONS,
+  ATTENTIONS,
+  DTYPES,
+  MOE_DISPATCH,
+  NORM_POSITIONS,
+  NORMS,
+  POSITIONS,
+  REMAT_POLICIES,
+  ROPE_LAYOUTS,
+  ROPE_SCALINGS,
+)
+from tformer_jax.config.errors import _check_choice, _fail
+from tformer_jax.config.schema import ModelConfig
+
+
+def validate_model(m: ModelConfig, prefix: str = "model") -> None:
+  """Every model rule, on a ModelConfig. Raises ConfigError('<field>: <rule>')."""
+  p = prefix + "."
+  _check_sizes(m, p)
+  _check_choices(m, p)
+  _check_positions(m, p)
+  _check_sparsity(m, p)
+  _check_linear(m, p)
+  _check_layout(m, p)
+  _check_moe(m, p)
+
+
+def _check_sizes(m: ModelConfig, p: str) -> None:
+  """Sizes: positive, non-negative, and the head counts dividing each other."""
+  if m.vocab_size == 0:
+    _fail(p + "vocab_size", "is 0 (= the data tokenizer's vocabulary) and nothing resolved it: set it, or pass the "
+          "whole config through tformer_jax.config.resolved(cfg)")
+  for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_len"):
+    if getattr(m, name) <= 0:
+      _fail(p + name, f"must be a positive integer, got {getattr(m, name)}")
+  for name in ("num_kv_heads", "head_dim", "d_ff", "window", "num_global_tokens", "type_vocab_size"):
+    if getattr(m, name) < 0:
+      _fail(p + name, f"must be >= 0, got {getattr(m, name)}")
+  if not m.head_dim and m.d_model % m.num_heads:
+    _fail(p + "d_model", f"d_model={m.d_model} must be divisible by num_heads={m.num_heads} "
+          "(or set head_dim explicitly)")
+  if m.num_heads % m.kv_heads:
+    _fail(p + "num_kv_heads", f"num_heads={m.num_heads} must be divisible by num_kv_heads={m.kv_heads}")
+  if m.mlp_ratio <= 0:
+    _fail(p + "mlp_ratio", f"must be > 0, got {m.mlp_ratio}")
+
+
+def _check_choices(m: ModelConfig, p: str) -> None:
+  """Enum fields, eps, dropout rates and init scales."""
+  choices = dict(attention=ATTENTIONS, activation=ACTIVATIONS, norm=NORMS, norm_position=NORM_POSITIONS,
+                 position=POSITIONS, rope_layout=ROPE_LAYOUTS, remat=REMAT_POLICIES, dtype=DTYPES, param_dtype=DTYPES)
+  for name, allowed in choices.items():
+    _check_choice(p + name, getattr(m, name), allowed)
+  if m.norm_eps <= 0:
+    _fail(p + "norm_eps", f"must be > 0, got {m.norm_eps}")
+  for name in ("embed_dropout", "attn_dropout", "resid_dropout"):
+    v = getattr(m, name)
+    if not 0.0 <= v < 1.0:
+      _fail(p + name, f"dropout must be in [0, 1), got {v}")
+  if m.init_std <= 0:
+    _fail(p + "init_std", f"must be > 0, got {m.init_std}")
+  if m.attention_scale < 0:
+    _fail(p + "attention_scale", f"must be >= 0 (0 = 1/sqrt(head_dim)), got {m.attention_scale}")
+
+
+def _check_positions(m: ModelConfig, p: str) -> None:
+  """RoPE, sinusoidal and T5 position settings (and the RoPE scaling rule)."""
+  if m.position == "rope":
+    if not 0.0 < m.rotary_fraction <= 1.0:
+      _fail(p + "rotary_fraction", f"must be in (0, 1], got {m.rotary_fraction}")
+    rot = m.hd * m.rotary_fraction
+    if rot != int(rot) or int(rot) % 2:
+      _fail(p + "rotary_fraction", f"rotary dims head_dim*rotary_fraction={rot} must be an even integer")
+    if m.rope_theta <= 0:
+      _fail(p + "rope_theta", f"must be > 0, got {m.rope_theta}")
+  if m.position == "sinusoidal" and m.d_model % 2:
+    _fail(p + "d_model", f"sinusoidal positions need an even d_model, got {m.d_model}")
+  _check_rope_scaling(m, p)
+  if m.position == "t5":
+    if m.t5_num_buckets <= 0 or m.t5_max_distance <= 0:
+      _fail(p + "t5_num_buckets", "t5_num_buckets and t5_max_distance must be positive")
+    exact = (m.t5_num_buckets // (1 if m.causal else 2)) // 2    # ops/relative_bias.py: exact buckets
+    if exact < 1:
+      _fail(p + "t5_num_buckets", f"must be >= {2 if m.causal else 4} (causal={m.causal}), got {m.t5_num_buckets}")
+    if m.t5_max_distance <= exact:
+      _fail(p + "t5_max_distance", f"must exceed the {exact} exact buckets (log-spaced buckets reach it), "
+            f"got {m.t5_max_distance}")
+
+
+def _check_rope_scaling(m: ModelConfig, p: str) -> None:
+  """model.rope_scaling: its type, factor and per-type parameters."""
+  rs = m.rope_scaling
+  _check_choice(p + "rope_scaling.type", rs.type, ROPE_SCALINGS)
+  if rs.original_max_len < 0:
+    _fail(p + "rope_scaling.original_max_len", f"must be >= 0 (0 = model.max_len), got {rs.original_max_len}")
+  if rs.type != "none":
+    if m.position != "rope":
+      _fail(p + "rope_scaling.type", f"{rs.type!r} needs position='rope', got {m.position!r}")
+    if rs.factor < 1.0:
+      _fail(p + "rope_scaling.factor", f"must be >= 1, got {rs.factor}")
+  if rs.type == "llama3" and not 0 < rs.low_freq_factor < rs.high_freq_factor:
+    _fail(p + "rope_scaling.high_freq_factor", f"llama3 needs 0 < low_freq_factor < high_freq_factor, got "
+          f"low_freq_factor={rs.low_freq_factor}, high_freq_factor={rs.high_freq_factor}")
+  if rs.type == "yarn":
+    if not 0 < rs.beta_slow < rs.beta_fast:
+      _fail(p + "rope_scaling.beta_fast", f"yarn needs 0 < beta_slow < beta_fast, got beta_slow={rs.beta_slow}, "
+            f"beta_fast={rs.beta_fast}")
+    if rs.attention_factor < 0:
+      _fail(p + "rope_scaling.attention_factor", f"must be >= 0 (0 = 0.1 ln(factor) + 1), got "
+            f"{rs.attention_factor}")
+
+
+def _check_sparsity(m: ModelConfig, p: str) -> None:
+  """The sliding window, global tokens and BigBird random blocks."""
+  if m.window > m.max_len:
+    _fail(p + "window", f"window={m.window} > max_len={m.max_len} is the same as no window (every query "
+          f"already sees all its keys); use window=0 for full attention, or a window <= {m.max_len}")
+  if m.num_global_tokens and not m.window:
+    _fail(p + "num_global_tokens", "global tokens only matter with a window > 0")
+  if m.num_global_tokens >= m.max_len:
+    _fail(p + "num_global_tokens", f"must be < max_len={m.max_len}, got {m.num_global_tokens}")
+  if m.random_blocks < 0 or m.random_block_size < 1 or m.random_block_seed < 0:
+    _fail(p + "random_blocks", f"random_blocks >= 0, random_block_size >= 1 and random_block_seed >= 0, got "
+          f"{m.random_blocks}, {m.random_block_size}, {m.random_block_seed}")
+  if m.random_blocks and not m.window:
+    _fail(p + "random_blocks", "random blocks widen a sliding window (BigBird = window + global + random); "
+          "set model.window > 0 (without one every key is already visible)")
+  n_blocks = -(-m.max_len // m.random_block_size)
+  if m.random_blocks >= n_blocks:
+    _fail(p + "random_blocks", f"{m.random_blocks} random blocks of {m.random_block_size} cover all {n_blocks} "
+          f"blocks of max_len={m.max_len}: use fewer (or window=0 for full attention)")
+
+
+def _check_linear(m: ModelConfig, p: str) -> None:
+  """What linear attention has no use for (sparsity, logit biases, softmax scale/dropout)."""
+  if m.attention == "linear":
+    sparse = [f"{k}={getattr(m, k)}" for k in ("window", "num_global_tokens", "random_blocks") if getattr(m, k)]
+    if sparse:
+      _fail(p + "attention", f"'linear' sums over all (earlier) keys: it has no {', '.join(sparse)}")
+    if m.position in ("alibi", "t5"):
+      _fail(p + "attention", f"'linear' has no attention logits to bias: position={m.position!r} needs "
+            "'softmax' (use rope, learned or sinusoidal positions)")
+    for name in ("attn_dropout", "attention_scale"):
+      if getattr(m, name):
+        _fail(p + name, "'linear' attention has no softmax weights to scale or drop; set it to 0")
+
+
+def _check_layout(m: ModelConfig, p: str) -> None:
+  """The mask token id and the residual layout."""
+  if not -1 <= m.mask_token_id < m.vocab_size:
+    _fail(p + "mask_token_id", f"must be -1 (= vocab_size - 1) or an id in [0, {m.vocab_size}), got {m.mask_token_id}")
+  if m.norm_position == "post" and m.parallel_residual:
+    _fail(p + "parallel_residual", "parallel residual is a Pre-LN layout; set norm_position='pre'")
+
+
+def _check_moe(m: ModelConfig, p: str) -> None:
+  """The mixture-of-experts sub-config."""
+  moe = m.moe
+  for name in ("num_experts", "d_ff"):
+    if getattr(moe, name) < 0:
+      _fail(p + "moe." + name, f"must be >= 0, got {getattr(moe, name)}")
+  if moe.num_experts and not 1 <= moe.top_k <= moe.num_experts:
+    _fail(p + "moe.top_k", f"must be in [1, num_experts={moe.num_experts}], got {moe.top_k}")
+  if moe.every < 1:
+    _fail(p + "moe.every", f"must be >= 1, got {moe.every}")
+  _check_choice(p + "moe.dispatch", moe.dispatch, MOE_DISPATCH)
+  if moe.ep_buffer_factor < 0:
+    _fail(p + "moe.ep_buffer_factor", f"must be >= 0 (0 = the worst case, never drops), got {moe.ep_buffer_factor}")
+  if moe.capacity_factor <= 0:
+    _fail(p + "moe.capacity_factor", f"must be > 0, got {moe.capacity_factor}")
+  if not 0.0 <= moe.jitter < 1.0:
+    _fail(p + "moe.jitter", f"must be in [0, 1) (router inputs times U(1 - jitter, 1 + jitter)), got {moe.jitter}")
+  for name in ("aux_loss_coef", "z_loss_coef"):
+    if getattr(moe, name) < 0:
+      _fail(p + "moe." + name, f"loss coefficients must be >= 0, got {getattr(moe, name)}")
+  if moe.num_experts and m.scan_layers and moe.every != 1:
+    _fail(p + "moe.every", "scan_layers needs identical layers: use moe.every=1 or scan_layers=False")
