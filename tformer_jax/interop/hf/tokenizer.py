@@ -1,0 +1,88 @@
+"""Tokenizer files: which ones a model directory carries, a byte-level tokenizer.json, special token ids,
+loading a tokenizer."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Any
+
+from tformer_jax.data.tokenizers import get_tokenizer
+
+# Files beside an HF model that describe its tokenizer (chat template included) and generation: carried by
+# tformer-convert (`tokenizer_files` also takes any other tokenizer*.json/*.model of the directory).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt",
+                   "tokenizer.model", "spiece.model", "generation_config.json")
+_TOKENIZER_GLOBS = ("tokenizer*.json", "tokenizer*.model", "*.tiktoken")
+
+
+def tokenizer_files(d: str | os.PathLike) -> dict[str, pathlib.Path]:
+  """{relative name: file} of every tokenizer, chat-template and generation file in the HF directory `d`
+  (`TOKENIZER_FILES` and the tokenizer*.json / tokenizer*.model / *.tiktoken beside them)."""
+  d = pathlib.Path(d)
+  names = [n for n in TOKENIZER_FILES if (d / n).is_file()]
+  for pattern in _TOKENIZER_GLOBS:
+    names += sorted(str(f.relative_to(d)) for f in d.glob(pattern) if f.is_file())
+  return {n: d / n for n in dict.fromkeys(names)}
+
+
+def byte_tokenizer_files(out_dir: str | os.PathLike, max_len: int) -> dict[str, pathlib.Path]:
+  """tokenizer.json + tokenizer_config.json in `out_dir` for the byte tokenizer (id = the byte's value),
+  which transformers' PreTrainedTokenizerFast loads with the same ids: a byte-level BPE with no merges."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415 (only for a byte-level export)
+  from tokenizers.pre_tokenizers import ByteLevel  # noqa: PLC0415
+
+  chars = ByteLevel.alphabet()                       # the 256 printable stand-ins of the bytes, GPT-2's map
+  table = _bytes_to_unicode()
+  assert set(chars) == set(table.values())
+  tok = Tokenizer(models.BPE(vocab={table[b]: b for b in range(256)}, merges=[]))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+  tok.decoder = decoders.ByteLevel()
+  out = pathlib.Path(out_dir)
+  tok.save(str(out / "tokenizer.json"))
+  (out / "tokenizer_config.json").write_text(json.dumps(
+      {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": int(max_len), "clean_up_tokenization_spaces":
+       False}, indent=2) + "\n")
+  return {"tokenizer.json": out / "tokenizer.json", "tokenizer_config.json": out / "tokenizer_config.json"}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+  """GPT-2's byte -> printable character map (what the ByteLevel pre-tokenizer emits)."""
+  keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + list(
+      range(ord("\xae"), ord("\xff") + 1))
+  chars, n = dict(zip(keep, keep)), 0
+  for b in range(256):
+    if b not in chars:
+      chars[b] = 256 + n
+      n += 1
+  return {b: chr(c) for b, c in chars.items()}
+
+
+def special_token_ids(tokenizer: Any, hf_dir: str | os.PathLike | None = None) -> dict[str, int | None]:
+  """{'bos_token_id', 'eos_token_id', 'pad_token_id'}: an HF directory's own (config.json,
+  generation_config.json) where it states them, else the tokenizer's bos/eos ids; pad falls back to
+  eos (what Llama-style models use), None where there is nothing to say."""
+  out: dict[str, int | None] = {"bos_token_id": getattr(tokenizer, "bos_id", None),
+                                "eos_token_id": getattr(tokenizer, "eos_id", None), "pad_token_id": None}
+  for name in ("config.json", "generation_config.json"):
+    f = pathlib.Path(hf_dir) / name if hf_dir is not None else None
+    if f is not None and f.is_file():
+      try:
+        stated = json.loads(f.read_text())
+      except (OSError, ValueError):
+        continue
+      for key in out:
+        value = stated.get(key) if isinstance(stated, dict) else None
+        if isinstance(value, list):          # generation_config may list several eos ids
+          value = value[0] if value else None
+        if isinstance(value, int):
+          out[key] = value
+  if out["pad_token_id"] is None:
+    out["pad_token_id"] = out["eos_token_id"]
+  return out
+
+
+def load_hf_tokenizer(path: str | os.PathLike) -> Any:
+  """Our tokenizer (tformer_jax.data.tokenizers) of an HF directory's tokenizer.json."""
+  return get_tokenizer("hf:" + os.fspath(path))
