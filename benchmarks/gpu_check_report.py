@@ -126,6 +126,13 @@ def _generation_lines(c: dict[str, Any]) -> list[str]:
                f"{_f(x.get('per_token_ms'), '.2f'):>10}{_f(x.get('tok_s'), ',.0f'):>11}")
   if c.get("transformers_skipped"):
     out.append(f"  transformers: skipped ({c['transformers_skipped']})")
+  lay = c.get("layouts")
+  if lay:
+    pays = lay["break_even_tokens"]
+    out.append("  decode layout (runtime.decode_layout): " + "; ".join(
+        f"{k} compile {_f(lay[k]['compile_s'], '.1f')} s, {_f(lay[k]['per_token_ms'], '.2f')} ms/token"
+        for k in ("scanned", "unrolled")) + f"; {lay['slower_compile']} compiles slower and "
+        + (f"pays it back after {pays:,} tokens" if pays is not None else "never pays it back"))
   return out
 
 

@@ -272,17 +272,54 @@ def decode_row(out: dict[str, Any]) -> dict[str, Any]:
           **{k: out.get(k) for k in ("first_call_s", "ttft_ms", "per_token_ms", "tok_s")}}
 
 
+def layout_tradeoff(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+  """Compile time vs per-token cost of the two decode layouts (runtime.decode_layout), and the tokens
+  after which the layout that compiles slower has paid for its compile (None: it never does)."""
+  out: dict[str, Any] = {k: {"compile_s": r.get("compile_s"), "per_token_ms": r.get("per_token_ms")}
+                         for k, r in rows.items()}
+  s, u = rows["scanned"], rows["unrolled"]
+  d_compile = (u["compile_s"] or 0) - (s["compile_s"] or 0)
+  d_token_s = ((s["per_token_ms"] or 0) - (u["per_token_ms"] or 0)) / 1e3
+  slow, fast = ("unrolled", d_token_s) if d_compile >= 0 else ("scanned", -d_token_s)
+  out["slower_compile"] = slow
+  out["break_even_tokens"] = round(abs(d_compile) / fast) if fast > 0 else None
+  return out
+
+
+def stage_c_layouts(st: Stage, args: Any, b: int, default: dict[str, Any] | None, tail: list[str]) -> None:
+  """The decode layout the runtime did not pick, at the first batch: compile vs per-token cost of
+  scanned and unrolled decoding on this platform (the measurement runtime.decode_layout's GPU default
+  waits for)."""
+  if default is None:
+    return
+  other = "unrolled" if default.get("decode_layout") == "scanned" else "scanned"
+  cmd = [*python(), "-m", "tformer_jax.bench", "decode", *config_argv(args), "--dtype=bfloat16", "--batch", str(b),
+         *tail, "--scan" if other == "scanned" else "--noscan"]
+  r = st.child(f"ours: decode batch {b}, {other} layers", cmd, f"c_decode_{b}_{other}.json")
+  err = child_error(r)
+  if r["json"] is None or err is not None:
+    st.check(f"ours batch {b} decodes {other}", False, err or "no result")
+    return
+  rows = {default.get("decode_layout", "scanned"): decode_row(default), other: decode_row(r["json"])}
+  st.results["layouts"] = layout_tradeoff(rows)
+  st.check(f"ours batch {b} decodes {other}", True, f"{rows[other]['tok_s']:,.0f} tok/s")
+
+
 def stage_c(st: Stage, args: Any) -> None:
-  """Our cached generation, then transformers generate (eager, static + compiled), at the same batches."""
+  """Our cached generation, then transformers generate (eager, static + compiled), at the same batches;
+  then our other decode layout at the first batch (`stage_c_layouts`)."""
   batches = [2] if args.smoke else ints(args.gen_batches, "--gen-batches")
   p, n, runs = (8, 8, 1) if args.smoke else (args.prompt_len, args.new_tokens, args.gen_runs)
   st.results.update(prompt_len=p, new_tokens=n, batches=batches, rows=[])
+  tail = ["--prompt-len", str(p), "--new-tokens", str(n), "--runs", str(runs), "--no-recompute"]
+  first: dict[str, Any] | None = None
   for b in batches:
     cmd = [*python(), "-m", "tformer_jax.bench", "decode", *config_argv(args), "--dtype=bfloat16", "--batch", str(b),
-           "--prompt-len", str(p), "--new-tokens", str(n), "--runs", str(runs), "--no-recompute"]
+           *tail]
     r = st.child(f"ours: decode batch {b}", cmd, f"c_decode_{b}.json")
     err = child_error(r)
     if r["json"] is not None and err is None:
+      first = r["json"] if first is None else first
       row = decode_row(r["json"])
       st.results["rows"].append(row)
       st.check(f"ours batch {b} generates", (row["tok_s"] or 0) > 0, f"{row['tok_s']:,.0f} tok/s")
@@ -292,6 +329,7 @@ def stage_c(st: Stage, args: Any) -> None:
   missing = torch_missing()
   if missing:
     st.results["transformers_skipped"] = missing
+    stage_c_layouts(st, args, batches[0], first, tail)
     st.save()
     return
   cases = [(mode, b) for mode in ("eager", "static") for b in batches]
@@ -311,6 +349,7 @@ def stage_c(st: Stage, args: Any) -> None:
       st.results["rows"].append({"impl": "transformers", **x})
       st.check(f"transformers {mode} batch {b} generates", "error" not in x and x.get("tokens_ok", False),
                x.get("error", f"{x.get('tok_s', 0):,.0f} tok/s"))
+  stage_c_layouts(st, args, batches[0], first, tail)      # last: a budget overrun loses only this row
   st.save()
 
 

@@ -53,6 +53,9 @@ def test_smoke_every_stage_and_a_failing_stage_keeps_results(tmp_path):
   assert {(r["impl"], r["mode"], r["batch"]) for r in rows} == want
   for r in rows:
     assert r["tok_s"] > 0 and r["per_token_ms"] > 0 and r["first_call_s"] >= r["compile_s"] >= 0, r
+  lay = st["c"]["results"]["layouts"]          # the decode layout the runtime did not pick, measured beside it
+  assert all(lay[k]["compile_s"] > 0 and lay[k]["per_token_ms"] > 0 for k in ("scanned", "unrolled")), lay
+  assert lay["slower_compile"] in ("scanned", "unrolled")
   attn = {(r["impl"], r["seq"]): r for r in st["d"]["results"]["rows"]}      # kept although d raised
   assert set(attn) == {(i, s) for i in ("cudnn", "blockwise", "xla") for s in (64, 128)}
   assert attn[("cudnn", 64)]["skipped"].startswith("cuDNN needs a GPU")
@@ -67,7 +70,8 @@ def test_smoke_every_stage_and_a_failing_stage_keeps_results(tmp_path):
 
   table = (tmp_path / "gpu_check.txt").read_text()
   assert table in p.stdout
-  for head in ("(a) training", "(b) PyTorch peer", "(c) generation", "(d) attention", "(e) attention numerics",
+  for head in ("(a) training", "(b) PyTorch peer", "(c) generation", "decode layout (runtime.decode_layout)",
+               "(d) attention", "(e) attention numerics",
                "targets (reported, never a failure)", "self-checks: FAILED"):
     assert head in table, head
   assert "injected failure in stage d" in (tmp_path / "gpu_check.log").read_text()
@@ -97,3 +101,13 @@ def test_usage_errors_are_one_line(capsys):
       gpu_check.main(args)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith(want), (args, err)
+
+
+def test_layout_tradeoff_is_the_tokens_that_pay_for_the_slower_compile(monkeypatch):
+  monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+  import gpu_check_stages
+  rows = {"scanned": {"compile_s": 2.0, "per_token_ms": 10.0}, "unrolled": {"compile_s": 5.0, "per_token_ms": 4.0}}
+  t = gpu_check_stages.layout_tradeoff(rows)
+  assert t["slower_compile"] == "unrolled" and t["break_even_tokens"] == 500       # 3 s / 6 ms a token
+  rows["unrolled"]["per_token_ms"] = 12.0                                           # slower both ways
+  assert gpu_check_stages.layout_tradeoff(rows)["break_even_tokens"] is None

@@ -168,7 +168,7 @@ def _run(args: Any, cfg: Any, runtime: backends.Runtime) -> dict[str, Any]:
       batch=b, prompt_len=p, prompt_bucket=int(req.tokens_BxP.shape[1]), new_tokens=n, d_model=m.d_model,
       layers=m.num_layers, position=m.position, dtype=m.dtype, params_m=round(n_params / 1e6, 3),
       backend=jax.default_backend(), runtime=runtime.backend.describe(), config_layout=train_layout,
-      layout_s=round(layout_s, 3),
+      decode_layout="scanned" if m.scan_layers else "unrolled", layout_s=round(layout_s, 3),
       compile_s=round(prefill_compile + decode_compile, 3), prefill_compile_s=round(prefill_compile, 3),
       decode_compile_s=round(decode_compile, 3), compile_wall_s=round(compile_wall_s, 3),
       first_call_s=round(first_call_s, 3),
