@@ -4,6 +4,7 @@ export (tokenizer, bos/eos/pad ids, generation_config.json) reloads in transform
 import json
 import sys
 
+import hf_utils
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,7 +14,6 @@ from tformer_jax.cli import convert, eval as eval_cli
 from tformer_jax.cli_common import workdir_config
 from tformer_jax.config import ModelConfig
 from tformer_jax.data import pipeline
-from tformer_jax.data.corpora import load_corpus
 from tformer_jax.interop.hf import load_hf
 from tformer_jax.nn import Transformer
 from tformer_jax.train import step as step_lib
@@ -30,22 +30,10 @@ TOL = dict(rtol=1e-4, atol=1e-4)
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
   """A tiny random Llama with a byte-level BPE trained on Shakespeare, saved as transformers would."""
-  from tokenizers import decoders, models, pre_tokenizers, trainers
   d = tmp_path_factory.mktemp("hf_llama")
-  text = load_corpus("shakespeare")[:200_000].decode("utf-8", "replace")
-  tok = tokenizers.Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  tok.train_from_iterator(text.splitlines(), trainers.BpeTrainer(
-      vocab_size=320, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-  tok.save(str(d / "tokenizer.json"))
-  (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-  torch.manual_seed(0)
-  cfg = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
-                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                 max_position_embeddings=128, tie_word_embeddings=False,
-                                 bos_token_id=0, eos_token_id=1)
-  transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+  tok = hf_utils.byte_level_bpe(200_000, 320, ["<s>", "</s>"])
+  hf_utils.save_tokenizer_files(tok, d, "<s>", "</s>")
+  hf_utils.save_llama(d, tok.get_vocab_size(), hidden=32, ffn=64, max_positions=128, tied=False)
   return d
 
 

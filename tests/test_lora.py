@@ -3,6 +3,7 @@ state and the checkpoint hold the adapters only (a small fraction of a full fine
 export reloads in transformers with our logits; a resumed run is exact; bad targets are one line."""
 import json
 
+import hf_utils
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +14,6 @@ from tformer_jax.checkpoint import restore_params
 from tformer_jax.cli import convert
 from tformer_jax.cli_common import load_config_file
 from tformer_jax.config import ConfigError, ModelConfig
-from tformer_jax.data.corpora import load_corpus
 from tformer_jax.interop.hf import load_hf
 from tformer_jax.nn import Transformer
 from tformer_jax.ops import lora as lora_ops
@@ -29,22 +29,10 @@ tokenizers = pytest.importorskip("tokenizers")
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
   """A small random Llama (GQA 4/2, tied embeddings) with a byte-level BPE, saved as transformers would."""
-  from tokenizers import decoders, models, pre_tokenizers, trainers
   d = tmp_path_factory.mktemp("hf_llama")
-  tok = tokenizers.Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  text = load_corpus("shakespeare")[:100_000].decode("utf-8", "replace")
-  tok.train_from_iterator(text.splitlines(), trainers.BpeTrainer(
-      vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-  tok.save(str(d / "tokenizer.json"))
-  (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-  torch.manual_seed(0)
-  cfg = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                 max_position_embeddings=128, tie_word_embeddings=True, bos_token_id=0,
-                                 eos_token_id=1)
-  transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+  tok = hf_utils.byte_level_bpe(100_000, 300, ["<s>", "</s>"])
+  hf_utils.save_tokenizer_files(tok, d, "<s>", "</s>")
+  hf_utils.save_llama(d, tok.get_vocab_size(), hidden=64, ffn=128, max_positions=128, tied=True)
   return d
 
 

@@ -6,6 +6,7 @@ import importlib
 import json
 import pkgutil
 
+import hf_utils
 import jax
 import numpy as np
 import pytest
@@ -29,25 +30,13 @@ ARCH = dict(d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, max_len=512)
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
   """The instruct-style checkpoint, saved by transformers (chat_template.jinja beside the tokenizer)."""
-  from tokenizers import decoders, models, pre_tokenizers, trainers
   d = tmp_path_factory.mktemp("hf_instruct")
-  text = load_corpus("shakespeare")[:100_000].decode("utf-8", "replace")
-  tok = tokenizers.Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  tok.train_from_iterator(text.splitlines(), trainers.BpeTrainer(
-      vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"],
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  tok = hf_utils.byte_level_bpe(100_000, 300, ["<|im_start|>", "<|im_end|>"])
   fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>",
                                               eos_token="<|im_end|>")
   fast.chat_template = TEMPLATE
   fast.save_pretrained(d)
-  torch.manual_seed(0)
-  cfg = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
-                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                 max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=0,
-                                 eos_token_id=1)
-  transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+  hf_utils.save_llama(d, tok.get_vocab_size(), hidden=32, ffn=64, max_positions=512, tied=True)
   assert (d / "chat_template.jinja").is_file()
   return d
 
