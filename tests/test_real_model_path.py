@@ -244,3 +244,22 @@ def test_a_config_built_in_code_resolves_init_from_too(hf_dir):
   out = loop.init_from.resolve(cfg)
   assert out.model.d_model == 32 and out.model.max_len == 512 and cfg.model.d_model == 256
   assert out.data.tokenizer == f"hf:{hf_dir}"
+
+
+def test_finetune_preset_fits_a_135m_model_in_6_gib(tmp_path, capsys):
+  """Defect 1: at SmolLM2-135M's shape (a config.json is all the estimate reads) the fine-tune preset's
+  defaults (scanned layers, remat 'full', loss_chunk 512) are estimated under 6 GiB of host RSS at batch
+  8 x 512; the defaults it had (unrolled, no remat, full logits) needed over 6 GiB."""
+  transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                           num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                           rope_theta=100000.0, tie_word_embeddings=True).save_pretrained(tmp_path)
+
+  def peak(*over: str) -> float:
+    assert estimate_memory.main(["--config=finetune_hf", f"--config.train.init_from=hf:{tmp_path}",
+                                 "--no-compile", *over]) == 0
+    out = capsys.readouterr().out
+    assert "parameters: 134,515,008" in out
+    return float(next(line for line in out.splitlines() if line.strip().startswith("peak")).split()[1])
+
+  assert peak() < 6.0
+  assert peak("--config.model.scan_layers=False", "--config.model.remat=none", "--config.train.loss_chunk=0") > 6.0
