@@ -39,8 +39,7 @@ from tformer_jax.train import precision
 PyTree = Any
 
 # Every parameter name in tformer_jax.nn, by role. Weight decay follows the role, not the rank: a
-# stacked (num_layers, d) norm scale or a (heads, head_dim) q/k/v bias is never decayed (the rank
-# rule used before decayed those biases).
+# stacked (num_layers, d) norm scale or a (heads, head_dim) q/k/v bias is never decayed.
 PARAM_ROLES = {
     "kernel": frozenset({"wq", "wk", "wv", "wo", "wi", "wg", "head", "router", "w_up", "w_gate", "w_down",
                          "w_in", "w_out", "shared_w_in", "shared_w_out", "shared_w_up", "shared_w_gate",
@@ -53,19 +52,14 @@ PARAM_ROLES = {
 }
 
 
-def _get(cfg: Any, name: str) -> Any:
-  """A field of a ConfigDict or a plain dict."""
-  return cfg[name]
-
-
 def warmup_steps(optim_cfg: Any, total_steps: int) -> int:
   """The effective warmup length: round(warmup_fraction * total_steps) when the fraction is > 0, else
   warmup_steps, clamped to a tenth of total_steps when it is not shorter than the run
   (`config.warmup_note` says so in one line)."""
-  frac = float(_get(optim_cfg, "warmup_fraction"))
+  frac = float(optim_cfg["warmup_fraction"])
   if frac > 0:
     return int(round(frac * total_steps))
-  warm = int(_get(optim_cfg, "warmup_steps"))
+  warm = int(optim_cfg["warmup_steps"])
   return total_steps // 10 if 0 < total_steps <= warm else warm
 
 
@@ -79,9 +73,9 @@ def make_schedule(optim_cfg: Any, total_steps: int) -> optax.Schedule:
   constant: peak_lr after warmup.
   The returned function is jit-friendly (step may be a traced int).
   """
-  peak = float(_get(optim_cfg, "peak_lr"))
-  kind = str(_get(optim_cfg, "schedule"))
-  min_lr = float(_get(optim_cfg, "min_lr_ratio")) * peak
+  peak = float(optim_cfg["peak_lr"])
+  kind = str(optim_cfg["schedule"])
+  min_lr = float(optim_cfg["min_lr_ratio"]) * peak
   warm = warmup_steps(optim_cfg, total_steps)
   if kind == "cosine":
     return optax.warmup_cosine_decay_schedule(0.0, peak, warm, max(total_steps, warm + 1), min_lr)
@@ -149,17 +143,17 @@ def make_optimizer(optim_cfg: Any, total_steps: int, backend: backends.Backend |
   `schedule(step)` gives the learning rate for logging (see the module docstring for the step
   convention).
   """
-  name = str(_get(optim_cfg, "name"))
+  name = str(optim_cfg["name"])
   if name not in OPTIMIZERS:
     raise ValueError(f"optim.name: unknown value {name!r}; expected one of {', '.join(OPTIMIZERS)}")
   schedule = make_schedule(optim_cfg, total_steps)
-  clip = float(_get(optim_cfg, "clip_norm"))
-  wd = float(_get(optim_cfg, "weight_decay"))
-  b1, b2 = float(_get(optim_cfg, "b1")), float(_get(optim_cfg, "b2"))
+  clip = float(optim_cfg["clip_norm"])
+  wd = float(optim_cfg["weight_decay"])
+  b1, b2 = float(optim_cfg["b1"]), float(optim_cfg["b2"])
   mask = functools.partial(decay_mask, decay_embeddings=bool(_opt(optim_cfg, "decay_embeddings", True)))
   parts = [optax.clip_by_global_norm(clip)] if clip > 0 else []
   if name == "adamw":
-    spec = backends.AdamWSpec(schedule=schedule, b1=b1, b2=b2, eps=float(_get(optim_cfg, "eps")),
+    spec = backends.AdamWSpec(schedule=schedule, b1=b1, b2=b2, eps=float(optim_cfg["eps"]),
                               weight_decay=wd, clip_norm=clip, decay_mask=mask)
     parts.append(optax.adamw(learning_rate=schedule, b1=b1, b2=b2, eps=spec.eps, weight_decay=wd, mask=mask))
     tx = skip_nonfinite(optax.chain(*parts))
