@@ -309,7 +309,8 @@ def stage_c(st: Stage, args: Any) -> None:
   """Our cached generation, then transformers generate (eager, static + compiled), at the same batches;
   then our other decode layout at the first batch (`stage_c_layouts`)."""
   batches = [2] if args.smoke else ints(args.gen_batches, "--gen-batches")
-  p, n, runs = (8, 8, 1) if args.smoke else (args.prompt_len, args.new_tokens, args.gen_runs)
+  # smoke: 3 runs, whose medians keep a tiny model's ms/token (total - first token) clear of timing noise
+  p, n, runs = (8, 8, 3) if args.smoke else (args.prompt_len, args.new_tokens, args.gen_runs)
   st.results.update(prompt_len=p, new_tokens=n, batches=batches, rows=[])
   tail = ["--prompt-len", str(p), "--new-tokens", str(n), "--runs", str(runs), "--no-recompute"]
   first: dict[str, Any] | None = None

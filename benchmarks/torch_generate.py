@@ -12,7 +12,7 @@ A case is MODE:BATCH:
            (torch.compile, its default CompileConfig: inductor, mode 'reduce-overhead'; on a CPU device it
            does so only when asked, --cpu-compile-backend, which the CPU smoke run sets to 'eager')
 Per case: first_call_s (the first full call: compilation, CUDA graphs and warm-up included), then --runs warm
-full calls (median: total_s, tok_s = batch * new_tokens / total_s), and --runs warm calls with
+full calls (median: total_s, tok_s = batch * new_tokens / total_s), each followed by a warm call with
 max_new_tokens=1 (median: ttft_ms, the prefill and the first token); per_token_ms = (total_s - ttft) /
 (new_tokens - 1); compile_s = first_call_s - total_s (what the first call costs over a warm one; 0 for
 eager, which compiles nothing). The JSON file (--json) is rewritten after each case, so a later failure
@@ -105,8 +105,8 @@ def run_case(model: Any, mode: str, batch: int, args: Any, device: torch.device)
 
   first, out = call(args.new_tokens)
   made = int(out.shape[1]) - args.prompt_len
-  totals = [call(args.new_tokens)[0] for _ in range(args.runs)]
-  ttfts = [call(1)[0] for _ in range(args.runs)]
+  # full and one-token calls interleaved, so that a slow spell of the machine hits both alike
+  totals, ttfts = zip(*[(call(args.new_tokens)[0], call(1)[0]) for _ in range(args.runs)])
   total, ttft = statistics.median(totals), statistics.median(ttfts)
   n = args.new_tokens
   return {"mode": mode, "batch": batch, "first_call_s": round(first, 3),
