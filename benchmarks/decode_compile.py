@@ -1,13 +1,14 @@
-"""First-call compile of decoding at a config's shape, bf16, abstract weights (nothing allocated): the
-prefill and the step loop compiled one after the other vs together on two threads (what
-`decode.Request.compile` does), alternating, in one process.
+"""First-call compile of decoding at a config's shape, bf16, abstract weights (nothing allocated): what
+`decode.Request.compile` does (lower + compile of the prefill and the step loop, on threads), with the
+prefill of an unrolled stack one layer at a time (`layer_prefill`, the default) vs as one program,
+alternating, in one process.
 
-  python benchmarks/decode_compile.py configs/bench/llama_1b_gpu.py unrolled 3   # CONFIG LAYOUT ROUNDS
+  python benchmarks/decode_compile.py configs/bench/llama_1b_gpu.py unrolled 3 [OUT.json]   # CONFIG LAYOUT ROUNDS
 
-Prompt 64, 8 new tokens, runtime.attention xla. Per round and mode: lower_s, compile_wall_s,
-process_cpu_s (all threads); then the median lower + compile wall per mode and their ratio.
+Prompt 64, 8 new tokens, greedy, runtime.attention xla. Per round and prefill: the wall seconds of
+`Request.compile` (lowering included), the process CPU seconds (all threads) and each function's own
+lower + compile seconds (`decode.COMPILE_LOG`); then the median wall per prefill and their ratio.
 """
-import concurrent.futures as cf
 import dataclasses
 import json
 import pathlib
@@ -25,7 +26,7 @@ import numpy as np  # noqa: E402
 
 from tformer_jax import backends, decode, decode_io  # noqa: E402
 from tformer_jax.config import load_config_file  # noqa: E402
-from tformer_jax.decode import generation  # noqa: E402
+from tformer_jax.decode import compiled  # noqa: E402
 
 cfg = load_config_file(sys.argv[1])
 layout, rounds = sys.argv[2], int(sys.argv[3])
@@ -44,37 +45,22 @@ with backends.use(rt.backend):
   model = model.clone(cfg=dataclasses.replace(model.cfg, scan_layers=layout == "scanned", remat="none"))
   tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
   shapes = nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)["params"])
-  req = decode.make_request(model, np.ones((1, 64), np.int32), max_new_tokens=8, temperature=0.0)
-
-  def lowered():
-    t0 = time.perf_counter()
-    args = (shapes, req.tokens_BxP, req.mask_BxP, req.lengths_B, req.rng)
-    pre = jax.jit(generation._prefill_fn(model, req.slots)).lower(*args)
-    st = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), pre.out_info)
-    largs = (shapes, st, np.int32(8), req.stop_S, np.int32(0), *req.knobs)
-    loop = jax.jit(generation._loop_fn(model, req.spec, 8, False)).lower(*largs)
-    return pre, loop, time.perf_counter() - t0
-
-  def one(low):
-    t0 = time.perf_counter()
-    low.compile()
-    return time.perf_counter() - t0
-
-  res = {"serial": [], "together": []}
+  res = {"layers": [], "whole": []}
   for _ in range(rounds):
-    for mode in ("serial", "together"):
-      pre, loop, lower_s = lowered()
+    for mode in res:
+      req = decode.make_request(model, np.ones((1, 64), np.int32), max_new_tokens=8, temperature=0.0)
+      req.prefill_layers = mode == "layers"
+      compiled._COMPILED.clear()
+      logged = len(decode.COMPILE_LOG)
       c0, t0 = cpu(), time.perf_counter()
-      if mode == "serial":
-        parts = [one(pre), one(loop)]
-      else:
-        with cf.ThreadPoolExecutor(2) as ex:
-          parts = list(ex.map(one, [pre, loop]))
-      wall = time.perf_counter() - t0
-      row = dict(lower_s=round(lower_s, 2), compile_wall_s=round(wall, 2), process_cpu_s=round(cpu() - c0, 2),
-                 prefill_s=round(parts[0], 2), loop_s=round(parts[1], 2))
+      req.compile(shapes, 8, False)
+      row = dict(wall_s=round(time.perf_counter() - t0, 2), process_cpu_s=round(cpu() - c0, 2),
+                 parts={name: round(s, 2) for name, s in decode.COMPILE_LOG[logged:]})
       res[mode].append(row)
       print(layout, mode, json.dumps(row), flush=True)
-  med = {m: statistics.median(x["lower_s"] + x["compile_wall_s"] for x in rows) for m, rows in res.items()}
-  print(layout, "median lower+compile wall:", {m: round(v, 2) for m, v in med.items()},
-        "together/serial", round(med["together"] / med["serial"], 3), flush=True)
+  med = {m: statistics.median(x["wall_s"] for x in rows) for m, rows in res.items()}
+  summary = dict(config=sys.argv[1], layout=layout, rounds=rounds, median_wall_s=med,
+                 layers_over_whole=round(med["layers"] / med["whole"], 3), runs=res)
+  print(layout, "median Request.compile wall:", med, "layers/whole", summary["layers_over_whole"], flush=True)
+  if len(sys.argv) > 4:
+    pathlib.Path(sys.argv[4]).write_text(json.dumps(summary, indent=1))

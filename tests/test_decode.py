@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tformer_jax import decode
-from tformer_jax.config import ModelConfig, RopeScaling
+from tformer_jax.config import ModelConfig, MoEConfig, RopeScaling
 from tformer_jax.nn import Transformer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -85,6 +85,32 @@ def test_cached_logits_equal_full_forward_at_every_step(name):
   if name == "learned-mqa":
     got = decode.generate(model, params, PROMPTS, max_new_tokens=n, temperature=0.0)
     np.testing.assert_array_equal(got[:, :n - 1], toks_BxN)
+
+
+@pytest.mark.parametrize("cfg,cache_dtype", [
+    (tiny(num_layers=4, num_kv_heads=2, moe=MoEConfig(num_experts=4, top_k=2, every=2)), "int8"),
+    (tiny(num_layers=3, position="learned", norm="layernorm", tie_embeddings=True), "")],
+    ids=["moe-every-2-int8", "learned-tied-layernorm"])
+def test_prefill_one_layer_at_a_time_equals_the_whole_program(cfg, cache_dtype):
+  # an unrolled stack's prefill runs one compiled block per layer kind (decode/layer_prefill.py); its
+  # state (every layer's cache, the logits, positions) equals the one-program prefill's
+  from tformer_jax.decode import generation
+  model, params = build(cfg)
+  model = decode.with_cache_dtype(model, cache_dtype)
+  req = decode.make_request(model, PROMPTS, max_new_tokens=N_NEW, temperature=0.0)
+  logged = len(decode.COMPILE_LOG)
+  req.compile(params, N_NEW, False)
+  blocks = [name for name, _ in decode.COMPILE_LOG[logged:] if name == "prefill_block"]
+  assert len(blocks) == len({cfg.is_moe_layer(i) for i in range(cfg.num_layers)})   # not one per layer
+  layered = req.prefill(params)
+  whole = jax.jit(generation._prefill_fn(model, req.slots))(params, req.tokens_BxP, req.mask_BxP,
+                                                             req.lengths_B, req.rng)
+  assert jax.tree.structure(layered.cache) == jax.tree.structure(whole.cache)
+  for a, b in zip(jax.tree.leaves(layered._replace(rng=None)), jax.tree.leaves(whole._replace(rng=None))):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-6)
+  # and the step loop continues either state to the same tokens
+  np.testing.assert_array_equal(req.steps(params, layered, N_NEW, N_NEW, False)[1],
+                                req.steps(params, whole, N_NEW, N_NEW, False)[1])
 
 
 def test_decode_default_positions_count_real_tokens_not_slots():
@@ -439,7 +465,8 @@ def test_every_decode_layout_gives_the_same_logits_and_tokens_and_the_choice_is_
   logged = len(decode.COMPILE_LOG)
   out = {scan: decode.generate(model, params, prompts, scan_layers=scan, **kw) for scan in (True, False)}
   names = [n for n, _ in decode.COMPILE_LOG[logged:]]
-  assert sorted(names) == ["decode_loop", "decode_loop", "prefill", "prefill"]
+  # scanned: the prefill and the loop; unrolled: the loop and the prefill's pieces (one block for all layers)
+  assert sorted(names) == ["decode_loop", "decode_loop", "prefill", "prefill_block", "prefill_embed", "prefill_head"]
   np.testing.assert_array_equal(out[True], out[False])
   stream = np.concatenate(list(decode.generate_stream(model, params, prompts, chunk_size=4, scan_layers=False,
                                                       **kw)), axis=1)

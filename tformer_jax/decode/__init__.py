@@ -1,16 +1,19 @@
 """Fast generation: KV-cache decoding with one prefill call and a compiled fixed-shape step loop.
 
 `generate(model, params, prompts, max_new_tokens=...)` left-pads the prompts to a common length P
-(attention mask + positions counted over real tokens only), runs ONE jit-compiled prefill over the
-padded prompts into a fresh zero cache of S = max_len slots (default P + max_new_tokens), then ONE
-jit-compiled `lax.while_loop` that samples a token, writes it to the cache and computes the next
-logits, exiting early once every row has produced a stop token. Every request starts from a fresh
-zero cache, so consecutive requests never see each other's keys ("conversations bleeding together").
+(attention mask + positions counted over real tokens only), runs ONE prefill (compiled; per layer
+for an unrolled stack) over the padded prompts into a fresh zero cache of S = max_len slots (default
+P + max_new_tokens), then ONE jit-compiled `lax.while_loop` that samples a token, writes it to the
+cache and computes the next logits, exiting early once every row has produced a stop token. Every
+request starts from a fresh zero cache, so consecutive requests never see each other's keys
+("conversations bleeding together").
 
 What keeps compilation short:
 - the layers are scanned or unrolled for decoding whatever the training layout, as the runtime
   decides per platform (`decode_layout`: scanned compiles one layer body, unrolled runs faster per
   token on XLA:CPU; params are converted once and the result reused), and never remat'd;
+- an unrolled stack's prefill runs one layer at a time from the host (`layer_prefill`: one compiled
+  block for every layer), and the functions compile on threads as they are lowered;
 - P is rounded up to a prompt bucket (a power of two, at least 16: `prompt_bucket`), so a prompt of
   another length in the same bucket reuses the executables (the extra left padding is masked);
 - the CLIs enable JAX's persistent compilation cache (`backends.enable_compilation_cache`).
@@ -23,8 +26,9 @@ Output: (B, max_new_tokens) int32 numpy; after a row's stop token (which is kept
 
 Modules: `request` (validation, prompt buckets, sampling spec and step), `cache` (KV-cache shapes,
 dtype, bytes), `layout` (scanned / unrolled layers), `generation` (prefill + step loop, streaming, the
-recompute baseline), `session` (continuing a cache: `append_tokens`, `Session`), `score` (teacher-forced
-log-probs through the cache), `slots` (continuous batching), `compiled` (the executable cache).
+recompute baseline), `layer_prefill` (the prefill per layer), `session` (continuing a cache:
+`append_tokens`, `Session`), `score` (teacher-forced log-probs through the cache), `slots`
+(continuous batching), `compiled` (the executable cache).
 """
 from tformer_jax.decode.cache import cache_bytes, init_cache, with_cache_dtype
 from tformer_jax.decode.compiled import COMPILE_LOG

@@ -1,8 +1,8 @@
 """The executables decoding compiles: lowered and compiled once per shapes, kept (bounded), logged.
 
-`lower` + `compile_together` compile several functions at once on threads (XLA compiles without
-holding the GIL), so a first call that needs a prefill and a step loop waits for the longer of the
-two compiles rather than their sum (the machine's cores permitting)."""
+`lower` + `Compiling` compile several functions at once on threads (XLA compiles without holding the
+GIL), so a first call that needs a prefill and a step loop lowers one while the other compiles, and
+waits for the longer compile rather than their sum (the machine's cores permitting)."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -53,26 +53,38 @@ def lower(name: str, key: Any, fn: Callable, *args: Any, donate: tuple[int, ...]
   return Lowered(name, full_key, low, time.perf_counter() - t0)
 
 
-def _store(full_key: Any, exe: Any) -> None:
+class Compiling:
+  """Compiles the lowered functions handed to `add` on threads as they come (XLA compiles without the
+  GIL, so the caller lowers the next function while the last one compiles); leaving the `with` block
+  waits for them all and keeps them. Each is logged in COMPILE_LOG with its own lower + compile
+  seconds (their sum exceeds the wall time when they overlap)."""
+
+  def __enter__(self) -> "Compiling":
+    self._pool = concurrent.futures.ThreadPoolExecutor(4)
+    self._futures: list[Any] = []
+    return self
+
+  def add(self, pending: Lowered | None) -> None:
+    if pending is not None:
+      self._futures.append(self._pool.submit(_compile, pending))
+
+  def __exit__(self, *exc: Any) -> None:
+    done = [f.result() for f in self._futures]
+    self._pool.shutdown()
+    for p, exe, compile_s in done:
+      _keep(p, exe, compile_s)
+
+
+def _compile(p: Lowered) -> tuple[Lowered, Any, float]:
+  t0 = time.perf_counter()
+  return p, p.lowered.compile(), time.perf_counter() - t0
+
+
+def _keep(p: Lowered, exe: Any, compile_s: float) -> None:
+  COMPILE_LOG.append((p.name, p.lower_s + compile_s))
   if len(_COMPILED) >= _MAX_COMPILED:
     _COMPILED.pop(next(iter(_COMPILED)))
-  _COMPILED[full_key] = exe
-
-
-def compile_together(pending: list[Lowered]) -> None:
-  """Compile the lowered functions, one thread each, and keep them; each is logged in COMPILE_LOG
-  with its own lower + compile seconds (their sum exceeds the wall time when they overlap)."""
-  def one(p: Lowered) -> tuple[Lowered, Any, float]:
-    t0 = time.perf_counter()
-    return p, p.lowered.compile(), time.perf_counter() - t0
-  if len(pending) == 1:
-    done = [one(pending[0])]
-  else:
-    with concurrent.futures.ThreadPoolExecutor(len(pending)) as pool:
-      done = list(pool.map(one, pending))
-  for p, exe, compile_s in done:
-    COMPILE_LOG.append((p.name, p.lower_s + compile_s))
-    _store(p.full_key, exe)
+  _COMPILED[p.full_key] = exe
 
 
 def _aot(name: str, key: Any, fn: Callable, *args: Any, donate: tuple[int, ...] = ()) -> Any:
@@ -80,5 +92,5 @@ def _aot(name: str, key: Any, fn: Callable, *args: Any, donate: tuple[int, ...] 
   donate: argument positions whose buffers the executable may reuse (then invalid after the call)."""
   pending = lower(name, key, fn, *args, donate=donate)
   if pending is not None:
-    compile_together([pending])
+    _keep(*_compile(pending))
   return _COMPILED[_full_key(name, key, args)]

@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tformer_jax.decode import layer_prefill
 from tformer_jax.decode.cache import _cache_shapes, with_cache_dtype
-from tformer_jax.decode.compiled import _aot, _model_key, compile_together, lower
+from tformer_jax.decode.compiled import Compiling, _aot, _model_key, lower
 from tformer_jax.decode.layout import decode_layout
 from tformer_jax.decode.request import (
   DecodeState,
@@ -104,6 +105,7 @@ class Request:
   knobs: tuple[np.ndarray, np.ndarray, np.ndarray]
   rng: Array
   pad_id: int
+  prefill_layers: bool = True   # an unrolled stack's prefill one layer at a time (`layer_prefill`)
 
   def _prefill(self, params: Any) -> tuple[str, Any, Callable, tuple[Any, ...]]:
     b, p = self.tokens_BxP.shape
@@ -116,19 +118,40 @@ class Request:
     return ("decode_loop", (_model_key(self.model), self.spec, chunk, feed_last),
             _loop_fn(self.model, self.spec, chunk, feed_last), args)
 
+  def _layered(self) -> layer_prefill.LayerPrefill | None:
+    """The prefill one layer at a time (an unrolled stack: `layer_prefill`), or None (one program)."""
+    if not (self.prefill_layers and layer_prefill.supported(self.model.cfg)):
+      return None
+    return layer_prefill.LayerPrefill(self.model, self.slots, self.tokens_BxP, self.mask_BxP,
+                                      self.lengths_B, self.rng)
+
   def compile(self, params: Any, chunk: int, feed_last: bool) -> None:
-    """Compile the prefill and the step loop (`steps(.., chunk, feed_last)`) together, on two
-    threads, when the prefill is not compiled yet: the first call waits for the longer compile."""
-    name, key, fn, args = self._prefill(params)
-    pre = lower(name, key, fn, *args)
-    if pre is None:
-      return
-    st = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), pre.lowered.out_info)
-    name, key, fn, args = self._steps(params, st, 1, chunk, feed_last)
-    loop = lower(name, key, fn, *args)
-    compile_together([x for x in (pre, loop) if x is not None])
+    """Compile the prefill and the step loop (`steps(.., chunk, feed_last)`) when the prefill is not
+    compiled yet, on threads: each function lowers while the ones before it compile."""
+    layered = self._layered()
+    with Compiling() as c:
+      if layered is None:
+        name, key, fn, args = self._prefill(params)
+        pre = lower(name, key, fn, *args)
+        if pre is None:
+          return
+        c.add(pre)
+        st = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), pre.lowered.out_info)
+        name, key, fn, args = self._steps(params, st, 1, chunk, feed_last)
+        c.add(lower(name, key, fn, *args))
+      else:
+        pieces = layered.lower(params)
+        if not pieces:
+          return
+        name, key, fn, args = self._steps(params, layered.state_shapes(params), 1, chunk, feed_last)
+        c.add(lower(name, key, fn, *args))   # the longest compile first
+        for p in pieces:
+          c.add(p)
 
   def prefill(self, params: Any) -> DecodeState:
+    layered = self._layered()
+    if layered is not None:
+      return layered(params)
     name, key, fn, args = self._prefill(params)
     return _aot(name, key, fn, *args)(*args)
 
