@@ -203,9 +203,7 @@ def _cli_losses(workdir, *flags):
          "--config.optim.warmup_steps=5", "--config.runtime.attention=blockwise",
          "--config.runtime.attention_block_q=16",
          "--config.runtime.attention_block_k=16", *flags]
-  e = env()
-  e["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-  r = run(cmd, timeout=600, env=e)
+  r = run(cmd, timeout=600, env=env(devices=8))
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
   rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
   return {row["step"]: row["loss"] for row in rows if "loss" in row}

@@ -17,7 +17,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 def _env() -> dict[str, str]:
   env = dict(os.environ, PYTHON=sys.executable)
-  env.pop("XLA_FLAGS", None)       # conftest's 8 fake devices: not what the stages run with
+  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"   # conftest's -O0, not its 8 fake devices
   return env
 
 

@@ -183,9 +183,7 @@ def test_runtime_picks_the_exchange_from_the_target_platform():
 
 
 def _train(workdir, devices: int, *flags: str) -> dict[int, float]:
-  e = env()
-  if devices > 1:
-    e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  e = env(devices)
   cmd = [sys.executable, str(REPO / "scripts" / "train.py"), f"--config={REPO / 'configs' / 'mixtral_tiny.py'}",
          f"--workdir={workdir}", "--config.data.seq_len=32", "--config.data.batch_size=8",
          "--config.train.steps=30", "--config.train.log_every=1", "--config.train.eval_every=30",

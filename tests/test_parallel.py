@@ -248,7 +248,8 @@ def test_launcher_stops_the_others_when_one_fails(tmp_path):
                       "--devices-per-process", "2", "--script", str(script), "--grace", "2"],
                      capture_output=True, text=True, timeout=60, env=env())
   assert r.returncode == 3 and time.monotonic() - t0 < 30
-  assert "[p1] hello from 1 --xla_force_host_platform_device_count=2" in r.stdout
+  line = next(x for x in r.stdout.splitlines() if x.startswith("[p1] hello from 1 "))
+  assert line.endswith(" --xla_force_host_platform_device_count=2"), line   # the launcher's, last
   assert "process 1 exited with status 3" in r.stderr
 
 

@@ -66,9 +66,15 @@ def train_cmd(workdir, *flags: str) -> list[str]:
           f"--workdir={workdir}", *TINY_FLAGS, *warmup, *flags]
 
 
-def env() -> dict[str, str]:
+def xla_flags(devices: int = 1) -> str:
+  """XLA_FLAGS for a subprocess: `devices` fake CPU devices, LLVM at -O0 as in the suite (conftest.py)."""
+  return " ".join(([f"--xla_force_host_platform_device_count={devices}"] if devices > 1 else [])
+                  + ["--xla_backend_optimization_level=0"])
+
+
+def env(devices: int = 1) -> dict[str, str]:
   e = dict(os.environ)
-  e.pop("XLA_FLAGS", None)  # one CPU device in subprocesses unless a test asks otherwise
+  e["XLA_FLAGS"] = xla_flags(devices)  # one CPU device in subprocesses unless a test asks otherwise
   e["JAX_PLATFORMS"] = "cpu"
   e["PYTHONUNBUFFERED"] = "1"
   return e
