@@ -1,9 +1,10 @@
 """The prefill of an unrolled stack run one layer at a time from the host.
 
 Compiling the unrolled prefill as one program compiles num_layers copies of the same block; here one
-compiled block serves every layer (called with that layer's params and cache), so the prefill compiles
-about as fast as a scanned one, without a scan's weight slicing. A prefill runs once per request, so
-its num_layers + 2 dispatches cost nothing measurable; the step loop stays one compiled program.
+compiled block serves every layer (called with that layer's params, it fills that layer's cache), so
+the prefill compiles about as fast as a scanned one, without a scan's weight slicing. A prefill runs
+once per request, so its num_layers + 2 dispatches cost nothing measurable; the step loop stays one
+compiled program.
 
 Three pieces, each compiled once per shapes (`compiled`):
 - `embed`: the model without blocks, final norm or head: positions, the cache's 'index' and
