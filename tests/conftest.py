@@ -6,7 +6,7 @@ backend at -O0, float32 matmuls.
 the 2-core machine, `.ci/run` from a clean clone took 20 min 32 s at XLA's default (a46f9eb) and
 12 min 52 s at -O0 (a204899, 2026-12-02), every test passing with its own tolerance. It does not
 apply outside the suite: the CLIs, benchmarks and AOT figures compile with XLA's defaults.
-Subprocesses the tests start inherit it (tests/train_utils.xla_flags for those that set their own
+Subprocesses the tests start inherit it (tests/train_utils.env keeps it for those that set their own
 device count).
 """
 import os

@@ -5,24 +5,21 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
+from train_utils import env
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _env() -> dict[str, str]:
-  env = dict(os.environ, PYTHON=sys.executable)
-  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"   # conftest's -O0, not its 8 fake devices
-  return env
-
-
 def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
-  return subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), *args], cwd=REPO, env=_env(),
+  # the suite's XLA flags without its 8 fake devices: the stages run on one
+  return subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), *args], cwd=REPO,
+                        env=dict(env(), PYTHON=sys.executable),
                         capture_output=True, text=True, timeout=timeout)
 
 

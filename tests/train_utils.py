@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -66,15 +67,12 @@ def train_cmd(workdir, *flags: str) -> list[str]:
           f"--workdir={workdir}", *TINY_FLAGS, *warmup, *flags]
 
 
-def xla_flags(devices: int = 1) -> str:
-  """XLA_FLAGS for a subprocess: `devices` fake CPU devices, LLVM at -O0 as in the suite (conftest.py)."""
-  return " ".join(([f"--xla_force_host_platform_device_count={devices}"] if devices > 1 else [])
-                  + ["--xla_backend_optimization_level=0"])
-
-
 def env(devices: int = 1) -> dict[str, str]:
+  """The environment of a subprocess: the suite's XLA_FLAGS (conftest.py: LLVM at -O0) with `devices`
+  fake CPU devices instead of the suite's 8 (one unless a test asks otherwise)."""
   e = dict(os.environ)
-  e["XLA_FLAGS"] = xla_flags(devices)  # one CPU device in subprocesses unless a test asks otherwise
+  flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", e.get("XLA_FLAGS", "")).split()
+  e["XLA_FLAGS"] = " ".join(flags + ([f"--xla_force_host_platform_device_count={devices}"] if devices > 1 else []))
   e["JAX_PLATFORMS"] = "cpu"
   e["PYTHONUNBUFFERED"] = "1"
   return e

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tformer_jax.decode import layer_prefill
-from tformer_jax.decode.cache import _cache_shapes, with_cache_dtype
+from tformer_jax.decode.cache import init_cache, with_cache_dtype
 from tformer_jax.decode.compiled import Compiling, _aot, _model_key, lower
 from tformer_jax.decode.layout import decode_layout
 from tformer_jax.decode.request import (
@@ -25,29 +25,23 @@ from tformer_jax.decode.request import (
   _stop_array,
   pad_prompts,
   prompt_bucket,
+  prompt_positions,
+  start_state,
 )
-from tformer_jax.ops import sampling
 
 Array = jax.Array
 
 
 def _prefill_fn(model: nn.Module, slots: int) -> Callable:
-  vocab = model.cfg.vocab_size
-
   def prefill(params, tokens_BxP, mask_BxP, lengths_B, rng):
-    shapes = _cache_shapes(model, tokens_BxP.shape[0], slots)
-    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)   # fresh per request
-    positions_BxP = jnp.maximum(jnp.cumsum(mask_BxP, axis=1) - 1, 0).astype(jnp.int32)
+    cache = init_cache(model, params, tokens_BxP.shape[0], slots)   # fresh per request
     # only the last position's logits are needed: no (B, P, vocab) logits
     (h_BxPxD, unembed_DxV), upd = model.apply({"params": params, "cache": cache}, tokens_BxP,
-                                              positions_BxL=positions_BxP, attention_mask_BxL=mask_BxP,
-                                              decode=True, return_hidden=True, mutable=["cache"])
+                                              positions_BxL=prompt_positions(mask_BxP),
+                                              attention_mask_BxL=mask_BxP, decode=True, return_hidden=True,
+                                              mutable=["cache"])
     logits_BxV = jnp.einsum("bd,dv->bv", h_BxPxD[:, -1], unembed_DxV).astype(jnp.float32)
-    seen = sampling.seen_mask(jnp.where(mask_BxP, tokens_BxP, -1), vocab)
-    b = tokens_BxP.shape[0]
-    return DecodeState(cache=upd["cache"], logits_BxV=logits_BxV, seen_BxV=seen,
-                       pos_B=lengths_B, done_B=jnp.zeros((b,), bool), lengths_B=jnp.zeros((b,), jnp.int32),
-                       step=jnp.zeros((), jnp.int32), rng=rng)
+    return start_state(upd["cache"], logits_BxV, tokens_BxP, mask_BxP, lengths_B, rng, model.cfg.vocab_size)
   return prefill
 
 
@@ -140,10 +134,10 @@ class Request:
         name, key, fn, args = self._steps(params, st, 1, chunk, feed_last)
         c.add(lower(name, key, fn, *args))
       else:
-        pieces = layered.lower(params)
+        pieces, state = layered.lower(params)
         if not pieces:
           return
-        name, key, fn, args = self._steps(params, layered.state_shapes(params), 1, chunk, feed_last)
+        name, key, fn, args = self._steps(params, state, 1, chunk, feed_last)
         c.add(lower(name, key, fn, *args))   # the longest compile first
         for p in pieces:
           c.add(p)
@@ -249,10 +243,8 @@ def _recompute_fn(model: nn.Module, spec: SamplingSpec, p: int, n_new: int) -> C
     vocab = model.cfg.vocab_size
     buf_BxS = jnp.concatenate([tokens_BxP, jnp.zeros((b, n_new), jnp.int32)], axis=1)
     valid_BxS = jnp.concatenate([mask_BxP, jnp.zeros((b, n_new), bool)], axis=1)
-    st = DecodeState(cache=None, logits_BxV=jnp.zeros((b, vocab), jnp.float32),
-                     seen_BxV=sampling.seen_mask(jnp.where(mask_BxP, tokens_BxP, -1), vocab),
-                     pos_B=jnp.zeros((b,), jnp.int32), done_B=jnp.zeros((b,), bool),
-                     lengths_B=jnp.zeros((b,), jnp.int32), step=jnp.zeros((), jnp.int32), rng=rng)
+    st = start_state(None, jnp.zeros((b, vocab), jnp.float32), tokens_BxP, mask_BxP,
+                     jnp.zeros((b,), jnp.int32), rng, vocab)
 
     def cond(carry):
       i, s, _, _ = carry

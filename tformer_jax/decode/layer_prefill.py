@@ -22,14 +22,12 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from tformer_jax.decode.cache import _cache_shapes
+from tformer_jax.decode.cache import _cache_shapes, init_cache
 from tformer_jax.decode.compiled import Lowered, _aot, _model_key, lower
-from tformer_jax.decode.request import DecodeState
+from tformer_jax.decode.request import DecodeState, prompt_positions, start_state
 from tformer_jax.nn.block import Block
 from tformer_jax.nn.common import Norm, dtypes
-from tformer_jax.ops import sampling
 
 _LAYER = "layers_"
 
@@ -44,31 +42,27 @@ def _split(tree: dict) -> tuple[dict, list]:
   return top, [tree[f"{_LAYER}{i}"] for i in range(len(tree) - len(top))]
 
 
-def _zeros(shapes: Any) -> Any:
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-
 def _embed_fn(model: nn.Module, slots: int) -> Callable:
   cfg = model.cfg
   bare = model.clone(cfg=dataclasses.replace(cfg, num_layers=0, final_norm=False, lm_head=False))
   dt = dtypes(cfg)[0]
 
-  def embed(top_params, tokens_BxP, mask_BxP, positions_BxP):
-    top_cache = _zeros(_split(_cache_shapes(model, tokens_BxP.shape[0], slots))[0])   # fresh per request
+  def embed(top_params, tokens_BxP, mask_BxP):
+    top_cache = _split(init_cache(model, None, tokens_BxP.shape[0], slots))[0]   # fresh per request
+    positions_BxP = prompt_positions(mask_BxP)
     # without a head the model returns its last hidden states in float32: here the embeddings (exact)
     x_BxPxD, upd = bare.apply({"params": top_params, "cache": top_cache}, tokens_BxP,
                               positions_BxL=positions_BxP, attention_mask_BxL=mask_BxP, decode=True,
                               mutable=["cache"])
-    return x_BxPxD.astype(dt), upd["cache"]
+    return x_BxPxD.astype(dt), upd["cache"], positions_BxP
   return embed
 
 
-def _block_fn(model: nn.Module, slots: int, use_moe: bool) -> Callable:
-  block = Block(model.cfg, True, True, use_moe, model.cache_dtype)
-  layer = next(i for i in range(model.cfg.num_layers) if model.cfg.is_moe_layer(i) == use_moe)
+def _block_fn(model: nn.Module, slots: int, layer: int) -> Callable:
+  block = Block(model.cfg, True, True, model.cfg.is_moe_layer(layer), model.cache_dtype)
 
   def run(layer_params, x_BxPxD, positions_BxP, kv_valid_BxS):
-    cache = _zeros(_split(_cache_shapes(model, x_BxPxD.shape[0], slots))[1][layer])
+    cache = _split(init_cache(model, None, x_BxPxD.shape[0], slots))[1][layer]
     q_offset = jnp.zeros((), jnp.int32)   # a prefill fills the cache from slot 0
     (x_BxPxD, _), upd = block.apply({"params": layer_params, "cache": cache}, x_BxPxD, positions_BxP,
                                     kv_valid_BxS, q_offset, None, mutable=["cache"])
@@ -87,11 +81,7 @@ def _head_fn(model: nn.Module) -> Callable:
     # the unembedding as nn.Transformer computes it: the head, or the embedding transposed when tied
     unembed_DxV = (top_params["embed"].astype(dt).T if cfg.tie_embeddings else top_params["head"].astype(dt))
     logits_BxV = jnp.einsum("bd,dv->bv", h_BxD, unembed_DxV).astype(jnp.float32)
-    b = tokens_BxP.shape[0]
-    return DecodeState(cache=None, logits_BxV=logits_BxV,
-                       seen_BxV=sampling.seen_mask(jnp.where(mask_BxP, tokens_BxP, -1), cfg.vocab_size),
-                       pos_B=lengths_B, done_B=jnp.zeros((b,), bool), lengths_B=jnp.zeros((b,), jnp.int32),
-                       step=jnp.zeros((), jnp.int32), rng=rng)
+    return start_state(None, logits_BxV, tokens_BxP, mask_BxP, lengths_B, rng, cfg.vocab_size)
   return head
 
 
@@ -101,55 +91,45 @@ class LayerPrefill:
   def __init__(self, model: nn.Module, slots: int, tokens_BxP: Any, mask_BxP: Any, lengths_B: Any, rng: Any):
     self.model, self.slots = model, slots
     self.tokens, self.mask, self.lengths, self.rng = tokens_BxP, mask_BxP, lengths_B, rng
-    self.positions = np.maximum(np.cumsum(mask_BxP, axis=1) - 1, 0).astype(np.int32)
     self.key = (_model_key(model), tokens_BxP.shape[0], slots)
 
-  def _kinds(self) -> list[bool]:
-    cfg = self.model.cfg
-    return sorted({cfg.is_moe_layer(i) for i in range(cfg.num_layers)})
-
   def _embed(self, top_params: Any) -> tuple[str, Any, Callable, tuple[Any, ...]]:
-    args = (top_params, self.tokens, self.mask, self.positions)
+    args = (top_params, self.tokens, self.mask)
     return "prefill_embed", self.key, _embed_fn(self.model, self.slots), args
 
-  def _block(self, use_moe: bool, layer_params: Any, x: Any, kv_valid: Any) -> tuple[str, Any, Callable, tuple]:
-    args = (layer_params, x, self.positions, kv_valid)
-    return "prefill_block", (*self.key, use_moe), _block_fn(self.model, self.slots, use_moe), args
+  def _block(self, layer: int, layer_params: Any, x: Any, positions: Any, kv_valid: Any
+             ) -> tuple[str, Any, Callable, tuple[Any, ...]]:
+    """Layer `layer`'s call: one executable per kind of layer (dense, MoE), keyed by the kind."""
+    args = (layer_params, x, positions, kv_valid)
+    key = (*self.key, self.model.cfg.is_moe_layer(layer))
+    return "prefill_block", key, _block_fn(self.model, self.slots, layer), args
 
   def _head(self, top_params: Any, x: Any) -> tuple[str, Any, Callable, tuple[Any, ...]]:
     args = (top_params, x, self.tokens, self.mask, self.lengths, self.rng)
     return "prefill_head", self.key, _head_fn(self.model), args
 
-  def lower(self, params: Any) -> list[Lowered]:
-    """The pieces not compiled yet, lowered (from shapes: nothing runs)."""
+  def lower(self, params: Any) -> tuple[list[Lowered], DecodeState]:
+    """(the pieces not compiled yet, lowered; the DecodeState this prefill returns, as shapes, to
+    lower the step loop before anything runs). From shapes: nothing runs."""
     cfg = self.model.cfg
     top_params, layer_params = _split(params)
     embed = self._embed(top_params)
-    x, top_cache = jax.eval_shape(embed[2], *embed[3])
-    pieces = [embed, self._head(top_params, x)]
-    for moe in self._kinds():
-      i = next(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i) == moe)
-      pieces.append(self._block(moe, layer_params[i], x, top_cache["kv_valid"]))
-    out = [lower(name, key, fn, *args) for name, key, fn, args in pieces]
-    return [p for p in out if p is not None]
-
-  def state_shapes(self, params: Any) -> DecodeState:
-    """The DecodeState this prefill returns, as shapes (to lower the step loop before it runs)."""
-    top_params, _ = _split(params)
-    embed = self._embed(top_params)
-    x, _ = jax.eval_shape(embed[2], *embed[3])
-    _, _, fn, args = self._head(top_params, x)
-    shapes = _cache_shapes(self.model, self.tokens.shape[0], self.slots)
-    return jax.eval_shape(fn, *args)._replace(cache=shapes)
+    x, top_cache, positions = jax.eval_shape(embed[2], *embed[3])
+    head = self._head(top_params, x)
+    first = {cfg.is_moe_layer(i): i for i in reversed(range(cfg.num_layers))}   # kind -> its first layer
+    blocks = [self._block(i, layer_params[i], x, positions, top_cache["kv_valid"]) for i in first.values()]
+    out = [lower(name, key, fn, *args) for name, key, fn, args in (embed, head, *blocks)]
+    state = jax.eval_shape(head[2], *head[3])._replace(
+        cache=_cache_shapes(self.model, self.tokens.shape[0], self.slots))
+    return [p for p in out if p is not None], state
 
   def __call__(self, params: Any) -> DecodeState:
-    cfg = self.model.cfg
     top_params, layer_params = _split(params)
     name, key, fn, args = self._embed(top_params)
-    x, top_cache = _aot(name, key, fn, *args)(*args)
+    x, top_cache, positions = _aot(name, key, fn, *args)(*args)
     caches = {}
-    for i in range(cfg.num_layers):
-      name, key, fn, args = self._block(cfg.is_moe_layer(i), layer_params[i], x, top_cache["kv_valid"])
+    for i, one_layer in enumerate(layer_params):
+      name, key, fn, args = self._block(i, one_layer, x, positions, top_cache["kv_valid"])
       x, caches[f"{_LAYER}{i}"] = _aot(name, key, fn, *args)(*args)
     name, key, fn, args = self._head(top_params, x)
     return _aot(name, key, fn, *args)(*args)._replace(cache={**top_cache, **caches})

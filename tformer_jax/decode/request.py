@@ -38,6 +38,21 @@ class DecodeState(NamedTuple):
   rng: Array
 
 
+def prompt_positions(mask_BxP: Any) -> Array:
+  """(B, P) positions counted over real tokens only (left padding gets 0)."""
+  return jnp.maximum(jnp.cumsum(mask_BxP, axis=1) - 1, 0).astype(jnp.int32)
+
+
+def start_state(cache: Any, logits_BxV: Array, tokens_BxP: Any, mask_BxP: Any, pos_B: Any, rng: Array,
+                vocab: int) -> DecodeState:
+  """The state a step loop starts from after a prompt: its tokens seen, nothing generated yet."""
+  b = tokens_BxP.shape[0]
+  return DecodeState(cache=cache, logits_BxV=logits_BxV,
+                     seen_BxV=sampling.seen_mask(jnp.where(mask_BxP, tokens_BxP, -1), vocab),
+                     pos_B=pos_B, done_B=jnp.zeros((b,), bool), lengths_B=jnp.zeros((b,), jnp.int32),
+                     step=jnp.zeros((), jnp.int32), rng=rng)
+
+
 def _cfg(model: nn.Module) -> Any:
   cfg = getattr(model, "cfg", None)
   if cfg is None:
