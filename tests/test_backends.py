@@ -6,8 +6,9 @@
   and off) equal the reference backend's: float32, 1e-5 relative to each array's largest entry.
 - One visibility rule: every attention implementation, given the same `ops.masks.Visibility`, equals
   softmax attention under a mask built independently from the `ops.masks` builders (1e-5).
-- `resolve_runtime` logs one line; the layering holds (ops <- nn <- train/decode/interop <- tools) and
-  `nn/` holds no speed machinery.
+- `resolve_runtime` logs one line; the layering holds (every unit in LAYERS, ops < config < backends < nn <
+  services < train < cli_common < serve/eval/tools < cli; imports only downward) and `nn/` holds no speed
+  machinery.
 """
 import ast
 import logging
@@ -214,26 +215,55 @@ def _imports(path: pathlib.Path) -> set[str]:
   return out
 
 
-# What each layer may import from the package (besides itself).
-ALLOWED = {
-    "ops": set(),
-    "config": set(), "host_alloc": set(),
-    "backends": {"ops", "config", "host_alloc"},
-    "nn": {"ops", "config", "backends"},
-    "parallel": {"config"},
-}
-TOOLS = {"bench", "doctor", "diagnostics", "experiments", "cli_common", "cli", "aot"}
+# The layers of ../shared/ARCHITECTURE.md, lowest first: a unit (a subpackage or a top-level module) imports
+# only from its own layer or a lower one. Every unit has a place here (a new one fails until it is given one).
+LAYERS = (
+    ("ops",),
+    ("config", "host_alloc"),
+    ("backends",),
+    ("nn",),
+    ("data", "parallel", "checkpoint", "decode", "decode_io", "interop"),           # services
+    ("train",),
+    ("cli_common",),                              # the commands' flags, loaders and errors (tools use them too)
+    ("serve", "eval", "bench", "diagnostics", "doctor", "aot", "experiments"),     # the tools on top
+    ("cli",),                                     # and a package's __main__.py: `python -m` is a command line
+)
+LAYER = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
+# Within its layer, what a unit may import besides itself (the rest of its layer otherwise).
+SAME_LAYER = {"ops": set(), "config": set(), "host_alloc": set(), "parallel": set()}
+
+
+def _unit(path: pathlib.Path) -> str:
+  parts = path.relative_to(PKG).with_suffix("").parts
+  return "cli" if parts[-1] == "__main__" else parts[0]
 
 
 def test_imports_run_downward():
+  units = {path.relative_to(PKG).with_suffix("").parts[0] for path in PKG.rglob("*.py")} - {"__init__"}
+  assert units <= set(LAYER), f"units without a layer in LAYERS: {sorted(units - set(LAYER))}"
   for path in PKG.rglob("*.py"):
-    parts = path.relative_to(PKG).with_suffix("").parts
-    unit = parts[0]
-    imported = _imports(path) - {unit}
-    if unit in ALLOWED:
-      assert imported <= ALLOWED[unit], f"{path.relative_to(PKG)} imports {imported - ALLOWED[unit]}"
-    elif unit not in TOOLS:                 # services and train never reach up into the tools (nor cli)
-      assert not imported & TOOLS, f"{path.relative_to(PKG)} imports {imported & TOOLS}"
+    unit = _unit(path)
+    own = path.relative_to(PKG).parts[0].removesuffix(".py")
+    for imported in _imports(path) - {unit, own}:
+      where = f"{path.relative_to(PKG)} imports tformer_jax.{imported}"
+      assert LAYER[imported] <= LAYER[unit], f"{where}: layer {LAYER[imported]} above its own {LAYER[unit]}"
+      if LAYER[imported] == LAYER[unit] and unit in SAME_LAYER:
+        assert imported in SAME_LAYER[unit], f"{where}: {unit} imports nothing of its own layer"
+
+
+def test_the_layer_table_catches_an_upward_import(tmp_path, monkeypatch):
+  """The check above fails on the import this table was made for (train/loop.py importing eval)."""
+  fake = tmp_path / "tformer_jax"
+  (fake / "train").mkdir(parents=True)
+  (fake / "eval").mkdir()
+  (fake / "train" / "loop.py").write_text("from tformer_jax.eval.in_training import HarnessEval\n")
+  (fake / "eval" / "in_training.py").write_text("from tformer_jax.train import loop\n")
+  monkeypatch.setitem(globals(), "PKG", fake)
+  with pytest.raises(AssertionError, match="train/loop.py imports tformer_jax.eval: layer 7 above its own 5"):
+    test_imports_run_downward()
+
+
+TOOLS = set(LAYERS[-3] + LAYERS[-2] + LAYERS[-1]) - {"serve", "eval"}   # used by nothing but each other
 
 
 def test_serve_sits_above_decode():
@@ -246,11 +276,11 @@ def test_serve_sits_above_decode():
 
 
 def test_eval_sits_above_decode():
-  """The harness model class (tformer_jax/eval) uses decode and the loaders, never train; only train (its
-  train.eval_tasks hook), the tools and cli import it."""
+  """The harness model class (tformer_jax/eval) uses decode and the loaders, never train; only the tools and
+  cli import it (train.eval_tasks' evaluator is a hook tformer-train passes down to the loop)."""
   for path in PKG.rglob("*.py"):
     unit = path.relative_to(PKG).parts[0]
-    if unit not in TOOLS and unit not in ("eval", "train"):
+    if unit not in TOOLS and unit != "eval":
       assert "eval" not in _imports(path), f"{path.relative_to(PKG)} imports tformer_jax.eval"
   for path in (PKG / "eval").rglob("*.py"):
     assert "train" not in _imports(path), f"{path.relative_to(PKG)} imports tformer_jax.train"

@@ -221,6 +221,18 @@ def test_train_eval_tasks_limit_is_checked():
     validate(cfg)
 
 
+def test_the_loop_takes_its_eval_tasks_hook_from_the_caller(tmp_path):
+  """train sits below eval: tformer-train passes HarnessEval down; a library caller that names
+  train.eval_tasks and passes no hook is told so in one line, before the workdir is made."""
+  from tformer_jax.config import ConfigError
+  from tformer_jax.train import loop
+  cfg = default_config()
+  cfg.train.eval_tasks = "shakespeare_ppl"
+  with pytest.raises(ConfigError, match="train.eval_tasks: this caller passed no eval_hook"):
+    loop.train(cfg, tmp_path / "run")
+  assert not (tmp_path / "run").exists()
+
+
 def test_length_buckets_bound_the_compiled_shapes():
   assert [harness.length_bucket(n, 128) for n in (1, 16, 17, 100, 128)] == [16, 16, 32, 128, 128]
   assert harness.length_bucket(90, 100) == 100

@@ -42,9 +42,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.distributed or args.coordinator_address:
     from tformer_jax.parallel.distributed import initialize  # noqa: PLC0415 (jax: only after maybe_reexec)
     initialize(args.coordinator_address, args.num_processes, args.process_id)
+  from tformer_jax.eval.in_training import HarnessEval  # noqa: PLC0415 (jax: only after maybe_reexec)
   from tformer_jax.train.loop import train  # noqa: PLC0415 (jax: only after maybe_reexec)
   with logging_redirect_tqdm():            # log lines and the progress bar do not interleave
-    train(args.config, args.workdir, source_resolved=True)   # cli_common.parse resolved init_from
+    # cli_common.parse resolved init_from; train.eval_tasks' harness evaluator is passed down (train < eval)
+    train(args.config, args.workdir, source_resolved=True, eval_hook=HarnessEval)
   return 0
 
 

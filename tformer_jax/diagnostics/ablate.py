@@ -34,6 +34,7 @@ from tformer_jax.cli_common import override
 from tformer_jax.data import pipeline, synthetic
 from tformer_jax.decode_io import model_from_config
 from tformer_jax.diagnostics.plots import loss_curves
+from tformer_jax.eval.in_training import HarnessEval
 from tformer_jax.train.loop import train
 from tformer_jax.train.metrics import read_metrics
 
@@ -119,7 +120,7 @@ def run_one(base: ml_collections.ConfigDict, overrides: dict[str, Any], steps: i
   if workdir.exists():
     shutil.rmtree(workdir)
   t0 = time.perf_counter()
-  final = train(cfg, workdir)
+  final = train(cfg, workdir, eval_hook=HarnessEval)   # train.eval_tasks, as tformer-train
   wall = time.perf_counter() - t0
   curves = _curves(workdir)
   losses = [v for _, v in curves["loss"]]

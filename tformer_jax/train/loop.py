@@ -13,7 +13,7 @@ import os
 import pathlib
 import signal
 import time
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -25,7 +25,6 @@ from tqdm.auto import tqdm
 from tformer_jax import backends, config as config_lib, decode, host_alloc
 from tformer_jax.checkpoint import Checkpointer
 from tformer_jax.data import pipeline, prepared as prepared_lib
-from tformer_jax.eval.in_training import HarnessEval, task_names
 from tformer_jax.parallel import mesh as mesh_lib, pmap as pmap_lib
 from tformer_jax.train import init_from, objectives, setup as setup_lib, state as state_lib, workdir as workdir_lib
 from tformer_jax.train.metrics import MetricWriter, bytes_per_token, eval_summary
@@ -64,14 +63,27 @@ def _install_stop_handlers() -> dict[str, Any]:
   return flag
 
 
+EvalHook = Callable[[ml_collections.ConfigDict, Any, Any], Callable[[Any], dict[str, float]]]
+
+
+def _names_eval_tasks(cfg: ml_collections.ConfigDict) -> bool:
+  return bool(str(cfg.train.get("eval_tasks", "") or "").strip(",\t "))
+
+
 def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, *,
-          source_resolved: bool = False) -> dict[str, float]:
+          source_resolved: bool = False, eval_hook: EvalHook | None = None) -> dict[str, float]:
   """Train (or resume) the experiment `cfg` in `workdir`. Returns the final metrics.
   source_resolved: cfg already has train.init_from's architecture (the command line resolved it,
-  `cli_common.resolve_source`, with its model overrides on top); otherwise it is resolved here."""
+  `cli_common.resolve_source`, with its model overrides on top); otherwise it is resolved here.
+  eval_hook: train.eval_tasks' evaluator, built as eval_hook(cfg, model, tokenizer) before the first step and
+  called with the host params at each evaluation (its metrics are logged with the loss); the caller passes it
+  (tformer-train: `tformer_jax.eval.in_training.HarnessEval`), as train sits below eval."""
   if not source_resolved:
     cfg = init_from.resolve(cfg)                  # fine-tuning: the source's architecture and tokenizer
   config_lib.validate(cfg)  # fail on config errors before touching data or compiling
+  if eval_hook is None and _names_eval_tasks(cfg):
+    raise config_lib.ConfigError("train.eval_tasks: this caller passed no eval_hook (pass "
+                                 "eval_hook=tformer_jax.eval.in_training.HarnessEval, as tformer-train does)")
   note = config_lib.warmup_note(cfg.optim, int(cfg.train.steps)) if "optim" in cfg else None
   if note and jax.process_index() == 0:
     log.warning(note)
@@ -92,7 +104,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, *,
   lock = _lock_workdir(workdir)
   try:
     with backends.use(runtime.backend):
-      return _train(cfg, workdir, mesh, runtime, stop)
+      return _train(cfg, workdir, mesh, runtime, stop, eval_hook)
   except BaseException:
     if lock is not None and new_workdir:  # a run that failed before saving anything leaves no workdir
       workdir_lib.remove_if_unused(workdir)
@@ -118,9 +130,9 @@ def _lock_workdir(workdir: str | os.PathLike) -> workdir_lib.WorkdirLock | None:
 
 
 def _train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax.sharding.Mesh,
-           runtime: backends.Runtime, stop: dict[str, Any]) -> dict[str, float]:
+           runtime: backends.Runtime, stop: dict[str, Any], eval_hook: EvalHook | None = None) -> dict[str, float]:
   """The loop over named steps: train, evaluate every eval_every, save every ckpt_every, stop on a signal."""
-  run = _Run(cfg, workdir, mesh, runtime)
+  run = _Run(cfg, workdir, mesh, runtime, eval_hook)
   steps = cfg.train.steps
   try:
     for step in range(run.start, steps):
@@ -145,7 +157,7 @@ class _Run:
   metrics of the step dispatched last (`pending`: read only after the next step is dispatched)."""
 
   def __init__(self, cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax.sharding.Mesh,
-               runtime: backends.Runtime):
+               runtime: backends.Runtime, eval_hook: EvalHook | None = None):
     workdir_lib.check_architecture(workdir, cfg)   # before anything in the workdir changes
     self.cfg, self.mesh, self.work = cfg, mesh, prepare_workdir(workdir)
     backends.enable_compilation_cache(cfg.data.cache_dir)
@@ -178,8 +190,8 @@ class _Run:
         process_count=jax.process_count())]
     self.bpt = bytes_per_token(self.ds)
     # train.eval_tasks: harness tasks with the loss (names checked here, before the first step)
-    self.harness_eval = (HarnessEval(cfg, self.model, self.ds.tokenizer)
-                         if task_names(cfg.train.get("eval_tasks", "")) else None)
+    self.harness_eval = (eval_hook(cfg, self.model, self.ds.tokenizer)
+                         if eval_hook is not None and _names_eval_tasks(cfg) else None)
     self.writer = MetricWriter(self.work, enabled=self.is_main, truncate_after=self.start,
                                loggers=config_lib.parse_loggers(cfg.train.get("loggers", "jsonl,tensorboard")),
                                run_config=cfg.to_dict(), project=str(cfg.train.get("wandb_project", "tformer_jax")))
