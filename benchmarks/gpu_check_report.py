@@ -27,6 +27,8 @@ def summarize(res: dict[str, Any], args: Any) -> dict[str, Any]:
     summary["train"] = {k: train.get(k) for k in ("batch", "seq", "tokens_per_s", "mfu", "mfu_measured_peak",
                                                   "achieved_gflops", "peak_gflops", "flops_per_step", "compile_s",
                                                   "step_ms_median", "final_loss", "params")}
+    if results("a").get("roofline"):
+      summary["roofline"] = results("a")["roofline"]
   target(f"MFU >= {args.mfu_target:.0%} of {args.nominal_tflops:.0f} TFLOP/s", train and train.get("mfu"),
          f">= {args.mfu_target}", None if not train else train["mfu"] >= args.mfu_target)
   torch_out = results("b").get("torch") or {}
@@ -92,6 +94,15 @@ def _train_lines(res: dict[str, Any], train: dict[str, Any] | None, args: Any) -
             f"  {'MFU vs nominal':<26}{100 * train['mfu']:>11.1f}%   of {args.nominal_tflops:.0f} TFLOP/s",
             f"  {'MFU vs measured matmul':<26}{100 * train['mfu_measured_peak']:>11.1f}%   "
             f"matmul {train['peak_gflops'] / 1e3:.1f} TFLOP/s ({train.get('peak_dtype')})"]
+  rf = ((res["stages"].get("a") or {}).get("results") or {}).get("roofline")
+  if rf and "error" not in rf:
+    out += [f"  {'roofline predicted step':<26}{rf['predicted_ms']:>12.1f}   no overlap (compute {rf['compute_ms']:.1f}"
+            f" + HBM {rf['hbm_ms']:.1f} ms); each op at its bound {rf['roofline_ms']:.1f} ms; bound {rf['bound']}",
+            f"  {'  predicted / measured':<26}{_f(rf.get('ratio_no_overlap'), '.2f'):>12}   (at its bound: "
+            f"{_f(rf.get('ratio_overlap'), '.2f')}; matmul {rf['peak_gflops'] / 1e3:.1f} TFLOP/s, copy "
+            f"{rf['copy_gb_per_s']:.0f} GB/s measured)"]
+  elif rf:
+    out.append(f"  {'roofline predicted step':<26}{'?':>12}   {rf['error']}")
   return out
 
 

@@ -225,6 +225,31 @@ def stage_a(st: Stage, args: Any) -> None:
            f"{backend} ({out.get('machine', {}).get('device')})" + (" (smoke: not required)" if args.smoke else ""))
   st.check("loss finite", bool(out.get("loss_finite")), f"{out.get('final_loss')}")
   st.check("throughput > 0", out.get("tokens_per_s", 0) > 0, f"{out.get('tokens_per_s', 0):,.0f} tokens/s")
+  stage_a_roofline(st, args, out, remat)
+
+
+def stage_a_roofline(st: Stage, args: Any, out: dict[str, Any], remat: str) -> None:
+  """The roofline prediction of the same step (tformer_jax/aot/roofline.py on this GPU's compiled HLO, the
+  peak from a measured bf16 matmul, the bandwidth from a measured copy: benchmarks/roofline_cpu.py
+  --predict-only), reported beside the measurement; not a self-check (a prediction may miss)."""
+  peak = ["--peak-n", "256", "--peak-dtype", "float32"] if args.smoke else ["--peak-n", "8192", "--peak-dtype",
+                                                                             "bfloat16"]
+  sets = {**overrides(args), "data.batch_size": out["batch"], "model.remat": remat}
+  cmd = [*python(), "benchmarks/roofline_cpu.py", "--platform=" + ("cpu" if args.smoke else ""),
+         f"--configs={args.config_file}", "--predict-only", *peak, *[f"--set={k}={v}" for k, v in sets.items()]]
+  r = st.child("roofline prediction", cmd, "a_roofline.json")
+  rows = (r["json"] or {}).get("rows") or []
+  if child_error(r) or not rows:
+    st.results["roofline"] = {"error": child_error(r) or "no result"}
+    return
+  row = rows[0]
+  measured = out.get("step_ms_median")
+  st.results["roofline"] = {k: row.get(k) for k in ("peak_gflops", "copy_gb_per_s", "hlo_gflops", "hlo_gib",
+                                                    "compute_ms", "hbm_ms", "predicted_ms", "roofline_ms", "bound")}
+  if measured:
+    st.results["roofline"].update(measured_ms=measured, ratio_no_overlap=row["predicted_ms"] / measured,
+                                  ratio_overlap=row["roofline_ms"] / measured)
+  st.save()
 
 
 def stage_b(st: Stage, args: Any) -> None:

@@ -3,7 +3,8 @@
 Needs libtpu (the `tpu-aot` extra, installed by scripts/test.sh); without it every test here skips with
 the reason. One tiny Llama-style config (MHA 4 x 128, d_model 512 so every FSDP shard is a whole TPU
 tile, 2 scanned layers, float32) is compiled for v5e:2x2 (4 chips) sharded and unsharded, for 2 slices
-of it, and a large one that does not fit; each compile takes seconds.
+of it, and a large one that does not fit; each compile takes seconds. The roofline's arithmetic is
+tests/test_roofline.py's; here its figures on a real compiled step.
 """
 import contextlib
 import io
@@ -97,6 +98,25 @@ def test_fsdp_step_fits_and_its_arguments_are_the_sharded_state(fsdp):
   assert r["estimate_ratio"] == pytest.approx(r["estimate_bytes"] / r["per_device_bytes"])
 
 
+def test_fsdp_step_roofline(fsdp):
+  """The roofline of the same compile (aot/roofline.py): compute = the HLO FLOPs / a v5e's 197 TFLOP/s,
+  HBM = bytes / 819 GB/s, the FSDP collectives over the fsdp axis on ICI; the step between the two
+  assumptions, and MFU = the formula's FLOPs / step / peak."""
+  _, r, out, _ = fsdp
+  rf = r["roofline"]
+  assert rf["machine"] == "v5e" and rf["peak_flops"] == 197e12 and rf["hbm_bytes_per_s"] == 819e9
+  assert rf["flops"] == pytest.approx(r["flops_hlo_per_device"], rel=1e-9)
+  assert rf["compute_s"] == pytest.approx(rf["flops"] / 197e12, rel=1e-12)
+  assert rf["hbm_s"] == pytest.approx(rf["hbm_bytes"] / 819e9, rel=1e-12) and rf["hbm_bytes"] > r["memory"]["argument"]
+  assert {c["over"] for c in rf["collectives"]} <= {"fsdp (ICI)", "- (ICI)"} and rf["collectives_s"] > 0
+  lo, hi = r["predicted_step_s_perfect_overlap"], r["predicted_step_s_no_overlap"]
+  assert max(rf["compute_s"], rf["hbm_s"], rf["collectives_s"]) <= lo <= hi == pytest.approx(
+      rf["compute_s"] + rf["hbm_s"] + rf["collectives_s"])
+  assert r["predicted_mfu_perfect_overlap"] == pytest.approx(r["flops_formula_per_device"] / lo / 197e12)
+  assert r["predicted_bound"] in ("compute", "HBM", "collectives")
+  assert "roofline per step per device" in out and "step, perfect overlap (max)" in out
+
+
 def test_no_collectives_when_the_mesh_shards_nothing(fsdp):
   """Mesh (1, 1, 4) with rules 'dp': the 'tensor' axis shards no parameter and the batch axes have size
   1, so the 4 devices each run the whole step: no collective at all (the FSDP step above has them). XLA
@@ -125,6 +145,8 @@ def test_two_slices_hybrid_mesh(tmp_path):
   assert status == 0 and r["fits"] and r["devices"] == 8 and r["num_slices"] == 2, out
   assert r["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
   assert sum(c["count"] for c in r["collectives"].values()) > 0
+  # the gradient reduction over 'data' leaves the slice: the roofline times it on DCN
+  assert any("data" in c["over"] and "DCN" in c["over"] for c in r["roofline"]["collectives"]), r["roofline"]
   assert json.loads((tmp_path / "r.json").read_text())["per_device_bytes"] == r["per_device_bytes"]
 
 

@@ -11,9 +11,10 @@ import jax
 import ml_collections
 
 from tformer_jax import backends, cli_common
+from tformer_jax.aot import roofline
 from tformer_jax.aot.hlo import hlo_collectives, hlo_flops
 from tformer_jax.aot.report import Report
-from tformer_jax.aot.topology import GiB, hbm_bytes_per_device, topology_devices
+from tformer_jax.aot.topology import GiB, devices_per_chip, hbm_bytes_per_device, topology_devices
 from tformer_jax.bench import flops as flops_lib
 from tformer_jax.config import ConfigError
 from tformer_jax.diagnostics import estimate as estimate_lib
@@ -124,6 +125,10 @@ def compile_for_topology(cfg: ml_collections.ConfigDict, topology: str, num_slic
   report.collectives = hlo_collectives(text)
   report.flops_hlo_parts = hlo_flops(text)
   report.flops_hlo = report.flops_hlo_parts["total"]
+  machine = roofline.tpu_machine(mesh, devices_per_chip(devices))
+  if machine is not None:
+    tokens = int(cfg.data.batch_size) * int(cfg.data.seq_len) / len(devices)
+    report.roofline = roofline.predict(text, machine, report.flops_formula["flops_per_step"] / len(devices), tokens)
   if hlo_path:
     with open(hlo_path, "w") as f:
       f.write(text)

@@ -8,6 +8,8 @@ import math
 import re
 from typing import Any
 
+import numpy as np
+
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
 
 _COMPUTATION = re.compile(r"^(ENTRY )?%([\w.\-]+) .*\{\s*$")
@@ -165,16 +167,19 @@ def parse_hlo(hlo_text: str) -> tuple[dict[str, list[Instr]], str | None]:
   return comps, entry
 
 
-def _executed(comps: dict[str, list[Instr]], entry: str | None):
+def _executed(comps: dict[str, list[Instr]], entry: str | None, into_fusions: bool = True):
   """(computation, instruction, executions per run) for every instruction reached from ENTRY: a while
   body runs its trip count times (`_trip_count`), fused and called computations once per call
-  (reduction bodies and loop conditions are not walked)."""
+  (reduction bodies and loop conditions are not walked). into_fusions=False: the instructions that run
+  as one program each (a fusion and a kernel call, not what they hold): what reads and writes HBM."""
   def walk(name: str, times: int, stack: tuple[str, ...]):
     if name in stack:
       return
     for ins in comps.get(name, []):
       yield name, ins, times
       rest = ins[3]
+      if not into_fusions and ins[2] in ("fusion", "custom-call"):
+        continue
       for attr, callee in _CALLS.findall(rest):
         if attr in ("calls", "body"):
           yield from walk(callee, times * (_trip_count(rest, comps, name) if attr == "body" else 1), stack + (name,))
@@ -185,16 +190,11 @@ def _executed(comps: dict[str, list[Instr]], entry: str | None):
     yield from walk(entry, 1, ())
 
 
-def hlo_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
-  """{kind: {'count', 'bytes'}} of the collectives one execution of a compiled HLO module runs (per
-  device), trip counts included (`_executed`). XLA:TPU repeats an asynchronous collective inside the
-  fusions that overlap it with compute (same channel_id): each channel counts once; its reduce-scatter
-  is a fusion named 'all-reduce-scatter' around an all-reduce; the all-gathers and reduce-scatters it
-  folds into matmuls (collective matmul, 'windowed einsum' loops) are rings of collective-permutes.
-  bytes: the full buffer per device (all-gather: the gathered output; reduce-scatter: the input;
-  all-reduce, all-to-all, collective-permute: the operand; ragged-all-to-all: its output buffer, what
-  can arrive)."""
-  seen: dict[Any, list] = {}   # key -> [kind, bytes, executions]
+def collective_instances(hlo_text: str) -> list[dict[str, Any]]:
+  """Each collective one execution of a compiled HLO module runs (per device), as `hlo_collectives`
+  counts them (one per channel): {'kind', 'bytes' (one execution), 'times' (executions per step),
+  'attrs' (the rest of its line: replica_groups / source_target_pairs)}."""
+  seen: dict[Any, dict[str, Any]] = {}
   for comp, (instr, shape, op, rest), times in _executed(*parse_hlo(hlo_text)):
     kind = op[:-len("-start")] if op.endswith("-start") else op
     if kind not in COLLECTIVES:
@@ -209,13 +209,60 @@ def hlo_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     ch = re.search(r"channel_id=(\d+)", rest)
     # ragged all-to-alls (an expert-parallel exchange) share one channel id: each instruction counts
     key = ("channel", int(ch.group(1))) if ch and kind != "ragged-all-to-all" else (comp, instr)
-    entry = seen.setdefault(key, [kind, nbytes, 0])
-    entry[2] = max(entry[2], times)
+    entry = seen.setdefault(key, {"kind": kind, "bytes": nbytes, "times": 0, "attrs": rest})
+    entry["times"] = max(entry["times"], times)
+  return list(seen.values())
+
+
+def hlo_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+  """{kind: {'count', 'bytes'}} of the collectives one execution of a compiled HLO module runs (per
+  device), trip counts included (`_executed`). XLA:TPU repeats an asynchronous collective inside the
+  fusions that overlap it with compute (same channel_id): each channel counts once; its reduce-scatter
+  is a fusion named 'all-reduce-scatter' around an all-reduce; the all-gathers and reduce-scatters it
+  folds into matmuls (collective matmul, 'windowed einsum' loops) are rings of collective-permutes.
+  bytes: the full buffer per device (all-gather: the gathered output; reduce-scatter: the input;
+  all-reduce, all-to-all, collective-permute: the operand; ragged-all-to-all: its output buffer, what
+  can arrive)."""
   out = {k: {"count": 0, "bytes": 0} for k in COLLECTIVES}
-  for kind, nbytes, times in seen.values():
-    out[kind]["count"] += times
-    out[kind]["bytes"] += times * nbytes
+  for c in collective_instances(hlo_text):
+    out[c["kind"]]["count"] += c["times"]
+    out[c["kind"]]["bytes"] += c["times"] * c["bytes"]
   return out
+
+
+def replica_groups(attrs: str, num_devices: int) -> list[list[int]]:
+  """The device groups of a collective's attributes: explicit {{0,1},{2,3}}, iota [G,S]<=[dims]T(perm)
+  (an iota over dims, transposed by perm, read as G groups of S), or {} / none (one group of all
+  `num_devices`); a collective-permute's source_target_pairs as [source, target] pairs. None for a form
+  not read here (a named mesh['a'=4] {'a'})."""
+  m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attrs)
+  if m:
+    return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))]
+  m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+  if m:
+    shape = [int(x) for x in m.group(1).split(",")]
+    dims = [int(x) for x in m.group(2).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if m.group(3):
+      ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+    return ids.reshape(-1, shape[-1]).tolist()
+  m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attrs)
+  if m:
+    groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+    return [g for g in groups if g] or [list(range(num_devices))]
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*"
+                r"\{([^}]*)\}", attrs)
+  if m:                 # a named mesh over the devices (an iota, or device_ids: an iota transposed), grouped by axes
+    names, sizes = zip(*[(k, int(v)) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))])
+    dims = [int(x) for x in m.group(2).split(",")] if m.group(2) else [math.prod(sizes)]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if m.group(3):
+      ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+    ids = ids.reshape(sizes)
+    grouped = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(4)) if a in names]
+    rest = [i for i in range(len(names)) if i not in grouped]
+    return ids.transpose(rest + grouped).reshape(-1, math.prod(sizes[i] for i in grouped) or 1).tolist()
+  return [list(range(num_devices))]
 
 
 def _dims(shape_text: str) -> list[int]:
@@ -308,6 +355,68 @@ def _kernel_flops(name: str, shape: str, rest: str, operand_shapes: str) -> tupl
   return "other_kernels", (float(estimate.group(1)) if estimate else None)
 
 
+def _library_flops(comp: str, ins: Instr, shapes: dict[tuple[str, str], str]) -> tuple[str, float] | None:
+  """(part, FLOPs) of a library call: this project's XLA:CPU kernels (`tfj_matmul`, `tfj_chunked_attention_*`),
+  an XLA:GPU cuBLAS / cuBLASLt GEMM ('__cublas$gemm',
+  '__cublas$lt$matmul': 2 x output elements x the contracted size of its backend_config's
+  dot_dimension_numbers) or a cuDNN attention ('__cudnn$fmha...', q and k in (batch, seq, heads, head_dim):
+  the splash convention, forward 2 units of 2 x q elements x Skv, backward 4); None for any other call."""
+  name, shape, op, rest = ins
+  target = re.search(r'custom_call_target="([^"]+)"', rest)
+  target = target.group(1) if target else ""
+  operands = [_dims(shapes.get((comp, o), "")) for o in _operands(rest)]
+  if target.startswith("__cublas"):
+    out = _dims(_tuple_elements(shape)[0])
+    contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)
+    if not operands or not operands[0] or not contracting:
+      return "dot", 0.0
+    k = math.prod(operands[0][int(d.strip('" '))] for d in contracting.group(1).split(",") if d.strip('" '))
+    return "dot", 2.0 * math.prod(out) * k
+  if target == "tfj_matmul" and len(operands) == 2 and all(len(o) == 2 for o in operands):
+    a = operands[0]
+    k = a[0] if re.search(r"transpose_a = true", rest) else a[1]
+    return "dot", 2.0 * math.prod(_dims(shape)) * k
+  if target.startswith("tfj_chunked_attention") and len(operands) >= 5:
+    # this project's CPU kernel (ops/cpu_kernel): the probabilities it packs (b, h, rows x keys it computes:
+    # the causal chunks only) give its work; forward 2 units (scores, P V), backward 4 (dP, dV, dQ, dK)
+    fwd = target.endswith("_fwd")
+    packed = _dims(_tuple_elements(shape)[1]) if fwd else operands[4]
+    d = operands[0][-1]
+    return "other_kernels", 2.0 * math.prod(packed) * d * (2 if fwd else 4)
+  if target.startswith("__cudnn$fmha") and len(operands) >= 2 and len(operands[1]) == 4:
+    unit = 2.0 * math.prod(operands[0]) * operands[1][1]
+    return "other_kernels", unit * (4 if "Backward" in target else 2)
+  return None
+
+
+def _instr_flops(comp: str, ins: Instr, shapes: dict[tuple[str, str], str]) -> tuple[str, float | None]:
+  """(part, FLOPs of one execution) of a dot, convolution or TPU kernel call (`hlo_flops`); ('', 0.0) for
+  any other instruction; FLOPs None for a kernel whose FLOPs are not known."""
+  name, shape, op, rest = ins
+  if op not in ("dot", "convolution", "custom-call"):
+    return "", 0.0
+  operands = _operands(rest)
+  if op == "custom-call":
+    gpu = _library_flops(comp, ins, shapes)
+    if gpu is not None:
+      return gpu
+    if 'custom_call_target="tpu_custom_call"' not in rest:
+      return "", 0.0
+    layouts = re.search(r"operand_layout_constraints=\{(.*?)\}, (?:\w+=)", rest)
+    operand_shapes = layouts.group(1) if layouts else ", ".join(shapes.get((comp, o), "") for o in operands)
+    return _kernel_flops(name, shape, rest, operand_shapes)
+  if len(operands) < 2:
+    return op, 0.0
+  lhs, rhs = (_dims(shapes.get((comp, o), "")) for o in operands[:2])
+  out = _dims(_tuple_elements(shape)[0])
+  if op == "dot":
+    m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
+    macs = math.prod(out) * (math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if m and lhs else 0)
+  else:
+    macs = _conv_macs(lhs, rhs, out, rest)
+  return op, 2.0 * macs
+
+
 def hlo_flops(hlo_text: str) -> dict[str, Any]:
   """FLOPs of the matmul-like work one execution of a compiled HLO module runs (per device), trip counts
   included, by part (`HLO_FLOPS_PARTS`) and their 'total': 2 x the multiply-adds of the dots (output
@@ -322,34 +431,15 @@ def hlo_flops(hlo_text: str) -> dict[str, Any]:
   parts = dict.fromkeys(HLO_FLOPS_PARTS, 0.0)
   uncounted: set[str] = set()
   dynamic_loops = 0
-  for comp, (name, shape, op, rest), times in _executed(comps, entry):
-    if op == "while" and _loop_trips(rest, comps, comp) is None:
-      body = re.search(r"body=%([\w.\-]+)", rest)
+  for comp, ins, times in _executed(comps, entry):
+    if ins[2] == "while" and _loop_trips(ins[3], comps, comp) is None:
+      body = re.search(r"body=%([\w.\-]+)", ins[3])
       dynamic_loops += bool(body and _holds_matmuls(comps, body.group(1)))
-    if op not in ("dot", "convolution", "custom-call"):
-      continue
-    operands = _operands(rest)
-    if op == "custom-call":
-      if 'custom_call_target="tpu_custom_call"' not in rest:
-        continue
-      layouts = re.search(r"operand_layout_constraints=\{(.*?)\}, (?:\w+=)", rest)
-      operand_shapes = layouts.group(1) if layouts else ", ".join(shapes.get((comp, o), "") for o in operands)
-      part, flops = _kernel_flops(name, shape, rest, operand_shapes)
-      if flops is None:
-        uncounted.add(name)
-        continue
+    part, flops = _instr_flops(comp, ins, shapes)
+    if flops is None:
+      uncounted.add(ins[0])
+    elif part:
       parts[part] += flops * times
-      continue
-    if len(operands) < 2:
-      continue
-    lhs, rhs = (_dims(shapes.get((comp, o), "")) for o in operands[:2])
-    out = _dims(_tuple_elements(shape)[0])
-    if op == "dot":
-      m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
-      macs = math.prod(out) * (math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if m and lhs else 0)
-    else:
-      macs = _conv_macs(lhs, rhs, out, rest)
-    parts[op] += 2.0 * macs * times
   return parts | {"total": sum(parts.values()), "uncounted": sorted(uncounted), "dynamic_loops": dynamic_loops}
 
 
@@ -367,6 +457,131 @@ def _holds_matmuls(comps: dict[str, list[Instr]], name: str, seen: frozenset = f
 def hlo_matmul_flops(hlo_text: str) -> float:
   """The total of `hlo_flops`: every dot, convolution and TPU matmul kernel, loops trip-counted."""
   return hlo_flops(hlo_text)["total"]
+
+
+# What moves no HBM bytes of its own: views, control flow (its body's instructions count), bookkeeping;
+# collectives are timed as communication (aot/roofline.py), the '-done' half of an async pair not at all.
+_NO_TRAFFIC = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call",
+                         "conditional", "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency",
+                         "domain", "send", "recv", "iota"})
+_SLICES = ("dynamic-slice", "slice", "gather")
+
+
+def _sliced_bytes(comps: dict[str, list[Instr]], name: str, users: dict[str, list[Instr]],
+                  depth: int = 0) -> int | None:
+  """The bytes of `name` its users read when every one only slices it (directly, or as the parameter of a
+  nested fusion that only slices it); None when some user reads it whole."""
+  us = users.get(name, [])
+  if not us or depth > 8:
+    return None
+  total = 0
+  for u in us:
+    ops = _operands(u[3])
+    if u[2] in _SLICES and ops[:1] == [name]:
+      total += _array_bytes(u[1])
+      continue
+    fused = re.search(r"calls=%([\w.\-]+)", u[3]) if u[2] == "fusion" else None
+    if not fused:
+      return None
+    inner = comps.get(fused.group(1), [])
+    inner_users: dict[str, list[Instr]] = {}
+    for i in inner:
+      for o in _operands(i[3]):
+        inner_users.setdefault(o, []).append(i)
+    for k in (k for k, o in enumerate(ops) if o == name):
+      param = next((i[0] for i in inner if i[2] == "parameter" and re.match(rf"{k}\)", i[3])), None)
+      b = _sliced_bytes(comps, param, inner_users, depth + 1) if param else None
+      if b is None:
+        return None
+      total += b
+  return total
+
+
+def _fusion_io(comps: dict[str, list[Instr]], fused: str) -> tuple[dict[int, int], set[int], dict[int, int]]:
+  """For a fused computation: {parameter index: bytes read} for the parameters it only slices (a scanned
+  layer's slice of the stacked weights: the slice's bytes, not the whole operand's); the parameters a root
+  dynamic-update-slice updates in place (read nothing); {output element: bytes written} for those outputs
+  (the update, not the whole buffer)."""
+  ins = comps.get(fused, [])
+  table = {i[0]: i for i in ins}
+  params = {name: int(re.match(r"(\d+)", rest).group(1)) for name, _, op, rest in ins if op == "parameter"}
+  users: dict[str, list[Instr]] = {}
+  for i in ins:
+    for o in _operands(i[3]):
+      users.setdefault(o, []).append(i)
+  sliced = {}
+  for name, idx in params.items():
+    b = _sliced_bytes(comps, name, users)
+    if b is not None:
+      sliced[idx] = b
+  in_place, written = set(), {}
+  root = ins[-1] if ins else None           # the printer puts a computation's ROOT last
+  roots = ([table.get(o) for o in _operands(root[3])] if root[2] == "tuple" else [root]) if root else []
+  for k, r in enumerate(roots):
+    ops = _operands(r[3]) if r else []
+    if r and r[2] == "dynamic-update-slice" and len(ops) > 1 and ops[0] in params:
+      in_place.add(params[ops[0]])
+      written[k] = _array_bytes(table[ops[1]][1]) if ops[1] in table else 0
+  return sliced, in_place, written
+
+
+def _fused_flops(comps: dict[str, list[Instr]], name: str, shapes: dict, memo: dict) -> float:
+  """FLOPs of one execution of computation `name` and what it calls (`_instr_flops`; unknown kernels 0)."""
+  if name not in memo:
+    memo[name] = 0.0
+    total = 0.0
+    for ins in comps.get(name, []):
+      total += _instr_flops(name, ins, shapes)[1] or 0.0
+      for attr, callee in _CALLS.findall(ins[3]):
+        if attr == "calls":
+          total += _fused_flops(comps, callee, shapes, memo)
+    memo[name] = total
+  return memo[name]
+
+
+def _op_bytes(comps: dict, comp: str, ins: Instr, shapes: dict) -> int:
+  """HBM bytes one execution of a top-level instruction reads and writes (`hlo_op_costs`)."""
+  name, shape, op, rest = ins
+  sizes = [_array_bytes(shapes.get((comp, o), "")) for o in _operands(rest)]
+  out = _array_bytes(shape)
+  if op == "dynamic-update-slice" and len(sizes) > 1:
+    return 2 * sizes[1] + sum(sizes[2:])       # the update read and written in place, and the indices
+  if op in _SLICES and sizes:
+    return 2 * out + sum(sizes[1:])
+  fused = re.search(r"calls=%([\w.\-]+)", rest) if op == "fusion" else None
+  if not fused:
+    return sum(sizes) + out
+  sliced, in_place, written = _fusion_io(comps, fused.group(1))
+  reads = sum(sliced.get(i, 0 if i in in_place else b) for i, b in enumerate(sizes))
+  parts = _tuple_elements(shape)
+  return reads + sum(written.get(k, _array_bytes(p)) for k, p in enumerate(parts))
+
+
+def hlo_op_costs(hlo_text: str) -> list[dict[str, Any]]:
+  """Each instruction one execution of a compiled HLO module runs as one program (a fusion, a kernel, an
+  unfused op: not what a fusion holds), per device: {'name', 'op', 'times' (executions per step), 'bytes'
+  (HBM read + written by one execution), 'flops' (its dots, convolutions and TPU kernels, `hlo_flops`)}.
+  bytes: operands + outputs, except what a fusion or op only slices (a scanned layer's slice of the
+  stacked weights: the slice) and the buffers a dynamic-update-slice writes in place (the update);
+  views, control flow and collectives (`_NO_TRAFFIC`, timed as communication) count none. As XLA's
+  cost analysis counts 'bytes accessed', but with every loop trip-counted (that analysis counts a while
+  body once)."""
+  comps, entry = parse_hlo(hlo_text)
+  shapes = {(c, name): shape for c, ins in comps.items() for name, shape, _, _ in ins}
+  memo: dict[str, float] = {}
+  out = []
+  for comp, ins, times in _executed(comps, entry, into_fusions=False):
+    op = ins[2]
+    base = op[:-len("-start")] if op.endswith("-start") else op
+    if op in _NO_TRAFFIC or op.endswith("-done") or op.endswith("-start") or base in COLLECTIVES:
+      continue
+    flops = _instr_flops(comp, ins, shapes)[1] or 0.0
+    if op == "fusion":
+      fused = re.search(r"calls=%([\w.\-]+)", ins[3])
+      flops += _fused_flops(comps, fused.group(1), shapes, memo) if fused else 0.0
+    out.append({"name": ins[0], "op": op, "times": times, "bytes": _op_bytes(comps, comp, ins, shapes),
+                "flops": flops})
+  return out
 
 
 # -- the compile ------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import dataclasses
 from typing import Any
 
 from tformer_jax.aot.hlo import HLO_FLOPS_PARTS
+from tformer_jax.aot.roofline import format_roofline
 from tformer_jax.aot.topology import GiB
 
 # HLO FLOPs per device above this multiple of the formula's share: the devices repeat work (a
@@ -34,6 +35,7 @@ class Report:
   flops_formula: dict[str, Any] = dataclasses.field(default_factory=dict)
   collectives: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
   estimate: dict[str, Any] = dataclasses.field(default_factory=dict)   # tformer-estimate's per-device figure
+  roofline: dict[str, Any] = dataclasses.field(default_factory=dict)   # aot/roofline.py `predict`, per device
   lower_s: float = 0.0
   compile_s: float = 0.0
 
@@ -114,7 +116,16 @@ def format_report(r: Report) -> str:
     lines.append("collectives per step per device (count, bytes of the full buffer):")
     for kind, c in r.collectives.items():
       lines.append(f"  {kind:<20}{c['count']:6d}  {c['bytes'] / GiB:10.3f} GiB")
+  if r.roofline:
+    lines += ["", *format_roofline(r.roofline)]
   return "\n".join(lines)
+
+
+def _prediction(rf: dict[str, Any]) -> dict[str, Any]:
+  """The roofline's headline figures, flat in the JSON line."""
+  keys = ("step_s_no_overlap", "step_s_perfect_overlap", "mfu_no_overlap", "mfu_perfect_overlap",
+          "tokens_per_s_per_chip_no_overlap", "tokens_per_s_per_chip_perfect_overlap", "bound")
+  return {f"predicted_{k}": rf.get(k) for k in keys} if rf else {}
 
 
 def summary(r: Report) -> dict[str, Any]:
@@ -132,5 +143,6 @@ def summary(r: Report) -> dict[str, Any]:
           "estimate_bytes": r.estimate.get("bytes"),
           "estimate_ratio": (r.estimate["bytes"] / r.per_device_bytes
                              if r.estimate.get("bytes") and r.per_device_bytes else None),
-          "collectives": r.collectives, "compile_s": round(r.compile_s, 1), "compiler_error": r.compiler_error}
+          "collectives": r.collectives, "roofline": r.roofline or None,
+          **_prediction(r.roofline), "compile_s": round(r.compile_s, 1), "compiler_error": r.compiler_error}
 

@@ -11,6 +11,7 @@ import jax
 from jax.experimental import topologies
 
 from tformer_jax import cli_common
+from tformer_jax.aot.chips import CHIPS
 
 GiB = 1024 ** 3
 
@@ -19,7 +20,7 @@ GiB = 1024 ** 3
 # v6e (Trillium) 32). A v4 chip has two TensorCores, which a topology lists as two devices sharing the
 # chip's HBM (`devices_per_chip`). XLA:TPU itself leaves a little of it to the runtime (it reports
 # 15.75G available on a v5e): a program within a few hundred MiB of the figure may still be refused.
-HBM_GIB_PER_CHIP = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5": 95, "TPU v6 lite": 32}
+HBM_GIB_PER_CHIP = {kind: chip.hbm_gib for kind, chip in CHIPS.items()}   # aot/chips.py: the one table
 # TPU_ACCELERATOR_TYPE for a topology name's generation (libtpu wants it, and worker hostnames, at
 # start-up; without them it prints warnings): f(chips) -> e.g. 'v5p-128' (v4/v5p count TensorCores).
 ACCELERATOR_TYPES = {"v4": lambda chips: f"v4-{2 * chips}", "v5e": lambda chips: f"v5litepod-{chips}",

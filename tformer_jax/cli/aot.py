@@ -23,9 +23,18 @@ convolutions and TPU kernels (`aot.hlo_flops`: ragged_dot, megablox gmm, splash 
 shapes; loops trip-counted) and from XLA's cost analysis (which counts a while-loop body once: scanned
 layers, collective matmuls); their ratio HLO / formula per device, with a one-line WARNING above
 `REPLICATED_RATIO` (devices repeating work instead of splitting it); and the collectives of the
-compiled HLO (count and bytes per step, by kind: `aot.hlo_collectives`). The last line is one JSON object
-(`topology`, `devices`, `fits`, `per_device_bytes`, `hbm_bytes`, `estimate_bytes`, `estimate_ratio`,
-`flops_ratio`, `replicated_work`, ...).
+compiled HLO (count and bytes per step, by kind: `aot.hlo_collectives`).
+
+Then a roofline prediction of the step per device (tformer_jax/aot/roofline.py, the chip table
+tformer_jax/aot/chips.py with its sources): compute = the HLO FLOPs / the chip's bf16 peak; HBM = the bytes
+each op reads and writes (summed from the HLO with loops trip-counted) / the HBM bandwidth; each collective
+by kind and the mesh axes of its replica groups, timed by the ring formulas over that axis's ICI links (DCN
+across slices); the step with no overlap (compute + HBM + collectives) and with perfect overlap (each op
+at its own bound, communication hidden: the max); predicted tokens/s/chip and MFU (the formula's FLOPs)
+for both, and the bound. The last line is one JSON object (`topology`, `devices`, `fits`,
+`per_device_bytes`, `hbm_bytes`, `estimate_bytes`, `estimate_ratio`, `flops_ratio`, `replicated_work`,
+`predicted_step_s_no_overlap`, `predicted_step_s_perfect_overlap`, `predicted_mfu_*`,
+`predicted_tokens_per_s_per_chip_*`, `predicted_bound`, `roofline`: every term, ...).
 
 Exit status: 0 it fits; 3 it does not fit (XLA:TPU refuses a program larger than its HBM with
 RESOURCE_EXHAUSTED: the figure it needed is reported); 2 a config or topology error (one line).
