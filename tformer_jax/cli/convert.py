@@ -14,6 +14,13 @@
          Without --family, the first family that reproduces the architecture exactly; a model that
          no family holds is refused with the fields that differ.
 
+  tformer-convert --from-gguf=path/to/model.gguf --out=out/hf_model
+      -> the HF directory (config.json + float32 model.safetensors, tokenizer.json, tokenizer_config.json with
+         the chat template and special tokens, generation_config.json) of a GGUF Llama-family checkpoint,
+         dequantised with the gguf package (the `gguf` extra; tformer_jax/interop/gguf.py): use it as
+         train.init_from=hf:DIR or with tformer-generate / -eval / -serve. A .gguf given to --from-hf
+         (with --to) goes through the same import into a workdir.
+
 Outputs are owned: each is written whole in a directory beside the target, then renamed into place
 (tformer_export.json / tformer_convert.json list its files), so a failure (a full disk) leaves nothing;
 the target must be missing or empty, or with --overwrite an earlier output of ours, which it replaces.
@@ -29,7 +36,7 @@ import pathlib
 import shutil
 import sys
 import tempfile
-from typing import Sequence
+from typing import Any, Sequence
 
 import ml_collections
 from absl import flags
@@ -41,6 +48,7 @@ from tformer_jax.data.corpora import DataError
 from tformer_jax.data.pipeline import parse_mixture
 from tformer_jax.data.prepared import read_manifest
 from tformer_jax.data.tokenizers import get_tokenizer
+from tformer_jax.interop.gguf import gguf_to_hf
 from tformer_jax.interop.hf import (
     HFConfigError,
     HFWeightsError,
@@ -172,6 +180,9 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("from", None, "a training workdir: config.json + checkpoints/ (with --to-hf)", flag_values=fv)
   flags.DEFINE_string("to", None, "the workdir to create (with --from-hf)", flag_values=fv)
   flags.DEFINE_string("to-hf", None, "the HF directory to write (with --from)", flag_values=fv)
+  flags.DEFINE_string("from-gguf", None, "a GGUF Llama-family checkpoint file (with --out): written as an HF "
+                      "directory, float32, with its tokenizer and chat template", flag_values=fv)
+  flags.DEFINE_string("out", None, "the HF directory to write (with --from-gguf)", flag_values=fv)
   flags.DEFINE_string("family", None, "HF family for --to-hf (default: the first that fits the model)",
                       flag_values=fv)
   flags.DEFINE_integer("step", None, "checkpoint step: written (--from-hf, default 0) or read (--from, default "
@@ -183,6 +194,8 @@ def define_flags(fv: flags.FlagValues) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
   args = cli_common.parse(argv, define_flags, doc=__doc__, prog="tformer-convert")
   source = getattr(args, "from")
+  if args.from_gguf or args.out:
+    return _from_gguf(args, source)
   if bool(args.from_hf) == bool(source):
     cli_common.fail("pass exactly one of --from-hf=DIR (with --to=WORKDIR) or --from=WORKDIR (with --to-hf=DIR)")
   if args.from_hf and not args.to:
@@ -190,7 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   if source and not args.to_hf:
     cli_common.fail("--from needs --to-hf=DIR")
   try:
-    if args.from_hf:
+    if args.from_hf and args.from_hf.endswith(".gguf"):
+      out = _gguf_to_workdir(args)
+    elif args.from_hf:
       out = hf_to_workdir(args.from_hf, args.to, step=args.step or 0, overwrite=args.overwrite)
     else:
       out = workdir_to_hf(source, args.to_hf, args.family, args.step, overwrite=args.overwrite)
@@ -199,6 +214,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
   print(f"wrote {out}")
   return 0
+
+
+def _from_gguf(args: Any, source: str | None) -> int:
+  """--from-gguf=FILE --out=DIR: the GGUF checkpoint as an HF directory."""
+  if not args.from_gguf or not args.out or args.from_hf or source or args.to or args.to_hf:
+    cli_common.fail("--from-gguf=FILE takes --out=DIR (and neither --from-hf, --from, --to nor --to-hf)")
+  try:
+    out = gguf_to_hf(args.from_gguf, args.out, overwrite=args.overwrite)
+  except USER_ERRORS as e:
+    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+    return 2
+  print(f"wrote {out}")
+  return 0
+
+
+def _gguf_to_workdir(args: Any) -> pathlib.Path:
+  """--from-hf=FILE.gguf --to=WORKDIR: the GGUF imported as an HF directory beside the workdir, then converted."""
+  work = pathlib.Path(args.to).absolute()
+  check_target(work, args.overwrite, CONVERT_MARKER, CONVERT_FORMAT, "a converted workdir")
+  work.parent.mkdir(parents=True, exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=work.parent, prefix=f".{work.name}.gguf-") as tmp:
+    hf_dir = gguf_to_hf(args.from_hf, pathlib.Path(tmp) / "hf")
+    return hf_to_workdir(hf_dir, work, step=args.step or 0, overwrite=args.overwrite)
 
 
 def entry() -> None:
