@@ -115,6 +115,40 @@ def test_overwrite_replaces_our_dataset_atomically(books, tmp_path):
   assert not (out / LOCK).exists() and not (out / PROGRESS).exists()
 
 
+def _dead_pid() -> int:
+  """The pid of a process that has exited (a killed run's, as its partial directory names it)."""
+  p = subprocess.Popen(["true"])
+  p.wait()
+  return p.pid
+
+
+def test_a_killed_overwrite_leaves_a_partial_dir_the_next_run_removes(books, tmp_path, caplog):
+  """kill -9 during --overwrite: the replacement's `.prep.partial-HOST-PID-*` stays beside --out; the next run
+  removes it (its pid is gone) and only it: another output's, and one a live writer holds, stay (named in one
+  warning line with the command that removes them)."""
+  out = tmp_path / "prep"
+  prepare([str(books)], out, tokenizer="byte", shard_tokens=40_000, progress=False)
+  killed = subprocess.run(_cmd(f"--source={books}", f"--out={out}", "--tokenizer=byte", "--shard_tokens=50000",
+                               "--overwrite", kill_after=1), cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+  partial = [p for p in tmp_path.iterdir() if p.name.startswith(".prep.partial-")]
+  assert len(partial) == 1 and any(partial[0].glob("shard-*.npy")), sorted(tmp_path.iterdir())
+  host = partial[0].name.removeprefix(".prep.partial-").rsplit("-", 2)[0]
+  other = tmp_path / f".prep2.partial-{host}-{_dead_pid()}-abcd1234"       # another output's: not ours
+  live = tmp_path / f".prep.partial-{host}-{os.getpid()}-live0000"         # a live writer's (this process)
+  for d in (other, live):
+    d.mkdir()
+    (d / "shard-00000.tokens.npy").write_bytes(b"x")
+  with caplog.at_level("INFO", logger="tformer_jax.data.prepared.outdir"):
+    stats = prepare([str(books)], out, tokenizer="byte", shard_tokens=50_000, overwrite=True, progress=False)
+  ds = open_prepared(out, verify=True)
+  assert stats["path"] == str(out) and ds.manifest["shard_tokens"] == 50_000
+  assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["prep", other.name, live.name])
+  warning = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+  assert len(warning) == 1 and "\n" not in warning[0] and f"rm -r '{live}'" in warning[0], warning
+  assert str(other) not in warning[0]
+
+
 def test_a_second_prepare_into_the_same_out_refuses_while_the_first_runs(books, tmp_path):
   out = tmp_path / "prep"
   first = subprocess.Popen(_cmd(f"--source={books}", f"--out={out}", "--tokenizer=byte", "--shard_tokens=40000",

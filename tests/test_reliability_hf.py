@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pathlib
+import socket
 import subprocess
 
 import flax.linen as nn
@@ -110,6 +111,26 @@ def test_overwrite_replaces_an_export_of_ours_without_stale_shards(work, tmp_pat
   assert _same(ours, trained)
   tensors = hf.read_safetensors(out / "model.safetensors")
   assert set(tensors) == set(hf.read_hf(out)[1])
+
+
+def test_a_killed_export_leaves_a_partial_dir_the_next_one_removes(work, tmp_path, capsys):
+  """kill -9 during `tformer-convert --to-hf OUT` leaves `.OUT.partial-HOST-PID-*` beside OUT (half its files);
+  the next export of OUT removes it (its pid is gone), and only it: another output's stays."""
+  out = tmp_path / "hf"
+  gone = subprocess.Popen(["true"])
+  gone.wait()                                            # a killed writer: its pid no longer runs
+  stale = tmp_path / f".hf.partial-{socket.gethostname()}-{gone.pid}-k1lled00"
+  other = tmp_path / f".hf2.partial-{socket.gethostname()}-{gone.pid}-k1lled00"
+  for d in (stale, other):
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    (d / "model.safetensors").write_bytes(b"\0" * 100)  # cut short
+  rc, err = _run(["--from", str(work), "--to-hf", str(out)], capsys)
+  assert rc == 0, err
+  assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["hf", other.name])
+  _, ours = hf.load_hf(out)
+  _, trained = restore_params(work)
+  assert _same(ours, trained)
 
 
 def test_to_hf_on_a_full_disk_is_one_line_and_leaves_nothing(work, tmp_path, capsys):

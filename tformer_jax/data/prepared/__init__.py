@@ -28,7 +28,8 @@ The modules, one job each:
                whole run, so a second prepare into the same directory stops at once naming the first),
                refuses anything else, and deletes only files it wrote. `overwrite=True` replaces a dataset
                of ours atomically (built beside it, then exchanged: renameat2 RENAME_EXCHANGE). A full or
-               read-only disk is one DataError line; the committed shards stay resumable.
+               read-only disk is one DataError line; the committed shards stay resumable. A replacement is
+               built in `.NAME.partial-HOST-PID-*`; a killed run's goes at the next run (`clean_partials`).
   run_data.py  at a training run's start, `check_run_data` hashes each token shard once and checks its ids
                against the vocabulary, records the datasets' identity in WORKDIR/data.json, and refuses a
                resumed run whose directory was prepared again
@@ -54,7 +55,7 @@ from tformer_jax.data.prepared.dataset import (
     shard_files,
     token_dtype,
 )
-from tformer_jax.data.prepared.outdir import exchange_dirs
+from tformer_jax.data.prepared.outdir import clean_partials, exchange_dirs, partial_dir
 from tformer_jax.data.prepared.run_data import (
     RUN_DATA,
     RUN_DATA_FORMAT,
@@ -69,6 +70,6 @@ from tformer_jax.data.prepared.run_data import (
 
 __all__ = ["DEFAULT_BPE_VOCAB", "DEFAULT_SAMPLE_BYTES", "DEFAULT_SHARD_TOKENS", "FORMAT", "LOCK", "MANIFEST",
            "PROGRESS", "RUN_DATA", "RUN_DATA_FORMAT", "TOKENIZER_EXTRAS", "PreparedDataset", "check_run_data",
-           "check_shards", "dataset_identity", "exchange_dirs", "open_prepared", "prepare", "read_manifest",
-           "read_run_data", "sample_texts", "shard_files", "token_dtype", "tokenizer_sha256", "tokenizer_spec",
-           "write_run_data"]
+           "check_shards", "clean_partials", "dataset_identity", "exchange_dirs", "open_prepared", "partial_dir",
+           "prepare", "read_manifest", "read_run_data", "sample_texts", "shard_files", "token_dtype",
+           "tokenizer_sha256", "tokenizer_spec", "write_run_data"]

@@ -8,7 +8,6 @@ import logging
 import os
 import pathlib
 import resource
-import tempfile
 import time
 from typing import Any, Sequence
 
@@ -31,10 +30,12 @@ from tformer_jax.data.prepared.outdir import (
   Lock,
   check_committed,
   check_out_dir,
+  clean_partials,
   clear,
   disk_error,
   exchange_dirs,
   ours,
+  partial_dir,
   refuse_foreign,
   remove_ours,
 )
@@ -186,13 +187,14 @@ def prepare(sources: Sequence[str] | str, out_dir: str | os.PathLike, *, tokeniz
     raise disk_error(root, e) from None
   done = started = False
   try:
+    clean_partials(root)                          # a killed --overwrite's replacement (its pid gone)
     state = check_out_dir(root, args, overwrite)
     if state is not None and state.get("complete"):
       done = True
       return _already_prepared(root, workers)
     target = root
     if state is not None and state.get("overwrite"):   # build beside it, then exchange the two
-      target = pathlib.Path(tempfile.mkdtemp(dir=root.parent, prefix=f".{root.name}.overwrite-"))
+      target = partial_dir(root)
       state = None
     started = target == root
     pool = Pool(workers)

@@ -1,5 +1,6 @@
 """The output directory `prepare` owns: which files are ours, the lock a run holds, the checks before it
-writes (resume, refuse, replace), and the atomic exchange of a replacement."""
+writes (resume, refuse, replace), and the atomic exchange of a replacement (built in a partial directory
+beside it, `partial_dir`, which a later run removes when its writer is dead: `clean_partials`)."""
 from __future__ import annotations
 
 import ctypes
@@ -10,8 +11,11 @@ import json
 import logging
 import os
 import pathlib
+import re
+import shutil
 import socket
 import sys
+import tempfile
 from typing import Any
 
 from tformer_jax.data.corpora import DataError, sha256_file
@@ -151,6 +155,49 @@ def exchange_dirs(a: pathlib.Path, b: pathlib.Path) -> None:
   os.rename(b, aside)
   os.rename(a, b)
   os.rename(aside, a)
+
+
+def partial_dir(d: pathlib.Path) -> pathlib.Path:
+  """A new hidden directory beside `d` to build its replacement in, `.NAME.partial-HOST-PID-XXXXXXXX`: the
+  writer's host and pid in the name tell a later run whether it is a dead writer's (`clean_partials`)."""
+  return pathlib.Path(tempfile.mkdtemp(dir=d.parent, prefix=f".{d.name}.partial-{socket.gethostname()}-{os.getpid()}-"))
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:                         # another user's process
+    return True
+  return True
+
+
+def clean_partials(d: pathlib.Path) -> list[pathlib.Path]:
+  """Remove the partial directories of output `d` (only `.NAME.partial-*` beside it, NAME = d's name) that a
+  writer killed on this host left (its pid gone); the ones left (a live writer's, another host's, one without
+  a pid from an older version) are named in one warning line with the command that removes them. Returns
+  those left."""
+  d = d.absolute()
+  prefix = f".{d.name}.partial-"
+  mine = re.compile(rf"{re.escape(prefix)}(?P<host>.+)-(?P<pid>\d+)-[a-z0-9_]+")
+  left = []
+  try:
+    found = sorted(p for p in d.parent.iterdir() if p.name.startswith(prefix) and p.is_dir() and not p.is_symlink())
+  except OSError:                                 # no parent yet, or unreadable: nothing of ours there
+    return []
+  for p in found:
+    m = mine.fullmatch(p.name)
+    if m and m["host"] == socket.gethostname() and not _alive(int(m["pid"])):
+      shutil.rmtree(p, ignore_errors=True)
+      log.info("removed %s (left by a killed run, pid %s)", p, m["pid"])
+    else:
+      left.append(p)
+  if left:
+    log.warning("%s: %d partial director%s of an earlier or running write left beside it (a live writer's, another "
+                "host's or an older version's); when no write of %s is running: rm -r %s", d, len(left),
+                "y" if len(left) == 1 else "ies", d.name, " ".join(f"'{p}'" for p in left))
+  return left
 
 
 def remove_ours(root: pathlib.Path) -> None:
