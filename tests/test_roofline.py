@@ -103,6 +103,10 @@ def test_a_group_across_slices_runs_over_dcn():
   assert r["collectives_s"] == pytest.approx(2 * MIB / 2 / DCN, rel=1e-12)
   r = roofline.predict(collective("all-reduce", "f32[1024,256]", "f32[1024,256]", FSDP_GROUPS), m, 0, 1)
   assert r["collectives"][0]["over"] == "fsdp (ICI)"
+  # XLA:TPU's multi-slice program keeps its groups within a slice: the gradients' DCN all-reduce is modeled
+  r = roofline.predict(MATMUL, m, 0, 1, slice_gradients=(2, MIB))
+  assert [(c["kind"], c["over"]) for c in r["collectives"]] == [("all-reduce", "data (DCN, modeled)")]
+  assert r["collectives_s"] == pytest.approx(2 * MIB / 2 / DCN, rel=1e-12)
 
 
 SCANNED = """HloModule scanned

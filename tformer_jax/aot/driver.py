@@ -128,7 +128,9 @@ def compile_for_topology(cfg: ml_collections.ConfigDict, topology: str, num_slic
   machine = roofline.tpu_machine(mesh, devices_per_chip(devices))
   if machine is not None:
     tokens = int(cfg.data.batch_size) * int(cfg.data.seq_len) / len(devices)
-    report.roofline = roofline.predict(text, machine, report.flops_formula["flops_per_step"] / len(devices), tokens)
+    # the gradients leave the slice in float32, sharded as the parameters are within a slice
+    report.roofline = roofline.predict(text, machine, report.flops_formula["flops_per_step"] / len(devices), tokens,
+                                       slice_gradients=(num_slices, state["params"]))
   if hlo_path:
     with open(hlo_path, "w") as f:
       f.write(text)

@@ -16,7 +16,8 @@
                 all-reduce                                           2 B (N-1)/N / W
                 all-to-all, ragged-all-to-all (B local)              B max((N-1)/N, N/4) / W
                 collective-permute (B sent)                          B / one link (DCN across slices)
-              collectives do not overlap each other
+              collectives do not overlap each other. A multi-slice program's text holds one slice's
+              collectives only: the gradients' all-reduce across slices is added, modeled, over DCN
   step        two stated assumptions that bracket the truth. No overlap (sum): nothing runs at the same
               time, compute + HBM + collectives. Perfect overlap (max): each op's compute and HBM traffic
               overlap (its roofline) and communication is hidden under them, max(local, collectives).
@@ -126,9 +127,13 @@ def collective_seconds(kind: str, nbytes: float, groups: list[list[int]] | None,
   return t, f"{','.join(li['axes']) or '-'} ({where})"
 
 
-def predict(hlo_text: str, m: Machine, model_flops: float, tokens: float) -> dict[str, Any]:
+def predict(hlo_text: str, m: Machine, model_flops: float, tokens: float,
+            slice_gradients: tuple[int, float] | None = None) -> dict[str, Any]:
   """The roofline of one execution of `hlo_text` on one device of `m` (module docstring). model_flops
-  and tokens: per device per step (MFU and tokens/s/chip)."""
+  and tokens: per device per step (MFU and tokens/s/chip). slice_gradients: (slices, bytes per device)
+  of a multi-slice step: XLA:TPU's multi-slice program shows only one slice's collectives (its replica
+  groups stay within a slice; the DCN exchange is added outside the HLO text), so the data-parallel
+  gradient all-reduce across the slices is added as modeled, over DCN, when no collective reaches DCN."""
   ops = hlo.hlo_op_costs(hlo_text)
   flops = sum(o["flops"] * o["times"] for o in ops)
   nbytes = sum(o["bytes"] * o["times"] for o in ops)
@@ -147,6 +152,10 @@ def predict(hlo_text: str, m: Machine, model_flops: float, tokens: float) -> dic
     e["count"] += c["times"]
     e["bytes"] += c["times"] * c["bytes"]
     e["seconds"] += c["times"] * t
+  if slice_gradients and slice_gradients[0] > 1 and not any("DCN" in w for _, w in comm):
+    n, grads = slice_gradients
+    comm[("all-reduce", "data (DCN, modeled)")] = {"count": 1, "bytes": int(grads),
+                                                   "seconds": _ring("all-reduce", grads, n, m.dcn_bytes_per_s)}
   comm_s = sum(e["seconds"] for e in comm.values())
   local = compute_bound + memory_bound
   steps = {"no_overlap": flops / m.peak_flops + nbytes / m.hbm_bytes_per_s + comm_s,
