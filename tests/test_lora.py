@@ -1,8 +1,14 @@
 """LoRA fine-tuning (train.lora, ops/lora.py): adapters on a frozen HF base. The loss falls; the optimizer
 state and the checkpoint hold the adapters only (a small fraction of a full fine-tune's); the merged
-export reloads in transformers with our logits; a resumed run is exact; bad targets are one line."""
+export reloads in transformers with our logits; a resumed run is exact; bad targets are one line (the
+validator's list is ops.lora's); on a (data=2, fsdp=4) mesh of 8 fake devices the adapters and the base
+are sharded by their logical axes and the losses and adapter gradients equal one device's (1e-5);
+train.stats_every's statistics are the merged model's."""
+import ast
 import json
+import re
 
+import flax.linen as nn
 import hf_utils
 import jax
 import jax.numpy as jnp
@@ -14,12 +20,14 @@ from tformer_jax.checkpoint import restore_params
 from tformer_jax.cli import convert
 from tformer_jax.cli_common import load_config_file
 from tformer_jax.config import ConfigError, ModelConfig
+from tformer_jax.data import pipeline
 from tformer_jax.interop.hf import load_hf
 from tformer_jax.nn import Transformer
 from tformer_jax.ops import lora as lora_ops
 from tformer_jax.parallel import mesh as mesh_lib
-from tformer_jax.train import init_from, loop, setup as setup_lib
+from tformer_jax.train import init_from, loop, setup as setup_lib, state as state_lib, step as step_lib
 from tformer_jax.train.metrics import read_metrics
+from tformer_jax.train.stats import make_stats_fn
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -71,8 +79,24 @@ def runs(hf_dir, tmp_path_factory):
   return root, full, lora
 
 
-def test_targets_are_one_list():
-  assert config_lib.LORA_TARGETS == tuple(lora_ops.TARGETS)
+def test_the_validator_takes_exactly_the_targets_of_ops_lora(hf_dir):
+  """ops.lora.TARGETS is the one list: the validator names exactly its keys and accepts each of them."""
+  c = _cfg(hf_dir, 4, 4)
+  c.train.lora.targets = "q,nope"
+  with pytest.raises(ConfigError, match=r"^train\.lora\.targets: unknown value 'nope'") as e:
+    config_lib.validate(c)
+  listed = re.search(r"expected one of (\(.*\))$", str(e.value)).group(1)
+  assert ast.literal_eval(listed) == tuple(lora_ops.TARGETS)
+  c.train.lora.targets = ",".join(lora_ops.TARGETS)
+  config_lib.validate(c)
+
+
+def test_adapter_axes_follow_their_kernel():
+  # a scanned wq (layers, embed, heads, head_dim): A (layers, embed, r), B (layers, r, heads, head_dim)
+  assert lora_ops.axes(("layers", "embed", "heads", "head_dim"), 3, 4) == (
+      ("layers", "embed", None), ("layers", None, "heads", "head_dim"))
+  # an unscanned attention wo (heads, head_dim, embed): A (heads, head_dim, r), B (r, embed)
+  assert lora_ops.axes(("heads", "head_dim", "embed"), 3, 2) == (("heads", "head_dim", None), (None, "embed"))
 
 
 def test_merge_is_base_plus_scaled_product_on_stacked_kernels():
@@ -160,3 +184,91 @@ def test_a_relative_base_is_recorded_as_an_absolute_path(hf_dir, monkeypatch):
   monkeypatch.chdir(hf_dir.parent)
   resolved = init_from.resolve(_cfg(hf_dir.name, 8, 8))
   assert resolved.train.init_from == f"hf:{hf_dir.resolve()}"
+
+
+def _program_and_state(c):
+  """What the loop builds for a LoRA config: the program on its mesh and the state, the base loaded from
+  train.init_from onto the base's shardings."""
+  c = init_from.resolve(c)
+  mesh, backend = mesh_lib.make_mesh(c.mesh), backends.Backend()
+  with backends.use(backend):
+    program = setup_lib.build(c, mesh, backend)
+  frozen = init_from.load_params(c.train.init_from, program.abstract.frozen, program.model_config.num_layers)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(program.rules):
+    state = state_lib.create_state(program.init, jax.random.PRNGKey(c.train.seed), program.shardings, frozen=frozen)
+  return c, program, state
+
+
+def _losses_and_grads(c, batches):
+  """Train-step losses over `batches`, then the loss and the adapters' gradients at the last state (the
+  train step's own loss on the merged params, jitted with the program's shardings)."""
+  c, program, state = _program_and_state(c)
+  options = setup_lib.step_options(c)
+
+  def loss(adapters, frozen, batch):
+    params = lora_ops.merge(frozen, adapters, program.lora_scale)
+    total, (count, _) = step_lib.loss_sum_fn(program.model, params, batch, None, train=False, **options)
+    return total / count
+
+  sh = program.shardings
+  grad_fn = jax.jit(mesh_lib.traced_under(jax.value_and_grad(loss), program.mesh, program.rules),
+                    in_shardings=(sh.params, sh.frozen, program.batch_sharding))
+  put = [{k: jax.device_put(v, program.batch_sharding) for k, v in b.items()} for b in batches]
+  losses = []
+  with backends.use(backends.Backend()):
+    for b in put[:-1]:
+      state, metrics = program.train_step(state, b)
+      losses.append(float(metrics["loss"]))
+    value, grads = grad_fn(state.params, state.frozen, put[-1])
+  return program, state, losses, float(value), jax.device_get(grads)
+
+
+def _spec(x) -> tuple:
+  spec = tuple(x.sharding.spec)
+  return spec + (None,) * (x.ndim - len(spec))
+
+
+def test_lora_on_a_data_fsdp_mesh_equals_one_device(hf_dir):
+  """(data=2, fsdp=4) on 8 fake devices: the adapters (and their AdamW moments) sharded after their kernel's
+  logical axes ('embed' over fsdp), the base like the params; losses of 3 steps, then the loss and every
+  adapter gradient, equal one device's within 1e-5."""
+  rng = np.random.default_rng(0)
+  batches = [{"inputs": t[:, :-1], "targets": t[:, 1:]} for t in
+             (rng.integers(0, 300, (8, 33)).astype(np.int32) for _ in range(4))]
+  one = _losses_and_grads(_cfg(hf_dir, 4, 8), batches)
+  mesh_over = {"mesh.num_devices": 8, "mesh.shape": (2, 4, 1), "mesh.rules": "fsdp"}
+  eight = _losses_and_grads(_cfg(hf_dir, 4, 8, **mesh_over), batches)
+  program, state = eight[:2]
+  assert dict(program.mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1}
+  wq, mlp_wo = state.params["layers"]["attn"]["wq"], state.params["layers"]["mlp"]["wo"]
+  assert _spec(wq["lora_a"]) == (None, "fsdp", None) and _spec(wq["lora_b"]) == (None, None, None, None)
+  assert _spec(mlp_wo["lora_a"]) == (None, None, None) and _spec(mlp_wo["lora_b"]) == (None, None, "fsdp")
+  assert _spec(state.frozen["layers"]["attn"]["wq"]) == (None, "fsdp", None, None)
+  assert _spec(state.opt_state[1][0].mu["layers"]["attn"]["wq"]["lora_a"]) == (None, "fsdp", None)
+  np.testing.assert_allclose(eight[2], one[2], rtol=1e-5)
+  np.testing.assert_allclose(eight[3], one[3], rtol=1e-5)
+  assert all(np.abs(g).max() > 0 for g in jax.tree.leaves(one[4]))   # B != 0 by now: A gets gradients too
+  for a, b in zip(jax.tree.leaves(eight[4]), jax.tree.leaves(one[4])):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+
+def test_lora_stats_are_the_merged_models(hf_dir, tmp_path):
+  """A LoRA run with train.stats_every writes the statistics of the merged model: at step 2 (computed on the
+  state after one update, before the second) they equal make_stats_fn on step 1's merged params and the
+  second batch; update_ratio is the merged weights' change, 0 where no adapter is."""
+  work = tmp_path / "stats"
+  c = _cfg(hf_dir, 2, 8, **{"train.stats_every": 2, "train.ckpt_every": 1, "train.max_to_keep": 2,
+                             "train.eval_every": 2, "optim.warmup_steps": 0})
+  loop.train(c, work)
+  got = next(m for m in read_metrics(work) if m["step"] == 2 and "stats/loss" in m)
+  got = {k.removeprefix("stats/"): v for k, v in got.items() if k.startswith("stats/")}
+  assert all(np.isfinite(v) for v in got.values()), got
+  run_cfg, merged = restore_params(work, step=1)
+  it = pipeline.train_iterator(pipeline.build_dataset(run_cfg.data), run_cfg.data)
+  next(it)
+  batch = {k: jnp.asarray(v) for k, v in next(it).items()}
+  model = Transformer(ModelConfig.from_config(run_cfg.model))
+  want = jax.device_get(jax.jit(make_stats_fn(model))(jax.tree.map(jnp.asarray, merged), batch))
+  assert set(want) < set(got) and "attn_entropy/layer_1" in want
+  np.testing.assert_allclose([got[k] for k in want], [float(want[k]) for k in want], rtol=1e-5, atol=1e-6)
+  assert got["update_ratio/embed"] == 0 and got["update_ratio/layers_0/attn"] > 0 and got["lora/grad_norm"] > 0

@@ -44,7 +44,6 @@ OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
 LOGGERS = ("jsonl", "tensorboard", "wandb")
 SCHEDULES = ("cosine", "rsqrt", "constant")
 PRECISIONS = ("float32", "bf16", "fp16")
-LORA_TARGETS = ("q", "k", "v", "o", "up", "gate", "down")   # = ops.lora.TARGETS (tests/test_lora.py)
 PARALLELISMS = ("jit", "pmap")
 RULE_PRESETS = ("dp", "fsdp", "tp", "fsdp_tp", "fsdp+tp")
 

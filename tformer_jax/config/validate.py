@@ -19,7 +19,6 @@ from tformer_jax.config.enums import (
   CORPUS_SHOWN,
   DECODE_LAYOUTS,
   LOGGERS,
-  LORA_TARGETS,
   OPTIMIZERS,
   PACKINGS,
   PARALLELISMS,
@@ -241,9 +240,11 @@ def _validate_lora(t: Any, mesh: Any, check_paths: bool = True) -> None:
     _fail("train.lora.rank", f"must be an integer >= 0 (0 = off), got {lo.rank!r}")
   if not lo.alpha > 0:
     _fail("train.lora.alpha", f"must be > 0, got {lo.alpha}")
+  # ops.lora.TARGETS is the one list of targets (imported here only: config itself stays free of jax)
+  from tformer_jax.ops.lora import TARGETS  # noqa: PLC0415 (the ops layer's table; jax loads on first use)
   targets = [s.strip() for s in str(lo.targets).split(",") if s.strip()]
   for name in targets:
-    _check_choice("train.lora.targets", name, LORA_TARGETS)
+    _check_choice("train.lora.targets", name, tuple(TARGETS))
   if lo.rank == 0:
     return
   if not targets:
@@ -252,8 +253,6 @@ def _validate_lora(t: Any, mesh: Any, check_paths: bool = True) -> None:
     _fail("train.lora.rank", "LoRA trains adapters on a frozen base: set train.init_from (hf:DIR or a workdir)")
   if mesh is not None and mesh.get("parallelism", "jit") == "pmap":
     _fail("train.lora.rank", "LoRA runs under mesh.parallelism='jit' only")
-  if t.get("stats_every", 0) > 0:
-    _fail("train.stats_every", "layer statistics are not computed for a LoRA run (train.lora.rank > 0); set 0")
 
 
 def parse_loggers(value: Any) -> list[str]:

@@ -9,7 +9,9 @@ adapted model starts as the base; only A and B are trained.
 
 `params` is the model's tree as `Transformer.init` gives it (unscanned `layers_i` or scanned `layers`
 with a leading layer axis: the adapters then carry that axis too). Targets name projections:
-q, k, v, o (attention) and up, gate, down (the dense FFN's wi, wg, wo).
+q, k, v, o (attention) and up, gate, down (the dense FFN's wi, wg, wo): `TARGETS` is the one list
+(config validation reads it). `axes` names the adapters' logical axes after their kernel's, so a mesh
+shards A like W's inputs and B like W's outputs (the rank dimension is never split).
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 PyTree = Any
-# target -> (module name, kernel name, the kernel's own ndim, how many of its leading dims are inputs)
+# target -> (module name, kernel name, the kernel's own ndim, how many of its leading dims are inputs);
+# the one owner of the target names (config's validation of train.lora.targets reads its keys)
 TARGETS: dict[str, tuple[str, str, int, int]] = {
     "q": ("attn", "wq", 3, 1), "k": ("attn", "wk", 3, 1), "v": ("attn", "wv", 3, 1), "o": ("attn", "wo", 3, 2),
     "up": ("mlp", "wi", 2, 1), "gate": ("mlp", "wg", 2, 1), "down": ("mlp", "wo", 2, 1),
@@ -73,6 +76,15 @@ def init(rng: jax.Array, params: PyTree, targets: Sequence[str], rank: int,
       node = node.setdefault(k, {})
     node[keys[-1]] = {A: a, B: jnp.zeros((*lead_shape, rank, *out_shape), dtype)}
   return tree
+
+
+def axes(kernel_axes: Sequence[str | None], a_ndim: int, b_ndim: int) -> tuple[tuple, tuple]:
+  """Logical axis names of (A, B) for a kernel whose axes are `kernel_axes` (stacked..., in..., out...):
+  A (stacked..., in..., None), B (stacked..., None, out...); None for the rank dimension."""
+  k = tuple(kernel_axes)
+  n_lead = a_ndim + b_ndim - 2 - len(k)
+  n_split = a_ndim - 1                               # stacked + input dims
+  return k[:n_split] + (None,), k[:n_lead] + (None,) + k[n_split:]
 
 
 def delta(a: jax.Array, b: jax.Array, kernel_shape: tuple[int, ...]) -> jax.Array:

@@ -130,7 +130,8 @@ def build(cfg: ml_collections.ConfigDict, mesh: Mesh, backend: backends.Backend,
                          in_shardings=(shardings, batch_sh), out_shardings=(shardings, None), donate_argnums=(0,))
     eval_step = jax.jit(mesh_lib.traced_under(eval_fn, mesh, rules), in_shardings=(eval_in, batch_sh))
     if int(cfg.train.get("stats_every", 0)) > 0:  # layer statistics, train/stats.py
-      stats_step = jax.jit(mesh_lib.traced_under(make_stats_fn(model, tx), mesh, rules),
+      stats_fn = make_stats_fn(model, tx, lora_scale=lora[2] if lora else None)   # a LoRA run: the merged model
+      stats_step = jax.jit(mesh_lib.traced_under(stats_fn, mesh, rules),
                            in_shardings=(shardings, batch_sh))
   return TrainProgram(m, model, mesh, rules, tx, schedule, init, abstract, shardings, batch_sh,
                       train_step, eval_step, stats_step, lora[2] if lora else None)

@@ -29,19 +29,34 @@ class TrainState:
 def init_fn(model: nn.Module, tx: optax.GradientTransformation, loss_scale, seq_len: int,
             lora: tuple[tuple[str, ...], int] | None = None):
   """A function rng -> TrainState with *boxed* params (nn.Partitioned carrying logical axes).
-  lora=(targets, rank): params are adapters for the model's (frozen) params (ops/lora.py), replicated,
-  and the optimizer state is theirs alone."""
+  lora=(targets, rank): params are adapters for the model's (frozen) params (ops/lora.py), boxed with
+  their kernel's logical axes (`box_adapters`), and the optimizer state is theirs alone."""
   def init(rng: jax.Array) -> TrainState:
     p_rng, s_rng = jax.random.split(rng)
     tokens = jnp.zeros((1, seq_len), jnp.int32)
     params = model.init(p_rng, tokens)["params"]
     frozen = None
     if lora is not None:
-      frozen, params = params, lora_ops.init(jax.random.fold_in(p_rng, 1), unbox_plain(params), *lora)
+      adapters = lora_ops.init(jax.random.fold_in(p_rng, 1), unbox_plain(params), *lora)
+      frozen, params = params, box_adapters(adapters, params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=_fit_boxes(tx.init(params)),
                       loss_scale=loss_scale, rng=s_rng, bad_steps=jnp.zeros((), jnp.int32),
                       skipped=jnp.zeros((), jnp.int32), frozen=frozen)
   return init
+
+
+def box_adapters(adapters: Any, boxed_params: Any) -> Any:
+  """LoRA adapters boxed like their kernels (`lora.axes`): A sharded as the kernel's inputs, B as its
+  outputs, so a mesh splits them (and their optimizer moments) instead of replicating them."""
+  def walk(ad: dict, p: Any) -> Any:
+    if set(ad) != {lora_ops.A, lora_ops.B}:
+      return {k: walk(v, p[k]) for k, v in ad.items()}
+    if not isinstance(p, nn.meta.AxisMetadata):   # an unannotated kernel: replicated, as it is
+      return ad
+    a, b = ad[lora_ops.A], ad[lora_ops.B]
+    a_axes, b_axes = lora_ops.axes(p.names, a.ndim, b.ndim)
+    return {lora_ops.A: p.replace(value=a, names=a_axes), lora_ops.B: p.replace(value=b, names=b_axes)}
+  return walk(adapters, boxed_params)
 
 
 def _fit_boxes(opt_state: Any) -> Any:

@@ -11,6 +11,8 @@ prev_params=None) -> {name: float32 scalar}` with
   update_ratio/<module>                ||update|| / ||param||: the optimizer update `tx` would apply
                                        now (or params - prev_params, over ||prev_params||, when given)
   grad_norm, update_ratio, loss        whole-model values
+  lora/grad_norm                       a LoRA run: the adapters' gradient norm (every other value is
+                                       the merged model's, W + (alpha / rank) A @ B: `lora_stats`)
   pos_embed_grad_norm, pos_embed_grad_ratio   the learned position table's gradient norm and its ratio
                                        to the token embedding's (the second article's check that
                                        positions are used: a ratio stuck near 0 means they are not)
@@ -30,6 +32,7 @@ import optax
 from tformer_jax import backends
 from tformer_jax.nn.attention import visibility
 from tformer_jax.nn.transformer import sown_per_layer
+from tformer_jax.ops import lora as lora_ops
 from tformer_jax.ops.attention import head_statistics
 
 
@@ -76,17 +79,16 @@ def _lm_loss(logits_BxLxV: jax.Array, batch: dict) -> jax.Array:
 
 
 def make_stats_fn(model: nn.Module, tx: optax.GradientTransformation | None = None, *,
-                  attention: bool = True) -> Callable[..., dict[str, jax.Array]]:
+                  attention: bool = True, lora_scale: float | None = None) -> Callable[..., dict[str, jax.Array]]:
   """The statistics function (see the module docstring). `tx` gives the update ratio from the
   optimizer state when a TrainState is passed; `attention=False` skips the entropy statistics and
-  keeps the run's backend (no attention weights unless it is the reference one)."""
+  keeps the run's backend (no attention weights unless it is the reference one). lora_scale (alpha /
+  rank): a LoRA TrainState (state.frozen set, state.params the adapters) is measured on the merged model
+  W + scale A @ B (`lora_stats`)."""
   cfg = model.cfg
 
-  def stats(state_or_params: Any, batch: dict, grads: Any = None, prev_params: Any = None
-            ) -> dict[str, jax.Array]:
-    params = getattr(state_or_params, "params", state_or_params)
-    opt_state = getattr(state_or_params, "opt_state", None)
-
+  def forward(params: Any, batch: dict, grads: Any) -> tuple[dict[str, jax.Array], Any]:
+    """(loss, activation, attention and gradient statistics of `params` on `batch`, the gradients)."""
     def loss_fn(p):
       with backends.use(backends.Backend()) if attention else contextlib.nullcontext():
         logits, mut = model.apply({"params": p}, batch["inputs"], deterministic=True,
@@ -98,45 +100,84 @@ def make_stats_fn(model: nn.Module, tx: optax.GradientTransformation | None = No
     else:
       loss, inter = loss_fn(params)
     out: dict[str, jax.Array] = {"loss": loss}
-
     for i, x in enumerate(sown_per_layer(inter, "block_out")):
       x = x.astype(jnp.float32)
       out[f"act_mean/layer_{i}"] = jnp.mean(x)
       out[f"act_std/layer_{i}"] = jnp.std(x)
       out[f"act_rms/layer_{i}"] = jnp.sqrt(jnp.mean(x * x))
-
-    weights = sown_per_layer(inter, "attention_weights")
-    if weights:
-      b, l = batch["inputs"].shape
-      vis = jnp.ones((b, l, l), bool)
-      structural = visibility(cfg).structural(l, l)
-      if structural is not None:
-        vis = vis & structural[None]
-      for i, w in enumerate(weights):
-        st = head_statistics(w, vis)
-        out[f"attn_entropy/layer_{i}"] = jnp.mean(st["entropy"])
-        out[f"attn_entropy_ratio/layer_{i}"] = jnp.mean(st["entropy_ratio"])
-        out[f"attn_max_weight/layer_{i}"] = jnp.mean(st["max_weight"])
-
+    out.update(_attention_stats(cfg, batch, sown_per_layer(inter, "attention_weights")))
     g_norms, g_total = _norms(grads)
-    p_norms, p_total = _norms(params)
     out["grad_norm"] = g_total
     out.update({f"grad_norm/{k}": v for k, v in g_norms.items()})
     if "pos_embed" in g_norms:
       out["pos_embed_grad_norm"] = g_norms["pos_embed"]
       out["pos_embed_grad_ratio"] = g_norms["pos_embed"] / jnp.maximum(g_norms.get("embed", 1.0), 1e-30)
+    return out, grads
 
-    updates = None
+  def stats(state_or_params: Any, batch: dict, grads: Any = None, prev_params: Any = None
+            ) -> dict[str, jax.Array]:
+    params = getattr(state_or_params, "params", state_or_params)
+    opt_state = getattr(state_or_params, "opt_state", None)
+    frozen = getattr(state_or_params, "frozen", None)
+    if frozen is not None and lora_scale is not None:
+      return lora_stats(forward, tx, state_or_params, batch, lora_scale)
+    out, grads = forward(params, batch, grads)
+    updates, reference = None, params
     if prev_params is not None:   # the update that produced `params`, relative to what it was applied to
-      updates = jax.tree.map(lambda a, b: jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32),
-                             nn.unbox(params), nn.unbox(prev_params))
-      p_norms, p_total = _norms(prev_params)
+      updates, reference = _difference(params, prev_params), prev_params
     elif tx is not None and opt_state is not None:
       updates, _ = tx.update(grads, opt_state, params)
     if updates is not None:
-      u_norms, u_total = _norms(updates)
-      out["update_ratio"] = u_total / jnp.maximum(p_total, 1e-30)
-      out.update({f"update_ratio/{k}": v / jnp.maximum(p_norms[k], 1e-30) for k, v in u_norms.items()})
+      out.update(_update_ratios(updates, reference))
     return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
 
   return stats
+
+
+def lora_stats(forward: Callable, tx: optax.GradientTransformation | None, state: Any, batch: dict,
+               scale: float) -> dict[str, jax.Array]:
+  """A LoRA state's statistics, all on the merged model W + scale A @ B: its loss, activations, attention
+  and gradients (those of the merged kernels, so frozen modules show theirs too); update_ratio/<module>
+  is the merged weights' change under the adapters' update `tx` would apply now (0 for modules without
+  adapters); lora/grad_norm is the adapters' own gradient norm (what the optimizer sees)."""
+  merged, merged_vjp = jax.vjp(lambda ad: lora_ops.merge(state.frozen, ad, scale), state.params)
+  out, grads = forward(merged, batch, None)
+  (ad_grads,) = merged_vjp(grads)
+  out["lora/grad_norm"] = _norms(ad_grads)[1]
+  if tx is not None and state.opt_state is not None:
+    ad_updates, _ = tx.update(ad_grads, state.opt_state, state.params)
+    after = lora_ops.merge(state.frozen, optax.apply_updates(state.params, ad_updates), scale)
+    out.update(_update_ratios(_difference(after, merged), merged))
+  return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
+
+
+def _attention_stats(cfg: Any, batch: dict, weights: list) -> dict[str, jax.Array]:
+  """Mean entropy, entropy ratio and max weight of each layer's sown attention weights."""
+  out: dict[str, jax.Array] = {}
+  if not weights:
+    return out
+  b, l = batch["inputs"].shape
+  vis = jnp.ones((b, l, l), bool)
+  structural = visibility(cfg).structural(l, l)
+  if structural is not None:
+    vis = vis & structural[None]
+  for i, w in enumerate(weights):
+    st = head_statistics(w, vis)
+    out[f"attn_entropy/layer_{i}"] = jnp.mean(st["entropy"])
+    out[f"attn_entropy_ratio/layer_{i}"] = jnp.mean(st["entropy_ratio"])
+    out[f"attn_max_weight/layer_{i}"] = jnp.mean(st["max_weight"])
+  return out
+
+
+def _difference(a: Any, b: Any) -> Any:
+  return jax.tree.map(lambda x, y: jnp.asarray(x, jnp.float32) - jnp.asarray(y, jnp.float32),
+                      nn.unbox(a), nn.unbox(b))
+
+
+def _update_ratios(updates: Any, reference: Any) -> dict[str, jax.Array]:
+  """update_ratio (whole model) and update_ratio/<module>: ||update|| / ||reference||."""
+  u_norms, u_total = _norms(updates)
+  p_norms, p_total = _norms(reference)
+  out = {"update_ratio": u_total / jnp.maximum(p_total, 1e-30)}
+  out.update({f"update_ratio/{k}": v / jnp.maximum(p_norms[k], 1e-30) for k, v in u_norms.items()})
+  return out
