@@ -1,6 +1,6 @@
-"""tformer-generate's anticipated errors are one line, status 2: sampling flags out of range, a prompt
-longer than a learned-position model holds, an empty prompts file; a prompts file keeps its line numbers
-(a blank line does not renumber the outputs)."""
+"""tformer-generate's anticipated errors are one line, status 2: sampling flags out of range, a stop token the
+model cannot emit, a prompt longer than a learned-position model holds, an empty prompts file; a prompts file
+keeps its line numbers (a blank line does not renumber the outputs)."""
 from __future__ import annotations
 
 import pathlib
@@ -56,3 +56,10 @@ def test_a_prompts_file_keeps_its_line_numbers(tmp_path, capsys):
   out = capsys.readouterr().out
   heads = re.findall(r"=== \[(.*?)\] ===", out)
   assert heads == [f"{f}:1", f"{f}:3"], out
+
+
+def test_a_stop_token_outside_the_vocabulary_is_one_line(capsys):
+  """--stop='z' is the byte tokenizer's token 122; a 100-token model cannot emit it (was a ValueError traceback
+  from decode's request check)."""
+  err = _error(["--config.model.vocab_size=100", "--prompt=ab", "--stop=z"], capsys)
+  assert "--stop='z' is token 122, outside this model's vocabulary of 100 tokens" in err, err

@@ -13,7 +13,8 @@ a prompt's text does not depend on what else is batched with it).
 
 Several --prompt (or --prompts_file, one prompt per line; outputs are labelled FILE:LINE) run as one
 left-padded batch; a single prompt streams chunk by chunk. Sampling flags out of range, a prompt longer
-than a learned-position model holds and an empty prompts file are one-line errors. --stop strings end a
+than a learned-position model holds, a --stop token past the model's vocabulary and an empty prompts file are
+one-line errors. --stop strings end a
 row (the text is cut before the stop string).
 
 --chat: an interactive conversation on one `decode.Session` (the KV cache is kept across turns, only
@@ -150,6 +151,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     return generate(args, model, params, tok, default_prompt)
 
 
+def stop_tokens(tok: Any, stops: Sequence[str], vocab_size: int) -> list[int]:
+  """The token ids of the stop strings that are one token (the others end a row by text); a stop token the
+  model cannot emit (the tokenizer's id past the model's vocabulary) is a one-line error."""
+  ids = {}
+  for s in stops:
+    encoded = tok.encode(s)
+    if len(encoded) == 1:
+      ids[int(encoded[0])] = s
+  for t, s in sorted(ids.items()):
+    if not 0 <= t < vocab_size:
+      cli_common.fail(f"--stop={s!r} is token {t}, outside this model's vocabulary of {vocab_size} tokens "
+                      f"(0..{vocab_size - 1}): the tokenizer does not match the model")
+  return sorted(ids)
+
+
 def _turn_tokens(session: decode.Session, messages: list, tok: Any, template: str | None) -> list[int]:
   """The tokens to append for the last user message (resetting the session if the template's
   rendering of the conversation no longer starts with what the cache holds)."""
@@ -173,7 +189,7 @@ def chat(args: Any, model: Any, params: Any, tok: Any) -> int:
                            scan_layers=args.scan_layers)
   eos = getattr(tok, "eos_id", None)
   stops = list(args.stop) + ([] if template else ["\n"])
-  stop_ids = sorted({int(ids[0]) for ids in map(tok.encode, stops) if len(ids) == 1} | ({eos} - {None}))
+  stop_ids = sorted(set(stop_tokens(tok, stops, model.cfg.vocab_size)) | ({eos} - {None}))
   messages: list[dict[str, str]] = []
   interactive = sys.stdin.isatty()
   while True:
@@ -248,12 +264,12 @@ def generate(args: Any, model: Any, params: Any, tok: Any, default_prompt: str) 
       cli_common.fail(f"prompt {label} is {len(ids)} tokens, + --max_new_tokens={args.max_new_tokens} exceeds "
                       f"this model's max_len={limit} (learned positions cannot extrapolate): shorten it or "
                       f"lower --max_new_tokens")
-  stop_tokens = sorted({int(ids[0]) for ids in map(tok.encode, args.stop) if len(ids) == 1})
+  stop_ids = stop_tokens(tok, args.stop, model.cfg.vocab_size)
   rows = [RowText(tok, args.stop) for _ in prompts]
   stream = decode.generate_stream(
       model, params, encoded, max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size,
       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-      repetition_penalty=args.repetition_penalty, stop_tokens=stop_tokens, rng=row_seeds(args.seed, len(prompts)),
+      repetition_penalty=args.repetition_penalty, stop_tokens=stop_ids, rng=row_seeds(args.seed, len(prompts)),
       pad_id=-1,
       scan_layers=args.scan_layers)
   single = len(prompts) == 1
