@@ -119,8 +119,9 @@ def collective_seconds(kind: str, nbytes: float, groups: list[list[int]] | None,
       return nbytes / m.dcn_bytes_per_s, f"{','.join(axes)} (DCN)"
     return nbytes / (m.link_bytes_per_s or float("nan")), f"{','.join(axes)} (ICI)"
   li = group_links(groups[0], m)
-  t = _ring(kind, nbytes, li["n_ici"], li["ici_bytes_per_s"])
-  where = "ICI"
+  # a group within one chip (v4's two TensorCores share coordinates): no link, the exchange goes through HBM
+  t = _ring(kind, nbytes, li["n_ici"], li["ici_bytes_per_s"] or m.hbm_bytes_per_s)
+  where = "ICI" if li["ici_bytes_per_s"] else "on chip"
   if li["slices"] > 1:      # the cross-slice part of a hierarchical ring, on the bytes left after the slice
     t += _ring(kind, nbytes / max(1, li["n_ici"]), li["slices"], m.dcn_bytes_per_s)
     where = "ICI+DCN" if li["n_ici"] > 1 else "DCN"
