@@ -115,6 +115,16 @@ def test_overwrite_replaces_our_dataset_atomically(books, tmp_path):
   assert not (out / LOCK).exists() and not (out / PROGRESS).exists()
 
 
+def test_overwrite_onto_a_symlinked_out_replaces_the_target_not_the_link(books, tmp_path):
+  real, link = tmp_path / "real", tmp_path / "link"
+  prepare([str(books)], real, tokenizer="byte", shard_tokens=40_000, progress=False)
+  link.symlink_to(real, target_is_directory=True)
+  stats = prepare([str(books)], link, tokenizer="byte", shard_tokens=50_000, overwrite=True, progress=False)
+  assert link.is_symlink() and link.resolve() == real.resolve() and stats["path"] == str(real.resolve())
+  assert open_prepared(real, verify=True).manifest["shard_tokens"] == 50_000
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+
+
 def _dead_pid() -> int:
   """The pid of a process that has exited (a killed run's, as its partial directory names it)."""
   p = subprocess.Popen(["true"])

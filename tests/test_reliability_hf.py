@@ -113,6 +113,20 @@ def test_overwrite_replaces_an_export_of_ours_without_stale_shards(work, tmp_pat
   assert set(tensors) == set(hf.read_hf(out)[1])
 
 
+def test_overwrite_onto_a_symlinked_out_replaces_the_target_not_the_link(work, tmp_path, capsys):
+  real, link = tmp_path / "real", tmp_path / "link"
+  cfg = _cfg()
+  hf.save_hf(ModelConfig.from_config(cfg.model), _params(cfg, 1), real)
+  link.symlink_to(real, target_is_directory=True)
+  rc, err = _run(["--from", str(work), "--to-hf", str(link), "--overwrite"], capsys)
+  assert rc == 0, err
+  assert link.is_symlink() and link.resolve() == real.resolve()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+  _, ours = hf.load_hf(real)                             # the target holds the new weights
+  _, trained = restore_params(work)
+  assert _same(ours, trained)
+
+
 def test_a_killed_export_leaves_a_partial_dir_the_next_one_removes(work, tmp_path, capsys):
   """kill -9 during `tformer-convert --to-hf OUT` leaves `.OUT.partial-HOST-PID-*` beside OUT (half its files);
   the next export of OUT removes it (its pid is gone), and only it: another output's stays."""

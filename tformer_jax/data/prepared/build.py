@@ -34,6 +34,7 @@ from tformer_jax.data.prepared.outdir import (
   clear,
   disk_error,
   exchange_dirs,
+  link_target,
   ours,
   partial_dir,
   refuse_foreign,
@@ -168,7 +169,7 @@ def prepare(sources: Sequence[str] | str, out_dir: str | os.PathLike, *, tokeniz
   fields = sources_lib.parse_fields(text_field if text_field is not None else column)
   srcs = sources_lib.resolve_sources(sources)
   sources_lib.check_fields(srcs, fields)
-  root = pathlib.Path(out_dir).expanduser()
+  root = link_target(pathlib.Path(out_dir).expanduser())   # a symlinked --out: its target is written
   # an output inside a source directory: its own files (manifest.json, ...) are not sources
   srcs = [s for s in srcs if not (root.absolute() in pathlib.Path(s.path).parents and ours(pathlib.Path(s.path).name))]
   if not srcs:

@@ -157,6 +157,12 @@ def exchange_dirs(a: pathlib.Path, b: pathlib.Path) -> None:
   os.rename(aside, a)
 
 
+def link_target(d: pathlib.Path) -> pathlib.Path:
+  """The directory an output path names: a symlinked --out is its target (replacing it replaces the target's
+  contents, as the user meant, never the link)."""
+  return d.resolve() if d.is_symlink() else d
+
+
 def partial_dir(d: pathlib.Path) -> pathlib.Path:
   """A new hidden directory beside `d` to build its replacement in, `.NAME.partial-HOST-PID-XXXXXXXX`: the
   writer's host and pid in the name tell a later run whether it is a dead writer's (`clean_partials`)."""

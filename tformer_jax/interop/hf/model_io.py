@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from safetensors import SafetensorError
 
 from tformer_jax.config import ModelConfig
-from tformer_jax.data.prepared import clean_partials, exchange_dirs, partial_dir
+from tformer_jax.data.prepared import clean_partials, exchange_dirs, link_target, partial_dir
 from tformer_jax.interop.families import get_family
 from tformer_jax.interop.hf.family import hf_config_from_model, infer_family, model_config_from_hf
 from tformer_jax.interop.hf.files import _is_model, _read_tensors, _write_safetensors, read_hf_config
@@ -97,7 +97,7 @@ def write_dir_atomically(d: pathlib.Path, write: Any, marker: str, fmt: str, inf
   takes d's place (renamed onto a missing or empty d, exchanged with an old one of ours, which goes). On a
   failure (a full disk) nothing is left: OSError in one line; a killed write's partial directory goes at the
   next write of `d` (`clean_partials`)."""
-  d = d.absolute()
+  d = link_target(d).absolute()                   # a symlinked output: its target is replaced, not the link
   d.parent.mkdir(parents=True, exist_ok=True)
   clean_partials(d)                               # a killed write's (kill -9: its pid gone)
   tmp = partial_dir(d)
