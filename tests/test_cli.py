@@ -142,3 +142,38 @@ def test_loggers_jsonl_only_wandb_missing_is_one_line_and_wandb_offline_when_ins
   w.write(1, {"loss": 2.5})
   w.close()
   assert list((tmp_path / "b" / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def _hidden_extra_error(monkeypatch, capsys, tmp_path, module: str, command: str, argv: list[str]) -> str:
+  """`command`'s main(argv) with `module` hidden (sys.modules[module] = None: not importable, as after
+  `pip install .` without the extra): the one line it prints, exit status 2."""
+  cli = importlib.import_module(f"tformer_jax.cli.{command}")
+  monkeypatch.setitem(sys.modules, module, None)
+  monkeypatch.chdir(tmp_path)
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as e:
+    cli.main(argv)
+  err = capsys.readouterr().err.strip()
+  assert e.value.code == 2 and "\n" not in err and "Traceback" not in err, err
+  return err
+
+
+@pytest.mark.parametrize("module, extra, command, argv, what", [
+    ("aiohttp", "serve", "serve", ["--random_init", "--config=llama_tiny"], "tformer-serve"),
+    ("lm_eval", "eval", "eval", ["--hf=hf", "--tasks=shakespeare_ppl"], "tformer-eval --tasks"),
+    ("libtpu", "tpu-aot", "aot", ["--config=llama_tiny", "--topology=v5e:2x2"], "tformer-aot"),
+    ("wandb", "trackers", "train", ["--config=llama_tiny", "--workdir=run", "--config.train.loggers=jsonl,wandb"],
+     "tformer-train with train.loggers=...wandb"),
+    ("lm_eval", "eval", "train", ["--config=llama_tiny", "--workdir=run", "--config.train.eval_tasks=shakespeare_ppl"],
+     "tformer-train with train.eval_tasks"),
+    ("gguf", "gguf", "convert", ["--from-gguf=m.gguf", "--out=hf"], "tformer-convert --from-gguf"),
+    ("gguf", "gguf", "convert", ["--from-hf=m.gguf", "--to=work"], "tformer-convert --from-hf=FILE.gguf"),
+])
+def test_a_missing_extra_is_one_line_naming_it(monkeypatch, capsys, tmp_path, module, extra, command, argv, what):
+  """Every command whose optional extra is missing says which to install (cli_common.require_extra), before it
+  loads anything: tformer-serve without aiohttp was a ModuleNotFoundError traceback."""
+  (tmp_path / "hf").mkdir()
+  err = _hidden_extra_error(monkeypatch, capsys, tmp_path, module, command, argv)
+  assert err == f"error: {what} needs the '{extra}' extra: pip install 'tformer-jax[{extra}]' ({module} is not " \
+                "installed)", err
+  assert not (tmp_path / "run").exists() and not (tmp_path / "work").exists()

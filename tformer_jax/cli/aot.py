@@ -69,6 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = cli_common.parse(argv, define_flags, doc=__doc__, prog=PROG, config="required")
   if not args.topology:
     cli_common.fail("pass --topology=GENERATION:SHAPE (e.g. v5e:2x2, v5p:4x4x4)")
+  cli_common.require_extra(PROG, "tpu-aot")               # libtpu compiles for the topology
   if not os.environ.get("JAX_PLATFORMS"):
     jax.config.update("jax_platforms", "cpu")   # this host's devices are not used (and libtpu would probe)
   report = compile_for_topology(args.config, args.topology, args.num_slices, hlo_path=args.hlo)

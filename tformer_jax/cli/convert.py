@@ -220,6 +220,7 @@ def _from_gguf(args: Any, source: str | None) -> int:
   """--from-gguf=FILE --out=DIR: the GGUF checkpoint as an HF directory."""
   if not args.from_gguf or not args.out or args.from_hf or source or args.to or args.to_hf:
     cli_common.fail("--from-gguf=FILE takes --out=DIR (and neither --from-hf, --from, --to nor --to-hf)")
+  cli_common.require_extra("tformer-convert --from-gguf", "gguf")
   try:
     out = gguf_to_hf(args.from_gguf, args.out, overwrite=args.overwrite)
   except USER_ERRORS as e:
@@ -231,6 +232,7 @@ def _from_gguf(args: Any, source: str | None) -> int:
 
 def _gguf_to_workdir(args: Any) -> pathlib.Path:
   """--from-hf=FILE.gguf --to=WORKDIR: the GGUF imported as an HF directory beside the workdir, then converted."""
+  cli_common.require_extra("tformer-convert --from-hf=FILE.gguf", "gguf")
   work = pathlib.Path(args.to).absolute()
   check_target(work, args.overwrite, CONVERT_MARKER, CONVERT_FORMAT, "a converted workdir")
   work.parent.mkdir(parents=True, exist_ok=True)

@@ -135,12 +135,13 @@ def load(args: Any, cfg: Any, vocab_size: int) -> tuple[Any, Any, int | None]:
 
 def run_harness(args: Any) -> dict[str, Any]:
   """--tasks: lm-evaluation-harness on the tformer model; prints the results table, writes the JSON."""
+  cli_common.require_extra("tformer-eval --tasks", "eval")
   try:
     import lm_eval  # noqa: PLC0415 (the optional `eval` extra)
 
     from tformer_jax.eval import harness  # noqa: PLC0415 (imports lm_eval)
-  except ImportError as e:
-    cli_common.fail(f"--tasks needs lm-evaluation-harness ({e}): pip install 'tformer-jax[eval]'")
+  except ImportError as e:                     # installed but broken (a dependency of its own missing)
+    cli_common.fail(cli_common.extra_message("tformer-eval --tasks", "eval", getattr(e, "name", None) or "lm_eval"))
   names = [t.strip() for t in args.tasks.split(",") if t.strip()]
   if args.include_path and not pathlib.Path(args.include_path).is_dir():
     cli_common.fail(f"--include_path={args.include_path}: not a folder")

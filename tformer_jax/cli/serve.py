@@ -62,6 +62,7 @@ def load(args: Any) -> tuple[Any, Any, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
+  cli_common.require_extra("tformer-serve", "serve")     # aiohttp, before any model is loaded
   try:
     model, params, tok = load(args)
   except (CheckpointError, config_lib.ConfigError) as e:

@@ -15,7 +15,7 @@ from absl import flags
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from tformer_jax import cli_common
-from tformer_jax.config import validate
+from tformer_jax.config import parse_loggers, validate
 from tformer_jax.host_alloc import maybe_reexec
 
 PROG = "tformer-train"
@@ -35,6 +35,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = cli_common.parse(argv, define_flags, doc=__doc__, prog=PROG, config="required")
   if not args.workdir:
     cli_common.fail("pass --workdir=RUN (the run directory)")
+  train_cfg = args.config.get("train", {})
+  if "wandb" in parse_loggers(train_cfg.get("loggers", "jsonl,tensorboard")):
+    cli_common.require_extra(f"{PROG} with train.loggers=...wandb", "trackers")
+  if str(train_cfg.get("eval_tasks", "") or "").strip(",\t "):
+    cli_common.require_extra(f"{PROG} with train.eval_tasks", "eval")
   validate(args.config)  # every rule, before jax is imported, anything compiles or the workdir changes
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   for name in ("absl", "jax"):   # their INFO lines (e.g. "Unable to initialize backend 'tpu'") are noise here

@@ -29,7 +29,8 @@ else keeps its traceback:
 
 The package, one job a module: `parsing` (parse, --help, did-you-mean for unknown flags, shared flag
 checks), `loading` (config files, a run's config.json, overrides, init_from), `describe`
-(--print_config's field descriptions), `errors` (UsageError, run_main's exit statuses).
+(--print_config's field descriptions), `errors` (UsageError, run_main's exit statuses), `extras` (a missing
+optional extra in one line: `require_extra`).
 """
 from tformer_jax.cli_common.describe import describe_config, enum_doc, enum_fields, field_docs
 from tformer_jax.cli_common.errors import (
@@ -42,6 +43,7 @@ from tformer_jax.cli_common.errors import (
   one_line,
   run_main,
 )
+from tformer_jax.cli_common.extras import EXTRAS, extra_message, missing_module, require_extra
 from tformer_jax.cli_common.loading import (
   CONFIG_HINT,
   REPO,
@@ -58,9 +60,9 @@ from tformer_jax.cli_common.loading import (
 from tformer_jax.cli_common.parsing import HELP_FLAGS, check_model_source, choices, help_text, parse, unknown_flag_hint
 
 __all__ = [
-    "ANTICIPATED", "CONFIG_HINT", "HELP_FLAGS", "REPO", "STORAGE_PACKAGES", "UsageError", "check_model_source",
-    "check_overrides", "choices", "config_dirs", "describe_config", "enum_doc", "enum_fields", "error_message",
-    "exit_process", "fail", "field_docs", "find_config_file", "help_text", "load_config", "load_config_file",
-    "one_line", "override", "parse", "resolve_source", "run_main", "shipped_configs", "unknown_flag_hint",
-    "workdir_config",
+    "ANTICIPATED", "CONFIG_HINT", "EXTRAS", "HELP_FLAGS", "REPO", "STORAGE_PACKAGES", "UsageError",
+    "check_model_source", "check_overrides", "choices", "config_dirs", "describe_config", "enum_doc", "enum_fields",
+    "error_message", "exit_process", "extra_message", "fail", "field_docs", "find_config_file", "help_text",
+    "load_config", "load_config_file", "missing_module", "one_line", "override", "parse", "require_extra",
+    "resolve_source", "run_main", "shipped_configs", "unknown_flag_hint", "workdir_config",
 ]
