@@ -217,6 +217,30 @@ def test_an_export_carries_the_tokenizer_the_data_was_tokenized_with(tmp_path, c
   assert gen["eos_token_id"] == 1                   # '</s>', the data's EOS
 
 
+def test_a_sentencepiece_run_exports_a_tokenizer_transformers_loads_with_our_ids(tmp_path, capsys):
+  """A run on a sentencepiece BPE (data.tokenizer=spm:FILE; the prepared `bpe` tokenizer is the same kind): the
+  export carries tokenizer.model and transformers' tokenizer.json of it; AutoTokenizer gives our ids (was: no
+  tokenizer files, a note)."""
+  transformers = pytest.importorskip("transformers", reason="the sentencepiece export needs transformers")
+  pytest.importorskip("google.protobuf", reason="the sentencepiece export needs protobuf")
+  from tformer_jax.data.corpora import load_corpus
+  from tformer_jax.data.tokenizers import SentencePieceTokenizer
+  text = load_corpus("shakespeare")[:100_000]
+  ours = SentencePieceTokenizer.train(text, 400, cache_dir=tmp_path / "cache")
+  cfg = _cfg(vocab=ours.vocab_size)
+  cfg.data.tokenizer = f"spm:{ours.path}"
+  work = _workdir(cfg, _params(cfg, 4), tmp_path / "work")
+  rc, err = _run(["--from", str(work), "--to-hf", str(tmp_path / "hf")], capsys)
+  assert rc == 0 and "no tokenizer files" not in err, err
+  assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == ours.path.read_bytes()
+  theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+  for sample in (text.decode()[50_000:52_000], "  two  spaces\n\nand lines\t12345 caf\u00e9 \u6f22\u5b57 \U0001f642"):
+    ids = ours.encode(sample).tolist()
+    assert theirs(sample, add_special_tokens=False)["input_ids"] == ids
+    assert theirs.decode(ids) == sample
+  assert theirs.eos_token_id == ours.eos_id and theirs.bos_token_id == ours.bos_id
+
+
 def test_eval_names_the_checkpoint_step_it_scored_when_the_latest_is_damaged(tmp_path, capsys):
   from tformer_jax.cli import eval as eval_cli  # noqa: PLC0415
   cfg = _cfg(vocab=256)

@@ -47,7 +47,7 @@ from tformer_jax.config import ConfigError, ModelConfig, default_config
 from tformer_jax.data.corpora import DataError
 from tformer_jax.data.pipeline import parse_mixture
 from tformer_jax.data.prepared import read_manifest
-from tformer_jax.data.tokenizers import get_tokenizer
+from tformer_jax.data.tokenizers import SentencePieceTokenizer, get_tokenizer
 from tformer_jax.interop.gguf import gguf_to_hf
 from tformer_jax.interop.hf import (
     HFConfigError,
@@ -60,6 +60,7 @@ from tformer_jax.interop.hf import (
     tokenizer_files,
     write_dir_atomically,
 )
+from tformer_jax.interop.hf.tokenizer import sentencepiece_tokenizer_files
 
 # What a user can cause (bad paths or permissions, malformed or unsafe HF files, checkpoints, configs,
 # architectures): one line, exit status 2. Anything else is a bug and keeps its traceback.
@@ -124,10 +125,7 @@ def data_tokenizer_files(cfg: ml_collections.ConfigDict) -> tuple[pathlib.Path |
       return None, {}
     file = info.get("file")
     if not file or not file.endswith(".json"):
-      if file:
-        print(f"note: the data's tokenizer is a sentencepiece model ({root / file}), which an HF directory does "
-              "not carry as tokenizer.json: no tokenizer files written", file=sys.stderr)
-      return root, {}
+      return root, {}                              # a sentencepiece model: _own_tokenizer_files exports it
     names = [file, *info.get("extra_files", {})]
     return root, {n: root / n for n in names if (root / n).is_file()}
   tok_spec = str(data.get("tokenizer", ""))
@@ -164,13 +162,23 @@ def _own_tokenizer_files(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
   """Tokenizer files for a run whose tokenizer has no HF files: the byte tokenizer as a byte-level
   tokenizer.json transformers loads with the same ids; for any other, a one-line note and none."""
   spec = str(cfg.get("data", {}).get("tokenizer", "byte")).strip()
-  if spec == "byte" and not str(cfg.data.get("corpus", "")).startswith("synthetic:"):
+  synthetic = str(cfg.data.get("corpus", "")).startswith("synthetic:")
+  if spec == "byte" and not synthetic:
     return byte_tokenizer_files(tmp, model_cfg.max_len)
   if spec.startswith("hf:"):
     return {}
-  why = ("a synthetic task's vocabulary is not text" if str(cfg.data.get("corpus", "")).startswith("synthetic:")
-         else f"data.tokenizer={spec} is a sentencepiece model, which transformers reads only through its own "
-         "slow tokenizer classes")
+  try:
+    tok = None if synthetic else decode_io.tokenizer_from_config(cfg)   # the run's own: a prepared corpus's too
+  except (DataError, OSError):                     # not loadable here: noted with the ids (workdir_to_hf)
+    tok = None
+  if isinstance(tok, SentencePieceTokenizer):      # tokenizer.model + transformers' tokenizer.json of it
+    try:
+      return sentencepiece_tokenizer_files(tok.path, tmp, model_cfg.max_len)
+    except ImportError as e:                       # transformers (or its protobuf) missing
+      why = (f"the run's sentencepiece model ({tok.path}) is exported through transformers' converter, which "
+             f"needs {e.name or e}: pip install 'tformer-jax[reference]' protobuf")
+  else:
+    why = "a synthetic task's vocabulary is not text" if synthetic else f"data.tokenizer={spec} has no HF files"
   print(f"note: no tokenizer files written: {why}", file=sys.stderr)
   return {}
 

@@ -47,6 +47,34 @@ def byte_tokenizer_files(out_dir: str | os.PathLike, max_len: int) -> dict[str, 
   return {"tokenizer.json": out / "tokenizer.json", "tokenizer_config.json": out / "tokenizer_config.json"}
 
 
+def sentencepiece_tokenizer_files(model_file: str | os.PathLike, out_dir: str | os.PathLike, max_len: int
+                                  ) -> dict[str, pathlib.Path]:
+  """tokenizer.model (the sentencepiece model itself) + tokenizer.json + tokenizer_config.json in `out_dir`,
+  which transformers' AutoTokenizer loads with sentencepiece's ids: the tokenizer.json is transformers' own
+  conversion of the model proto (`SpmConverter.build_tokenizer_from_spm_proto`, which follows its normalizer
+  spec: no dummy prefix, identity normalisation, byte fallback for ours). Needs transformers (and protobuf):
+  ImportError otherwise."""
+  from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf  # noqa: PLC0415 (the reference extra)
+
+  model_file, out = pathlib.Path(model_file), pathlib.Path(out_dir)
+  proto = import_protobuf().ModelProto()
+  proto.ParseFromString(model_file.read_bytes())
+  vocab = {piece.piece: i for i, piece in enumerate(proto.pieces)}
+  tok = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=False)
+  if tok is None:
+    raise ValueError(f"{model_file}: transformers cannot convert this sentencepiece model type")
+  tok.save(str(out / "tokenizer.json"))
+  (out / "tokenizer.model").write_bytes(model_file.read_bytes())
+  spec = proto.trainer_spec
+  named = {f"{kind}_token": proto.pieces[i].piece for kind, i in (("unk", spec.unk_id), ("bos", spec.bos_id),
+                                                                   ("eos", spec.eos_id), ("pad", spec.pad_id))
+           if 0 <= i < len(proto.pieces)}
+  (out / "tokenizer_config.json").write_text(json.dumps(
+      {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": int(max_len), "add_bos_token": False,
+       "add_eos_token": False, "clean_up_tokenization_spaces": False, **named}, indent=2) + "\n")
+  return {n: out / n for n in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")}
+
+
 def _bytes_to_unicode() -> dict[int, str]:
   """GPT-2's byte -> printable character map (what the ByteLevel pre-tokenizer emits)."""
   keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + list(
