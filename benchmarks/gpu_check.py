@@ -8,7 +8,10 @@ runs the stages (benchmarks/gpu_check_stages.py) each in its own process and wri
 Stages, each in its own process with its own time budget (seconds on an H200, --budgets to change):
   a  training MFU      ( 85 s) `bench train` on configs/bench/llama_1b_gpu.py (bf16, cuDNN attention): tokens/s,
                        MFU vs the nominal peak (--nominal-tflops) and vs a bf16 8192^3 matmul measured in the run;
-                       the --attempts (batch:remat) are tried in order while the previous one ran out of memory
+                       the --attempts (batch:remat) are tried in order while the previous one ran out of memory;
+                       then, in what is left of the budget, the roofline prediction of the same step beside it
+                       (benchmarks/roofline_cpu.py --predict-only: tformer_jax/aot/roofline.py on this GPU's HLO,
+                       the peak from a bf16 matmul and the bandwidth from a copy measured there; not a self-check)
   b  PyTorch peer      (130 s) benchmarks/torch_llama.py, eager then torch.compile, the same shape and the batch
                        stage a used: tokens/s, and ours / theirs as ratios
   c  generation        (155 s) `bench decode --dtype=bfloat16` at each --gen-batches, then
