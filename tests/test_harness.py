@@ -170,11 +170,19 @@ def test_cli_prints_the_table_and_writes_the_json(trained, trained_results, tmp_
                  "--batch_size=2"])
   printed = capsys.readouterr().out
   assert "shakespeare_next_line" in printed and "acc_norm" in printed and f"wrote {out}" in printed
+  assert f"{work}: checkpoint step 20" in printed.splitlines()      # the step it scored, printed and stored
   stored = json.loads(out.read_text())
   assert stored["tformer"]["source"] == str(work) and stored["tformer"]["batch_size"] == 2
+  assert stored["tformer"]["step"] == 20
   api = trained_results[0]["results"]["shakespeare_next_line"]          # the same documents, batched by 4
   for key in ("acc,none", "acc_norm,none"):
     assert stored["results"]["shakespeare_next_line"][key] == api[key]
+  # lm-eval's --output_path: the results folder, DIR/<model>/results_<time>.json
+  eval_cli.main([f"--workdir={work}", "--tasks=shakespeare_next_line", f"--limit={LIMIT}",
+                 f"--output_path={tmp_path / 'results'}", "--batch_size=2"])
+  found = list((tmp_path / "results").glob("*/results_*.json"))
+  assert len(found) == 1 and found[0].parent.name == str(work).replace("/", "__"), found
+  assert json.loads(found[0].read_text())["results"] == stored["results"]
 
 
 def test_cli_one_line_errors(trained, capsys):
@@ -182,7 +190,10 @@ def test_cli_one_line_errors(trained, capsys):
   for argv, want in [([f"--workdir={work}", "--limit=3"], "--limit needs --tasks"),
                      ([f"--workdir={work}", "--tasks=shakespeare_ppl", "--include_path=/no/such/dir"], "not a folder"),
                      ([f"--workdir={work}", "--tasks=shakespeare_ppl", "--limit=0"], "--limit must be > 0"),
-                     ([f"--workdir={work}", "--tasks=,"], "name at least one harness task")]:
+                     ([f"--workdir={work}", "--tasks=,"], "name at least one harness task"),
+                     ([f"--workdir={work}", "--output_path=res"], "--output_path needs --tasks"),
+                     ([f"--workdir={work}", "--tasks=shakespeare_ppl", "--json=a.json", "--output_path=res"],
+                      "pass one of --json=FILE, --output_path=PATH")]:
     with pytest.raises(SystemExit) as e:
       eval_cli.main(argv)
     err = capsys.readouterr().err.strip()

@@ -24,14 +24,18 @@ loss and accuracy over the masked tokens.
 'tformer-jax[eval]') with the `tformer` model class (tformer_jax/eval/harness.py) on the tasks named:
 the harness's own, the shipped offline ones (tformer_jax/eval/tasks: shakespeare_next_line,
 shakespeare_ppl, shakespeare_continue) and those of --include_path. It prints the harness's results
-table and writes its JSON (--json, default WORKDIR/eval_harness.json or ./eval_harness.json for --hf).
+table (after the checkpoint step it scored) and writes its JSON, the step in its "tformer" entry (--json, or
+lm-eval's --output_path=DIR: DIR/<model>/results_<time>.json; default WORKDIR/eval_harness.json or
+./eval_harness.json for --hf).
 --batch_size is then the requests per step (default 8).
 """
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import pathlib
+import re
 import sys
 import time
 from typing import Any, Sequence
@@ -60,6 +64,8 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer("seq_len", None, "tokens per window; = --config.data.seq_len", flag_values=fv)
   flags.DEFINE_integer("batch_size", None, "windows per batch; = --config.data.batch_size", flag_values=fv)
   flags.DEFINE_string("json", None, "also write the result to this file", flag_values=fv)
+  flags.DEFINE_string("output_path", None, "with --tasks, lm-eval's results folder: the JSON goes to "
+                      "PATH/<model>/results_<time>.json (a PATH ending in .json is the file itself)", flag_values=fv)
   flags.DEFINE_string("tasks", None, "lm-evaluation-harness tasks, comma-separated (the harness mode)",
                       flag_values=fv)
   flags.DEFINE_string("include_path", None, "a folder of more harness task YAMLs (with --tasks)", flag_values=fv)
@@ -83,6 +89,10 @@ def parse_args(argv: Sequence[str] | None) -> Any:
     cli_common.fail("--tasks: name at least one harness task")
   if args.limit is not None and args.limit <= 0:
     cli_common.fail(f"--limit must be > 0, got {args.limit:g}")
+  if args.output_path is not None and not args.tasks:
+    cli_common.fail("--output_path needs --tasks=NAME[,NAME] (lm-eval's results folder; --json otherwise)")
+  if args.output_path is not None and args.json is not None:
+    cli_common.fail("pass one of --json=FILE, --output_path=PATH (the results folder)")
   return args
 
 
@@ -149,10 +159,11 @@ def run_harness(args: Any) -> dict[str, Any]:
   if unknown:
     cli_common.fail(f"--tasks: unknown harness task {unknown[0]!r} (the shipped ones: "
                     f"{', '.join(harness.shipped_tasks())}; more with --include_path=DIR)")
+  ckpt_step = None
   if args.hf:
     lm = harness.TformerLM(hf=args.hf, batch_size=args.batch_size or 8, max_length=args.max_length)
   else:
-    _, params = restore_params(args.workdir, args.step)
+    _, params, ckpt_step = restore_params(args.workdir, args.step, with_step=True)
     model = decode_io.model_from_config(args.config)
     lm = harness.TformerLM(model=model, params=decode_io.check_params(model, params, str(args.workdir)),
                            tokenizer=decode_io.tokenizer_from_config(args.config), config=args.config,
@@ -162,16 +173,30 @@ def run_harness(args: Any) -> dict[str, Any]:
   t0 = time.perf_counter()
   res = lm_eval.simple_evaluate(model=lm, tasks=names, num_fewshot=args.num_fewshot, limit=limit,
                                 task_manager=manager, log_samples=False)
-  res["tformer"] = {"source": lm.source, "seconds": round(time.perf_counter() - t0, 3),
+  res["tformer"] = {"source": lm.source, "step": ckpt_step, "seconds": round(time.perf_counter() - t0, 3),
                     "batch_size": lm.batch_size, "max_length": lm.max_length}
+  print(f"{lm.source}" + ("" if ckpt_step is None else f": checkpoint step {ckpt_step}"))
   print(lm_eval.utils.make_table(res))
   if "groups" in res:
     print(lm_eval.utils.make_table(res, "groups"))
-  out = pathlib.Path(args.json or (pathlib.Path(args.workdir) / "eval_harness.json" if args.workdir
-                                   else "eval_harness.json"))
+  out = _harness_output(args, lm.source)
+  out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(res, indent=2, default=lm_eval.utils.handle_non_serializable) + "\n")
   print(f"wrote {out}")
   return res
+
+
+def _harness_output(args: Any, source: str) -> pathlib.Path:
+  """--json; or lm-eval's --output_path layout (PATH/<model, sanitized as lm-eval does>/results_<time>.json,
+  a PATH ending in .json being the file); else WORKDIR/eval_harness.json (./eval_harness.json for --hf)."""
+  if args.output_path:
+    path = pathlib.Path(args.output_path)
+    if path.suffix == ".json":
+      return path
+    model = re.sub(r"[\"<>:/|\\?*\[\]]+", "__", source)
+    return path / model / f"results_{datetime.datetime.now().strftime('%Y-%m-%dT%H-%M-%S.%f')}.json"
+  return pathlib.Path(args.json or (pathlib.Path(args.workdir) / "eval_harness.json" if args.workdir
+                                    else "eval_harness.json"))
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
