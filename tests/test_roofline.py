@@ -185,3 +185,39 @@ def test_library_matmul_calls_are_counted():
                '"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}')
   r = roofline.predict(gpu, machine(), 0, 1)
   assert r["flops"] == 2 * 128 * 512 * 256 and r["hbm_bytes"] == 2 * (128 * 256 + 256 * 512 + 128 * 512)
+
+
+NESTED = """HloModule nested
+
+%inner (p0: f32[8,256,256], p1: s32[]) -> f32[1,256,256] {
+  %p0 = f32[8,256,256]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %ds = f32[1,256,256]{2,1,0} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={1,256,256}
+}
+
+%outer (q0: f32[8,256,256], q1: s32[], q2: f32[256,256]) -> f32[256,256] {
+  %q0 = f32[8,256,256]{2,1,0} parameter(0)
+  %q1 = s32[] parameter(1)
+  %q2 = f32[256,256]{1,0} parameter(2)
+  %w = f32[1,256,256]{2,1,0} fusion(%q0, %q1), kind=kLoop, calls=%inner
+  %wb = f32[256,256]{1,0} bitcast(%w)
+  ROOT %d = f32[256,256]{1,0} dot(%q2, %wb), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (w: f32[8,256,256], i: s32[], x: f32[256,256]) -> f32[256,256] {
+  %w = f32[8,256,256]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %x = f32[256,256]{1,0} parameter(2)
+  ROOT %y = f32[256,256]{1,0} fusion(%w, %i, %x), kind=kOutput, calls=%outer
+}
+"""
+
+
+def test_a_fusion_that_slices_through_a_nested_fusion_reads_the_slice():
+  """XLA:TPU's scanned-layer matmuls take the whole stacked array and slice it in a nested fusion: the op reads
+  one layer (256 KiB), not the stack (2 MiB); its FLOPs are the dot's."""
+  (y,) = hlo.hlo_op_costs(NESTED)
+  layer = 256 * 256 * 4
+  assert y["bytes"] == layer + 4 + layer + layer            # the slice, the index, x; the output written
+  assert y["flops"] == 2 * 256 * 256 * 256
