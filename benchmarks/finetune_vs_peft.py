@@ -1,0 +1,203 @@
+"""Fine-tuning throughput on published weights: ours against transformers (full) and transformers + peft (LoRA).
+
+  python benchmarks/finetune_vs_peft.py --hf=DIR [--modes=full,lora --batch=8 --seq=512 --steps=3 --warmup=1
+                                        --threads=2 --json=OUT]
+
+One process, one model (the HF directory --hf, e.g. SmolLM2-135M-Instruct from `tformer-convert --from-gguf`),
+float32 everywhere, the same batch x sequence and the same random token batches for every contender:
+- ours `full`: configs/finetune_hf.py's train step (the one tformer-train compiles: scanned layers, remat
+  'full', chunked loss, AdamW, clipping at 1) on the loaded weights; `lora`: configs/finetune_lora.py's
+  (rank 8, alpha 16, q,k,v,o over the frozen base);
+- theirs `full`: transformers' AutoModelForCausalLM (SDPA attention, no gradient checkpointing: what a
+  PyTorch user gets), cross-entropy over every position, clip_grad_norm_(1), torch.optim.AdamW with the
+  preset's lr, betas, eps and weight decay; `lora`: the same model under peft's LoraConfig(r=8,
+  lora_alpha=16, target_modules=q,k,v,o_proj, lora_dropout=0), AdamW over the adapters.
+torch.set_num_threads(--threads); XLA:CPU uses the machine's cores (2 here), so run it with --threads equal
+to them. Each contender: built, its first step (compilation, for ours) timed apart, --warmup untimed steps,
+then --steps timed steps, blocking on each step's loss; contenders run one after another (each freed before
+the next: a full fine-tune in PyTorch at 8 x 512 holds its activations, several GiB), ours first in each
+mode. ratio = our tokens/s / theirs. Run as a command it re-runs itself under tcmalloc when installed (both
+contenders then share that allocator; `allocator` in the JSON). Measure on an otherwise idle machine.
+Prints one line per contender, then one JSON line.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import pathlib
+import platform
+import sys
+import time
+from typing import Any, Sequence
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+  sys.path.insert(0, str(REPO))
+
+from tformer_jax import host_alloc  # noqa: E402
+
+if __name__ == "__main__":
+  host_alloc.maybe_reexec()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import flags  # noqa: E402
+
+from tformer_jax import backends, cli_common  # noqa: E402
+from tformer_jax.bench import emit  # noqa: E402
+from tformer_jax.cli_common import load_config_file  # noqa: E402
+from tformer_jax.parallel import mesh as mesh_lib  # noqa: E402
+from tformer_jax.train import init_from, setup as setup_lib, state as state_lib  # noqa: E402
+
+PRESETS = {"full": "finetune_hf", "lora": "finetune_lora"}
+LORA_TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "up": "up_proj", "gate": "gate_proj",
+                "down": "down_proj"}
+
+
+def define_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_string("hf", None, "the HF model directory (config.json + safetensors)", flag_values=fv)
+  flags.DEFINE_list("modes", ["full", "lora"], "full, lora", flag_values=fv)
+  flags.DEFINE_integer("batch", 8, "sequences per step", flag_values=fv)
+  flags.DEFINE_integer("seq", 512, "tokens per sequence", flag_values=fv)
+  flags.DEFINE_integer("steps", 3, "timed steps per contender", flag_values=fv)
+  flags.DEFINE_integer("warmup", 1, "untimed steps after the first", flag_values=fv)
+  flags.DEFINE_integer("threads", os.cpu_count() or 1, "torch intra-op threads", flag_values=fv)
+  flags.DEFINE_string("json", None, "also write the result to this file", flag_values=fv)
+
+
+def our_config(mode: str, hf_dir: str, batch: int, seq: int) -> Any:
+  """The preset of `mode` on `hf_dir` at batch x seq, resolved as tformer-train resolves it."""
+  cfg = load_config_file(PRESETS[mode])
+  cfg.train.init_from = f"hf:{hf_dir}"
+  cfg.data.batch_size, cfg.data.seq_len = batch, seq
+  return init_from.resolve(cfg)
+
+
+def token_batches(vocab: int, batch: int, seq: int, n: int = 2, seed: int = 0) -> list[np.ndarray]:
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, vocab, (batch, seq + 1), dtype=np.int32) for _ in range(n)]
+
+
+def timed(step: Any, batches: Sequence[Any], warmup: int, steps: int) -> dict[str, Any]:
+  """First step (compile) apart, `warmup` untimed, `steps` timed; step(batch) returns a float loss."""
+  t0 = time.perf_counter()
+  loss = step(batches[0])
+  first = time.perf_counter() - t0
+  for i in range(warmup):
+    loss = step(batches[(i + 1) % len(batches)])
+  times = []
+  for i in range(steps):
+    t0 = time.perf_counter()
+    loss = step(batches[(warmup + 1 + i) % len(batches)])
+    times.append(time.perf_counter() - t0)
+  return {"first_step_s": round(first, 2), "step_s": [round(t, 3) for t in times], "final_loss": round(loss, 5)}
+
+
+def run_ours(mode: str, args: Any, batches: Sequence[np.ndarray]) -> dict[str, Any]:
+  cfg = our_config(mode, args.hf, args.batch, args.seq)
+  mesh = mesh_lib.make_mesh(cfg.mesh)
+  runtime = backends.resolve_runtime(cfg, mesh_devices=1, quiet=True)
+  with backends.use(runtime.backend):
+    program = setup_lib.build(cfg, mesh, runtime.backend)
+    field = "frozen" if program.lora_scale is not None else "params"
+    given = {field: init_from.load_params(cfg.train.init_from, getattr(program.abstract, field),
+                                          program.model_config.num_layers)}
+    state = [state_lib.create_state(program.init, jax.random.PRNGKey(0), program.shardings, **given)]
+    del given
+    sharding = program.batch_sharding
+
+    def step(toks: np.ndarray) -> float:
+      batch = {"inputs": jax.device_put(toks[:, :-1], sharding), "targets": jax.device_put(toks[:, 1:], sharding)}
+      state[0], metrics = program.train_step(state[0], batch)
+      return float(metrics["loss"])
+
+    out = timed(step, batches, args.warmup, args.steps)
+  rt = runtime.as_dict()
+  out["trained_params"] = state_lib.param_count(state[0].params)
+  out["config"] = {"preset": PRESETS[mode], "remat": cfg.model.remat, "scan_layers": bool(cfg.model.scan_layers),
+                   "loss_chunk": int(cfg.train.loss_chunk),
+                   **{k: rt[k] for k in ("backend", "attention", "cpu_kernels", "allocator")}}
+  return out
+
+
+def run_torch(mode: str, args: Any, batches: Sequence[np.ndarray]) -> dict[str, Any]:
+  import torch  # noqa: PLC0415 (the reference contender only)
+  import torch.nn.functional as F  # noqa: PLC0415
+  import transformers  # noqa: PLC0415
+
+  cfg = load_config_file(PRESETS[mode])
+  o = cfg.optim
+  model = transformers.AutoModelForCausalLM.from_pretrained(args.hf, dtype=torch.float32, attn_implementation="sdpa")
+  model.config.use_cache = False
+  if mode == "lora":
+    import peft  # noqa: PLC0415
+    lo = cfg.train.lora
+    targets = [LORA_TARGETS[t.strip()] for t in str(lo.targets).split(",")]
+    model = peft.get_peft_model(model, peft.LoraConfig(r=int(lo.rank), lora_alpha=float(lo.alpha),
+                                                       target_modules=targets, lora_dropout=0.0, bias="none"))
+  model.train()
+  params = [p for p in model.parameters() if p.requires_grad]
+  opt = torch.optim.AdamW(params, lr=float(o.peak_lr), betas=(float(o.b1), float(o.b2)), eps=float(o.eps),
+                          weight_decay=float(o.weight_decay))
+  vocab = model.config.vocab_size if mode == "full" else model.base_model.model.config.vocab_size
+
+  def step(toks: np.ndarray) -> float:
+    t = torch.from_numpy(toks.astype(np.int64))
+    logits = model(input_ids=t[:, :-1]).logits
+    loss = F.cross_entropy(logits.float().reshape(-1, vocab), t[:, 1:].reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, float(o.clip_norm))
+    opt.step()
+    return float(loss.detach())
+
+  out = timed(step, batches, args.warmup, args.steps)
+  out["trained_params"] = sum(p.numel() for p in params)
+  out["config"] = {"library": "peft " + peft.__version__ if mode == "lora" else "transformers",
+                   "attention": "sdpa", "gradient_checkpointing": False, "torch_threads": torch.get_num_threads()}
+  return out
+
+
+def rate(r: dict[str, Any], tokens: int) -> float:
+  return round(len(r["step_s"]) * tokens / sum(r["step_s"]), 2)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  args = cli_common.parse(argv, define_flags, doc=__doc__, prog="benchmarks/finetune_vs_peft.py")
+  if not args.hf or not (pathlib.Path(args.hf).expanduser() / "config.json").is_file():
+    cli_common.fail(f"--hf: {args.hf!r} is not an HF model directory (no config.json)")
+  bad = [m for m in args.modes if m not in PRESETS]
+  if bad or args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.seq < 2:
+    cli_common.fail(f"--modes must name full and/or lora (got {bad}); --steps >= 1, --warmup >= 0, "
+                    "--batch >= 1, --seq >= 2")
+  import torch  # noqa: PLC0415 (after the allocator re-exec)
+  import transformers  # noqa: PLC0415
+  torch.set_num_threads(args.threads)
+  args.hf = str(pathlib.Path(args.hf).expanduser().resolve())
+  vocab = int(json.loads((pathlib.Path(args.hf) / "config.json").read_text())["vocab_size"])
+  batches = token_batches(vocab, args.batch, args.seq)
+  tokens = args.batch * args.seq
+  res: dict[str, Any] = {
+      "bench": "finetune_vs_peft", "hf": args.hf, "batch": args.batch, "seq": args.seq, "tokens_per_step": tokens,
+      "steps": args.steps, "warmup": args.warmup, "precision": "float32", "torch": torch.__version__,
+      "transformers": transformers.__version__, "jax": jax.__version__, "torch_threads": args.threads,
+      "cpu_count": os.cpu_count(), "allocator": host_alloc.loaded_allocator(), "machine": platform.processor()}
+  for mode in args.modes:
+    ours = run_ours(mode, args, batches)
+    gc.collect()
+    host_alloc.release_free_memory()
+    theirs = run_torch(mode, args, batches)
+    gc.collect()
+    host_alloc.release_free_memory()
+    ours["tokens_per_s"], theirs["tokens_per_s"] = rate(ours, tokens), rate(theirs, tokens)
+    res[mode] = {"ours": ours, "theirs": theirs, "ratio": round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3)}
+    print(f"{mode}: ours {ours['tokens_per_s']:.1f} tokens/s (first step {ours['first_step_s']:.1f} s), theirs "
+          f"{theirs['tokens_per_s']:.1f} tokens/s: {res[mode]['ratio']:.2f}x", flush=True)
+    if args.json:
+      pathlib.Path(args.json).write_text(json.dumps(res, indent=2))
+  return emit(res, None)
+
+
+if __name__ == "__main__":
+  main()
