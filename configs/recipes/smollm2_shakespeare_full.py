@@ -9,7 +9,7 @@ cosine schedule from 1e-4, STEPS steps over the first 40 works of the `shakespea
 (The Two Gentlemen of Verona, The Winter's Tale) are the validation split and the source of the
 harness tasks of stage (c).
 Measured (2026-12-02, 2 vCPUs, tcmalloc, alone under the heavy-job lock; docs/recipe_smollm2.md): 390 s wall
-(14.4-16.7 s/step, 119-128 tokens/s), peak RSS 4.06 GiB, a 1.4 GB checkpoint; validation loss 3.476 at step 20;
+(16.0-17.2 s/step, 119-128 tokens/s), peak RSS 4.06 GiB, a 1.4 GB checkpoint; validation loss 3.476 at step 20;
 the held-out harness task shakespeare_ppl (tformer-eval --tasks): bits_per_byte 1.6717 -> 1.5508, word
 perplexity 773.0 -> 477.8.
 """
