@@ -67,7 +67,7 @@ def _gguf():
   try:
     import gguf  # noqa: PLC0415 (optional, the `gguf` extra: only GGUF imports need it)
   except ImportError:
-    raise GGUFError("reading a GGUF file needs the gguf package (pip install 'tformer_jax[gguf]')") from None
+    raise GGUFError("reading a GGUF file needs the gguf package (pip install 'tformer-jax[gguf]')") from None
   return gguf
 
 
