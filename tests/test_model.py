@@ -23,8 +23,13 @@ def tiny(**kw) -> ModelConfig:
 def init(cfg, b=2, l=8, seed=0):
   model = Transformer(cfg)
   tok = jax.random.randint(jax.random.PRNGKey(seed + 1), (b, l), 0, cfg.vocab_size)
-  params = nn.unbox(model.init(jax.random.PRNGKey(seed), tok)["params"])
+  params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(seed), tok)["params"])   # one compile, not eager
   return model, params, tok
+
+
+def apply(model, params, tok, **kw):
+  """model.apply as one jitted program (eager linen would dispatch, and compile, op by op)."""
+  return jax.jit(functools.partial(model.apply, **kw))({"params": params}, tok)
 
 
 @pytest.mark.parametrize("position", POSITIONS)
@@ -33,11 +38,12 @@ def test_causality_by_gradient(position):
   model, params, tok = init(cfg, b=1, l=8)
   emb = jnp.take(params["embed"], tok, axis=0)
 
-  def logits_at(e, t):
-    return model.apply({"params": params}, tok, inputs_embeds_BxLxD=e)[0, t].sum()
+  def logits_per_position(e):                       # (L,): logits[t].sum() for every t
+    return model.apply({"params": params}, tok, inputs_embeds_BxLxD=e)[0].sum(-1)
 
+  jac = np.asarray(jax.jit(jax.jacrev(logits_per_position))(emb))   # (L, 1, L, D): row t = d logits[t]/d emb
   for t in range(8):
-    g = np.asarray(jax.grad(logits_at)(emb, t))[0]  # (L, D)
+    g = jac[t, 0]  # (L, D)
     assert np.all(g[t + 1:] == 0.0), f"{position}: logits[{t}] depend on future embeddings"
     assert np.abs(g[: t + 1]).sum() > 0
 
@@ -47,8 +53,9 @@ def test_permutation_equivariance_only_without_positions(position):
   cfg = tiny(position=position, causal=False)
   model, params, tok = init(cfg, b=1, l=8)
   perm = np.array([3, 0, 7, 1, 6, 2, 5, 4])
-  out = model.apply({"params": params}, tok)
-  out_perm = model.apply({"params": params}, tok[:, perm])
+  fwd = jax.jit(model.apply)
+  out = fwd({"params": params}, tok)
+  out_perm = fwd({"params": params}, tok[:, perm])
   same = np.allclose(np.asarray(out[:, perm]), np.asarray(out_perm), atol=1e-5)
   # "cat chases mouse" == "mouse chases cat" without positions; any position scheme breaks the symmetry.
   assert same == (position == "none")
@@ -58,17 +65,16 @@ def test_gqa_with_all_heads_is_mha_and_mqa_equals_repeated_kv():
   mha = tiny(position="rope", num_heads=4, num_kv_heads=0)
   gqa_full = dataclasses.replace(mha, num_kv_heads=4)
   model, params, tok = init(mha)
-  out_mha = model.apply({"params": params}, tok)
-  np.testing.assert_array_equal(np.asarray(Transformer(gqa_full).apply({"params": params}, tok)),
-                                np.asarray(out_mha))
+  out_mha = apply(model, params, tok)
+  np.testing.assert_array_equal(np.asarray(apply(Transformer(gqa_full), params, tok)), np.asarray(out_mha))
   mqa = dataclasses.replace(mha, num_kv_heads=1)
   m_mqa, p_mqa, _ = init(mqa)
-  out_mqa = m_mqa.apply({"params": p_mqa}, tok)
+  out_mqa = apply(m_mqa, p_mqa, tok)
   p_rep = jax.tree_util.tree_map(lambda x: x, p_mqa)
   for i in range(mha.num_layers):
     for w in ("wk", "wv"):
       p_rep[f"layers_{i}"]["attn"][w] = jnp.repeat(p_mqa[f"layers_{i}"]["attn"][w], 4, axis=1)
-  np.testing.assert_allclose(np.asarray(model.apply({"params": p_rep}, tok)), np.asarray(out_mqa), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(apply(model, p_rep, tok)), np.asarray(out_mqa), atol=1e-5)
 
 
 def stack_layers(params, n):
@@ -87,16 +93,18 @@ def test_scan_equals_unrolled_and_remat_equals_plain(position):
   def loss(m, p):
     return jnp.mean(jax.nn.log_softmax(m.apply({"params": p}, tok))[..., 0])
 
-  ref, g_ref = jax.value_and_grad(lambda p: loss(model, p))(params)
+  ref, g_ref = jax.jit(jax.value_and_grad(functools.partial(loss, model)))(params)
   for remat in ("none", "full", "dots"):
     scan_model = Transformer(dataclasses.replace(scan_cfg, remat=remat))
-    val, g = jax.value_and_grad(functools.partial(loss, scan_model))(sparams)
+    val, g = jax.jit(jax.value_and_grad(functools.partial(loss, scan_model)))(sparams)
     np.testing.assert_allclose(float(val), float(ref), rtol=1e-6)
     g_unstacked = stack_layers(g_ref, cfg.num_layers)
     for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g_unstacked)):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    if remat == cfg.remat:                           # the unrolled plain model is the reference itself
+      continue
     unrolled_model = Transformer(dataclasses.replace(cfg, remat=remat))
-    val_u, g_u = jax.value_and_grad(functools.partial(loss, unrolled_model))(params)
+    val_u, g_u = jax.jit(jax.value_and_grad(functools.partial(loss, unrolled_model)))(params)
     np.testing.assert_allclose(float(val_u), float(ref), rtol=1e-6)
     for a, b in zip(jax.tree_util.tree_leaves(g_u), jax.tree_util.tree_leaves(g_ref)):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
@@ -105,7 +113,7 @@ def test_scan_equals_unrolled_and_remat_equals_plain(position):
 def test_logical_axis_names_on_params():
   cfg = tiny(position="learned", tie_embeddings=False, scan_layers=True)
   model = Transformer(cfg)
-  boxed = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
+  boxed = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
   names = nn.get_partition_spec(boxed)
   assert tuple(names["embed"]) == ("vocab", "embed")
   assert tuple(names["head"]) == ("embed", "vocab")
@@ -127,15 +135,15 @@ def test_learned_positions_refuse_longer_sequences():
   cfg = tiny(position="learned", max_len=8)
   model = Transformer(cfg)
   with pytest.raises(ValueError, match="max_len"):
-    model.init(jax.random.PRNGKey(0), jnp.zeros((1, 9), jnp.int32))
+    jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 9), jnp.int32))
 
 
 def test_padding_mask_isolates_pad_tokens():
   cfg = tiny(position="rope", causal=False)
   model, params, tok = init(cfg, b=1, l=8)
   mask = jnp.array([[1, 1, 1, 1, 1, 0, 0, 0]])
-  a = model.apply({"params": params}, tok, attention_mask_BxL=mask)
-  b = model.apply({"params": params}, tok.at[:, 5:].set(7), attention_mask_BxL=mask)
+  a = apply(model, params, tok, attention_mask_BxL=mask)
+  b = apply(model, params, tok.at[:, 5:].set(7), attention_mask_BxL=mask)
   np.testing.assert_allclose(np.asarray(a[:, :5]), np.asarray(b[:, :5]), atol=1e-6)
 
 
@@ -143,7 +151,7 @@ def test_bf16_compute_with_f32_params():
   cfg = tiny(dtype="bfloat16", position="rope")
   model, params, tok = init(cfg)
   assert params["embed"].dtype == jnp.float32
-  out = model.apply({"params": params}, tok)
-  ref = Transformer(dataclasses.replace(cfg, dtype="float32")).apply({"params": params}, tok)
+  out = apply(model, params, tok)
+  ref = apply(Transformer(dataclasses.replace(cfg, dtype="float32")), params, tok)
   assert out.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=0.05)
