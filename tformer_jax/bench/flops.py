@@ -21,7 +21,8 @@ the machine's matmul rate, as in PaLM (Chowdhery et al. 2022, appendix B).
 What a compiled step executes adds the rematerialised forward (`with_recompute`): remat 'full' runs
 each layer's forward twice (x 4/3 on the layers: forward 2 + recompute 2 + backward 4; the embedding
 and LM head are outside the checkpointed blocks), 'dots_no_batch' recomputes the attention's batched
-matmuls (x 4/3 on the attention term), 'dots' saves every matmul output (x 1).
+matmuls (x 4/3 on the attention term), 'dots' saves every matmul output (x 1), and the named policies
+('save_qkvo', 'save_mlp_in') rerun what 'full' does less the forward of the projections they keep.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from tformer_jax.config import ModelConfig
+from tformer_jax.config import GLU_ACTIVATIONS, REMAT_POLICIES, ModelConfig
 from tformer_jax.nn import Transformer
 from tformer_jax.train.state import unbox_plain
 
@@ -90,15 +91,26 @@ def flops_per_step(m: ModelConfig, batch: int, seq: int, attn: str = "full") -> 
           "params_nonembed": counts["nonembed"], "formula": FORMULA[attn]}
 
 
+def _projection_params(m: ModelConfig, name: str) -> int:
+  """Weights of the projection whose output nn/ tags `name` (config.REMAT_NAMES), one layer."""
+  q, kv = m.num_heads * m.hd, m.kv_heads * m.hd
+  glu = m.activation in GLU_ACTIVATIONS
+  return {"query_proj": m.d_model * q, "key_proj": m.d_model * kv, "value_proj": m.d_model * kv,
+          "out_proj": q * m.d_model, "mlp_in": m.d_model * m.ff, "mlp_gate": m.d_model * m.ff if glu else 0}[name]
+
+
 def with_recompute(m: ModelConfig, batch: int, seq: int, attn: str = "full") -> dict[str, Any]:
   """`flops_per_step` plus 'with_recompute': the FLOPs the step executes with `m.remat`'s recomputed
   forward (module docstring), and 'remat'."""
   out = dict(flops_per_step(m, batch, seq, attn))
   extra = 0.0
-  if m.remat == "full":
+  if m.remat == "full" or isinstance(REMAT_POLICIES.get(m.remat), tuple):
     one, two = (flops_per_step(dataclasses.replace(m, num_layers=k), batch, seq, attn)["flops_per_step"]
                 for k in (1, 2))
     extra = (two - one) * m.num_layers / 3
+    saved = REMAT_POLICIES.get(m.remat)
+    if isinstance(saved, tuple):   # named outputs kept: their projections' forward is not rerun
+      extra -= 2 * batch * seq * m.num_layers * sum(_projection_params(m, n) for n in saved)
   elif m.remat == "dots_no_batch":
     extra = out["attention_flops"] / 3
   out["with_recompute"] = out["flops_per_step"] + extra

@@ -10,10 +10,16 @@ NORM_POSITIONS = ("pre", "post")
 POSITIONS = ("none", "sinusoidal", "learned", "rope", "alibi", "t5")
 ROPE_LAYOUTS = ("half", "interleaved")
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
-# model.remat -> the jax.checkpoint_policies member naming what a remat'd block saves (None: nothing, the
-# whole block is recomputed; 'none' is no remat at all). nn/transformer.py applies it.
+# model.remat -> what a remat'd block saves: a jax.checkpoint_policies member's name, a tuple of the
+# activation names nn/ tags with checkpoint_name (REMAT_NAMES; jax.checkpoint_policies.save_only_these_names),
+# or None (nothing: the whole block is recomputed; 'none' is no remat at all). nn/transformer.py applies it.
+# 'save_qkvo' is MaxText's 'save_dot_except_mlp': the attention projections' outputs are kept (4 d_model-ish
+# floats a token a layer), the FFN is recomputed.
+REMAT_NAMES = ("query_proj", "key_proj", "value_proj", "out_proj", "mlp_in", "mlp_gate")
 REMAT_POLICIES = {"none": None, "full": None, "dots": "checkpoint_dots",
-                  "dots_no_batch": "checkpoint_dots_with_no_batch_dims"}
+                  "dots_no_batch": "checkpoint_dots_with_no_batch_dims",
+                  "save_qkvo": ("query_proj", "key_proj", "value_proj", "out_proj"),
+                  "save_mlp_in": ("mlp_in", "mlp_gate")}
 DTYPES = ("float32", "bfloat16", "float16")
 MOE_DISPATCH = ("dropless", "capacity")
 RUNTIME_BACKENDS = ("auto", "reference", "xla_cpu")

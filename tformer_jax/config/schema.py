@@ -103,7 +103,7 @@ class ModelConfig:
   dtype: str = "float32"             # compute dtype
   param_dtype: str = "float32"       # storage dtype of the parameters
   scan_layers: bool = False          # one scanned block (params stacked on a 'layers' axis)
-  remat: str = "none"                # none | full | dots | dots_no_batch: recompute in the backward
+  remat: str = "none"                # none | full | dots | dots_no_batch | save_qkvo | save_mlp_in (REMAT_POLICIES)
   moe: MoEConfig = MoEConfig()       # mixture of experts (model.moe.*)
 
   @classmethod

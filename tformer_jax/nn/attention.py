@@ -13,6 +13,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from tformer_jax import backends
 from tformer_jax.config import ModelConfig
@@ -75,6 +76,10 @@ class Attention(nn.Module):
     q_BxLxHxDh = backend.dense("bld,dhe->blhe", x, wq.astype(dt))
     k_BxLxKxDh = backend.dense("bld,dke->blke", x, wk.astype(dt))
     v_BxLxKxDh = backend.dense("bld,dke->blke", x, wv.astype(dt))
+    # names a remat policy can keep (config.REMAT_POLICIES); no effect otherwise
+    q_BxLxHxDh = checkpoint_name(q_BxLxHxDh, "query_proj")
+    k_BxLxKxDh = checkpoint_name(k_BxLxKxDh, "key_proj")
+    v_BxLxKxDh = checkpoint_name(v_BxLxKxDh, "value_proj")
     if cfg.qkv_bias:
       zeros = nn.initializers.zeros
       q_BxLxHxDh += param(self, "bq", zeros, (h, dh), ("heads", "kv"), pdt).astype(dt)
@@ -112,7 +117,7 @@ class Attention(nn.Module):
 
     out_BxLxHxDh = nn.with_logical_constraint(out_BxLxHxDh, ("batch", "length", "heads", "kv"))
     wo = param(self, "wo", normal(residual_std(cfg)), (h, dh, d), ("heads", "kv", "embed"), pdt)
-    y_BxLxD = backend.dense("blhe,hed->bld", out_BxLxHxDh.astype(dt), wo.astype(dt))
+    y_BxLxD = checkpoint_name(backend.dense("blhe,hed->bld", out_BxLxHxDh.astype(dt), wo.astype(dt)), "out_proj")
     if cfg.out_bias:
       y_BxLxD += param(self, "bo", nn.initializers.zeros, (d,), ("embed",), pdt).astype(dt)
     return y_BxLxD

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 from tformer_jax import backends
 from tformer_jax.config import GLU_ACTIVATIONS, ModelConfig
@@ -23,13 +24,13 @@ class MLP(nn.Module):
     x = x_BxLxD.astype(dt)
     dense = backends.current().dense   # backend hook: the projection einsum
     w_in = param(self, "wi", normal(cfg.init_std), (d, f), ("embed", "mlp"), pdt)
-    h_BxLxF = dense("bld,df->blf", x, w_in.astype(dt))
+    h_BxLxF = checkpoint_name(dense("bld,df->blf", x, w_in.astype(dt)), "mlp_in")   # a remat policy's name
     if cfg.mlp_bias:
       h_BxLxF += param(self, "bi", nn.initializers.zeros, (f,), ("mlp",), pdt).astype(dt)
     act = activation_fn(cfg.activation)
     if cfg.activation in GLU_ACTIVATIONS:
       w_gate = param(self, "wg", normal(cfg.init_std), (d, f), ("embed", "mlp"), pdt)
-      g_BxLxF = dense("bld,df->blf", x, w_gate.astype(dt))
+      g_BxLxF = checkpoint_name(dense("bld,df->blf", x, w_gate.astype(dt)), "mlp_gate")
       if cfg.mlp_bias:
         g_BxLxF += param(self, "bg", nn.initializers.zeros, (f,), ("mlp",), pdt).astype(dt)
       h_BxLxF = act(g_BxLxF) * h_BxLxF

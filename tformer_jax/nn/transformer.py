@@ -23,7 +23,10 @@ def block_class(cfg: ModelConfig):
   if cfg.remat == "none":
     return Block
   saved = REMAT_POLICIES[cfg.remat]
-  policy = getattr(jax.checkpoint_policies, saved) if saved else None
+  if isinstance(saved, tuple):   # activations tagged by name (attention.py, mlp.py: checkpoint_name)
+    policy = jax.checkpoint_policies.save_only_these_names(*saved)
+  else:
+    policy = getattr(jax.checkpoint_policies, saved) if saved else None
   return nn.remat(Block, policy=policy, prevent_cse=not cfg.scan_layers)
 
 
