@@ -59,14 +59,19 @@ def test_attention_weights_per_layer_rows_and_causality(extra, run_attention):
 def test_attention_weights_equal_the_reference_computation():
   m = ModelConfig(**{**TINY, "num_layers": 1}, position="none", norm="rmsnorm")
   model, params, tok = _init(m)
-  (w,) = attention_maps.attention_weights(model, params, tok)
-  x = jnp.take(params["embed"], tok, axis=0)
-  x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + m.norm_eps) * params["layers_0"]["ln1"]["scale"]
-  p = params["layers_0"]["attn"]
-  q, k = jnp.einsum("bld,dhk->blhk", x, p["wq"]), jnp.einsum("bld,dhk->blhk", x, p["wk"])
-  logits = jnp.einsum("blhk,bshk->bhls", q, k) / np.sqrt(m.hd)
-  logits = jnp.where(jnp.tril(jnp.ones((12, 12), bool)), logits, -jnp.inf)
-  np.testing.assert_allclose(w, jax.nn.softmax(logits, -1), atol=1e-5)
+  (w,) = jax.jit(lambda p, t: attention_maps.attention_weights(model, p, t))(params, tok)
+
+  @jax.jit                                              # the reference: one program, not op by op
+  def reference(params, tok):
+    x = jnp.take(params["embed"], tok, axis=0)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + m.norm_eps) * params["layers_0"]["ln1"]["scale"]
+    p = params["layers_0"]["attn"]
+    q, k = jnp.einsum("bld,dhk->blhk", x, p["wq"]), jnp.einsum("bld,dhk->blhk", x, p["wk"])
+    logits = jnp.einsum("blhk,bshk->bhls", q, k) / np.sqrt(m.hd)
+    logits = jnp.where(jnp.tril(jnp.ones((12, 12), bool)), logits, -jnp.inf)
+    return jax.nn.softmax(logits, -1)
+
+  np.testing.assert_allclose(w, reference(params, tok), atol=1e-5)
 
 
 def test_entropy_collapse_and_blur_flags():
@@ -163,7 +168,8 @@ def test_kv_cache_example_from_the_article():
                                 dict(TINY, scan_layers=True, position="t5", type_vocab_size=2, mlp_bias=True)])
 def test_parameter_count_is_exact(kw):
   m = ModelConfig(**kw)
-  params = Transformer(m).init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
+  # the shapes the model's init makes (traced, not run: a count needs no values)
+  params = jax.eval_shape(Transformer(m).init, jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
   assert estimate.param_count(m) == sum(x.size for x in jax.tree.leaves(nn.unbox(params)))
 
 
