@@ -1,17 +1,20 @@
 """Test setup, before jax is imported: 8 fake CPU devices (for the sharding tests), XLA:CPU's LLVM
-backend at -O0, float32 matmuls.
+backend at -O0 without its expensive passes, float32 matmuls.
 
 -O0: the suite compiles hundreds of small programs and runs each briefly, so compiling dominates; at
 -O0 LLVM emits the same computation with fewer optimisation passes. From a cold compilation cache on
 the 2-core machine, `.ci/run` from a clean clone took 20 min 32 s at XLA's default (a46f9eb) and
-12 min 52 s at -O0 (a204899, 2026-12-02), every test passing with its own tolerance. It does not
+12 min 52 s at -O0 (a204899, 2026-12-02), every test passing with its own tolerance. LLVM's expensive
+passes are off too (what jax_disable_most_optimizations sets besides -O0): test_model.py and
+test_losses.py from a cold start, alone, 112 s -> 104 s. Neither changes a value (no fast-math). It does not
 apply outside the suite: the CLIs, benchmarks and AOT figures compile with XLA's defaults.
 Subprocesses the tests start inherit it (tests/train_utils.env keeps it for those that set their own
 device count).
 """
 import os
 
-_FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0")
+_FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
+          "--xla_llvm_disable_expensive_passes=true")
 _given = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join([_given, *(f for f in _FLAGS if f.split("=")[0] not in _given)]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
