@@ -29,7 +29,7 @@ def test_quadratic_matches_numpy_formula():
   phi = lambda x: np.where(x > 0, x + 1.0, np.exp(x))  # noqa: E731
   pq, pk, vv = phi(np.asarray(q, np.float64)), phi(np.asarray(k, np.float64)), np.asarray(v, np.float64)
   for causal in (False, True):
-    got = np.asarray(linear_attention_quadratic(q, k, v, causal=causal))
+    got = np.asarray(jax.jit(functools.partial(linear_attention_quadratic, causal=causal))(q, k, v))
     for hh in range(2):
       a = pq[0, :, hh] @ pk[0, :, 0].T
       if causal:
@@ -43,26 +43,28 @@ def test_quadratic_matches_numpy_formula():
 def test_matches_quadratic(causal, l, chunk, h, kh):
   q, k, v = _qkv(2, l, l, h, kh, 8, 12)
   got = jax.jit(lambda q, k, v: linear_attention(q, k, v, causal=causal, chunk_size=chunk))(q, k, v)
-  want = linear_attention_quadratic(q, k, v, causal=causal)
+  want = jax.jit(functools.partial(linear_attention_quadratic, causal=causal))(q, k, v)
   assert got.shape == (2, l, h, 12)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
 
 
 def test_noncausal_cross_lengths_and_causality():
   q, k, v = _qkv(1, 7, 19, 4, 2, 8, 8)
-  np.testing.assert_allclose(np.asarray(linear_attention(q, k, v, causal=False)),
-                             np.asarray(linear_attention_quadratic(q, k, v, causal=False)), **TOL)
+  np.testing.assert_allclose(np.asarray(jax.jit(functools.partial(linear_attention, causal=False))(q, k, v)),
+                             np.asarray(jax.jit(functools.partial(linear_attention_quadratic, causal=False))(q, k, v)),
+                             **TOL)
   # causal: changing a later token never changes earlier outputs
   q, k, v = _qkv(1, 30, 30, 2, 2, 8, 8)
-  out = linear_attention(q, k, v, causal=True, chunk_size=8)
-  out2 = linear_attention(q, k.at[:, 20:].add(3.0), v.at[:, 20:].add(3.0), causal=True, chunk_size=8)
+  causal = jax.jit(functools.partial(linear_attention, causal=True, chunk_size=8))
+  out = causal(q, k, v)
+  out2 = causal(q, k.at[:, 20:].add(3.0), v.at[:, 20:].add(3.0))
   np.testing.assert_array_equal(np.asarray(out[:, :20]), np.asarray(out2[:, :20]))
   assert not np.allclose(np.asarray(out[:, 20:]), np.asarray(out2[:, 20:]))
 
 
 def test_gradients_match_quadratic():
   q, k, v = _qkv(1, 21, 21, 4, 2, 8, 8)
-  f = lambda fn: jax.grad(lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v))), argnums=(0, 1, 2))(q, k, v)  # noqa
+  f = lambda fn: jax.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v))), argnums=(0, 1, 2)))(q, k, v)  # noqa
   got = f(lambda q, k, v: linear_attention(q, k, v, causal=True, chunk_size=8))
   want = f(lambda q, k, v: linear_attention_quadratic(q, k, v, causal=True))
   for g, w in zip(got, want):
@@ -118,10 +120,14 @@ def test_model_attention_equals_the_op(causal):
   attn = Attention(cfg)
   x = jax.random.normal(jax.random.PRNGKey(1), (2, 20, 32))
   pos = jnp.broadcast_to(jnp.arange(20), (2, 20))
-  p = nn.unbox(attn.init(jax.random.PRNGKey(0), x, pos, None)["params"])
+  p = nn.unbox(jax.jit(attn.init)(jax.random.PRNGKey(0), x, pos, None)["params"])
   got = jax.jit(lambda p, x: attn.apply({"params": p}, x, pos, None))(p, x)
-  q, k, v = (jnp.einsum("bld,dhk->blhk", x, p[n]) for n in ("wq", "wk", "wv"))
-  want = jnp.einsum("blhk,hkd->bld", linear_attention(q, k, v, causal=causal), p["wo"])
+  @jax.jit
+  def by_hand(p, x):
+    q, k, v = (jnp.einsum("bld,dhk->blhk", x, p[n]) for n in ("wq", "wk", "wv"))
+    return jnp.einsum("blhk,hkd->bld", linear_attention(q, k, v, causal=causal), p["wo"])
+
+  want = by_hand(p, x)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
 
 
