@@ -103,7 +103,7 @@ def test_capacity_with_ample_capacity_equals_dropless():
   cap = dataclasses.replace(drop, moe=dataclasses.replace(drop.moe, dispatch="capacity",
                                                           capacity_factor=4.0))
   tokens = _batch(l=23)["inputs"]
-  params = nn.unbox(Transformer(drop).init(jax.random.PRNGKey(0), tokens)["params"])
+  params = nn.unbox(jax.jit(Transformer(drop).init)(jax.random.PRNGKey(0), tokens)["params"])
   # and a tight capacity really drops tokens (the comparison is not vacuous)
   tight = dataclasses.replace(drop, moe=dataclasses.replace(drop.moe, dispatch="capacity",
                                                             capacity_factor=0.5))
