@@ -4,6 +4,7 @@ float32, 1e-5), 'cudnn' without a GPU fails clearly, runtime 'auto' picks an exa
 config (backends.resolve_runtime), every RoPE scaling runs end to end past max_len, and the
 extrapolation experiment's pieces work."""
 import dataclasses
+import functools
 import json
 import math
 
@@ -56,7 +57,8 @@ def _tokens(seed: int = 0, length: int = L) -> jax.Array:
 
 
 def _init(m: ModelConfig, length: int = L):
-  return nn.unbox(Transformer(m).init(jax.random.PRNGKey(0), jnp.zeros((1, length), jnp.int32))["params"])
+  init = jax.jit(Transformer(m).init)                  # one compile, not op-by-op eager init
+  return nn.unbox(init(jax.random.PRNGKey(0), jnp.zeros((1, length), jnp.int32))["params"])
 
 
 def _logits_and_grads(m: ModelConfig, params, tokens, mask=None, backend=None):
@@ -118,15 +120,25 @@ CASES = {
 }
 
 
+_REFERENCE: dict = {}
+
+
+def _case_reference(name: str):
+  """CASES[name]'s config, params, tokens and reference logits/gradients: computed once, shared by the
+  three implementations compared against them."""
+  if name not in _REFERENCE:
+    ref = _cfg(**CASES[name])
+    params, tokens = _init(ref), _tokens()
+    _REFERENCE[name] = (ref, params, tokens, _logits_and_grads(ref, params, tokens, MASK))
+  return _REFERENCE[name]
+
+
 @pytest.mark.parametrize("impl", list(BACKENDS))
 @pytest.mark.parametrize("name", list(CASES))
 def test_blockwise_model_matches_reference(name, impl):
-  ref = _cfg(**CASES[name])
+  ref, params, tokens, want = _case_reference(name)
   blk = BACKENDS[impl]()
-  params = _init(ref)
-  tokens = _tokens()
   got = _logits_and_grads(ref, params, tokens, MASK, backend=blk)
-  want = _logits_and_grads(ref, params, tokens, MASK)
   assert np.all(np.isfinite(got[0]))
   _assert_same(got, want)
   if name == "rope_gqa":  # padding is invisible: row 1's real tokens equal the unpadded sequence
@@ -190,20 +202,26 @@ SCALINGS = {
 }
 
 
+@functools.lru_cache(maxsize=1)
+def _unscaled():
+  """The unscaled model (max_len 32), params, 64-token inputs and its logits: shared by every scaling
+  (a scaling adds no parameters)."""
+  plain = _cfg(max_len=32, num_layers=1, init_std=0.2)
+  params, tokens = _init(plain, 64), _tokens(2, 64)
+  return plain, params, tokens, _forward(plain, params, tokens)
+
+
 @pytest.mark.parametrize("kind", list(SCALINGS))
 def test_rope_scaling_end_to_end(kind):
   """Each scaling: a model (max_len 32) runs forward and backward at twice its length, finite, and its
   logits differ from unscaled RoPE there; dynamic NTK equals plain RoPE up to max_len."""
-  plain = _cfg(max_len=32, num_layers=1, init_std=0.2)
+  plain, params, tokens, base = _unscaled()
   m = dataclasses.replace(plain, rope_scaling=SCALINGS[kind])
   validate_model(m)
-  params = _init(m, 64)
-  tokens = _tokens(2, 64)
   logits, grads = _logits_and_grads(m, params, tokens)
   assert logits.shape == (B, 64, 61) and np.all(np.isfinite(logits))
   assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
   assert any(float(np.max(np.abs(g))) > 0 for g in jax.tree.leaves(grads))
-  base = _forward(plain, params, tokens)
   assert float(np.max(np.abs(logits - base))) > 1e-3
   if kind == "dynamic":
     short = _forward(m, params, tokens[:, :32])
@@ -234,16 +252,22 @@ def test_extrapolation_experiment_smoke(tmp_path):
   assert (tmp_path / "extrapolation.png").stat().st_size > 1000
 
 
+@functools.lru_cache(maxsize=1)
+def _scanned_reference():
+  """The scanned alibi model, params, tokens and its reference logits/gradients (one for both remats)."""
+  ref = _cfg(num_layers=2, scan_layers=True, position="alibi", num_kv_heads=0)
+  params, tokens = _init(ref), _tokens(3)
+  return ref, params, tokens, _logits_and_grads(ref, params, tokens, MASK)
+
+
 @pytest.mark.parametrize("remat", ["full", "dots"])
 def test_cpu_kernel_under_remat_and_scan(remat):
   """The C++ kernel's custom calls inside scanned, rematerialised layers (recomputed forward in the
   backward): same logits and gradients as the reference."""
-  ref = _cfg(num_layers=2, scan_layers=True, position="alibi", num_kv_heads=0)
-  params = _init(ref)
-  tokens = _tokens(3)
+  ref, params, tokens, want = _scanned_reference()
   got = _logits_and_grads(dataclasses.replace(ref, remat=remat), params, tokens, MASK,
                           backend=BACKENDS["chunked_cpu"]())
-  _assert_same(got, _logits_and_grads(ref, params, tokens, MASK))
+  _assert_same(got, want)
 
 
 def test_auto_picks_an_exact_impl_for_the_config():
