@@ -3,9 +3,6 @@ import dataclasses
 import functools
 import importlib.util
 import json
-import pathlib
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
@@ -17,7 +14,6 @@ from tformer_jax import decode
 from tformer_jax.config import ModelConfig, MoEConfig, RopeScaling
 from tformer_jax.nn import Transformer
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 ATOL = 1e-5            # float32 cached vs full-forward logits
 PROMPTS = [[5, 9, 11, 3, 7], [40, 2]]          # left-padded batch: lengths 5 and 2
 N_NEW = 8              # most tests share one shape (B=2, P=5, S=13): compiled functions are reused
@@ -39,7 +35,7 @@ _MODELS: dict = {}
 def build(cfg: ModelConfig):
   if cfg not in _MODELS:
     model = Transformer(cfg)
-    params = nn.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"])
+    params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"])
     _MODELS[cfg] = (model, params)
   return _MODELS[cfg]
 
@@ -253,7 +249,10 @@ def test_load_for_inference_round_trip(tmp_path):
                                 decode.generate(model, params, PROMPTS, **kw))
 
 
-def test_cli_random_init_prints_text(tmp_path):
+def test_cli_random_init_prints_text(tmp_path, capsys):
+  """tformer-generate --random_init streams the prompt and its continuation (in-process: the command's
+  main; scripts/generate.py itself runs as a subprocess in test_train.py and test_workdir.py)."""
+  from tformer_jax.cli import generate as cli
   cfg_file = tmp_path / "tiny_cfg.py"
   cfg_file.write_text(
       "from tformer_jax.config import default_config\n"
@@ -261,12 +260,10 @@ def test_cli_random_init_prints_text(tmp_path):
       "  c = default_config()\n"
       "  c.model.update(dict(d_model=32, num_layers=2, num_heads=4, max_len=64, position='rope'))\n"
       "  return c\n")
-  cmd = [sys.executable, str(ROOT / "scripts" / "generate.py"), "--random_init", f"--config={cfg_file}",
-         "--prompt", "ROMEO:", "--max_new_tokens", "6", "--chunk_size", "6", "--temperature", "0.7"]
-  res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
-                       env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
-  assert res.returncode == 0, res.stderr[-2000:]
-  assert res.stdout.startswith("ROMEO:") and len(res.stdout.strip()) > len("ROMEO:")
+  assert cli.main(["--random_init", f"--config={cfg_file}", "--prompt", "ROMEO:", "--max_new_tokens", "6",
+                   "--chunk_size", "6", "--temperature", "0.7"]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith("ROMEO:") and len(out.strip()) > len("ROMEO:")
 
 
 def test_decode_benchmark_smoke(tmp_path):
