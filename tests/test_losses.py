@@ -3,6 +3,7 @@ reference, Transformer(return_hidden=True), the train/eval steps with train.loss
 once-per-step cast of the matmul weights, and the memory the chunking saves (XLA's compiled memory
 analysis: nothing timed)."""
 import dataclasses
+import functools
 import json
 
 import jax
@@ -61,7 +62,7 @@ def test_chunked_losses_match_the_full_logits(dtype):
 
   (ref, ref_sum, (nll_ref, correct_ref)), *chunked = jax.jit(everything)(h, w, mask)
   np.testing.assert_allclose(ref_sum[0], ref[0], rtol=1e-6)
-  np.testing.assert_array_equal(correct_ref, jnp.argmax(losses.logits(h, w), -1) == t)
+  np.testing.assert_array_equal(correct_ref, jax.jit(lambda h, w: jnp.argmax(losses.logits(h, w), -1) == t)(h, w))
   for chunk, ((val, (gh, gw)), (val_sum, (gh_s, gw_s, gm_s)), (nll, correct)) in zip((2, 7, 1000), chunked):
     assert gh.dtype == gh_s.dtype == h.dtype and gw.dtype == gw_s.dtype == w.dtype
     for got, want in ((val, ref[0]), (val_sum, ref[0]), (gm_s, ref_sum[1][2])):
@@ -100,7 +101,7 @@ def test_return_hidden_gives_the_logits_parts(path):
   m = loop.resolve_model_config(small(path, "bf16"))
   model = Transformer(m)
   tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 16), 0, m.vocab_size)
-  params = model.init(jax.random.PRNGKey(0), tokens)
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), tokens)
   logits, (h, unembed) = jax.jit(lambda p, x: (model.apply(p, x), model.apply(p, x, return_hidden=True)))(
       params, tokens)
   assert h.shape == (2, 16, m.d_model) and unembed.shape == (m.d_model, m.vocab_size)
@@ -109,7 +110,8 @@ def test_return_hidden_gives_the_logits_parts(path):
   np.testing.assert_array_equal(unembed, (table.T if m.tie_embeddings else table).astype(jnp.bfloat16))
   np.testing.assert_allclose(losses.logits(h, unembed), logits, rtol=1e-2, atol=1e-2)
   with pytest.raises(ValueError, match="lm_head"):
-    Transformer(dataclasses.replace(m, lm_head=False)).init(jax.random.PRNGKey(0), tokens, return_hidden=True)
+    jax.eval_shape(functools.partial(Transformer(dataclasses.replace(m, lm_head=False)).init, return_hidden=True),
+                   jax.random.PRNGKey(0), tokens)
 
 
 def small(path: str, precision_name: str):
@@ -139,7 +141,7 @@ def test_loss_chunk_and_cast_once_keep_the_loss_and_gradients():
   positions (gpt2). The once-per-step cast gives the very same loss and gradients (float32); the
   chunked loss the same to bf16 noise."""
   _, model, data = model_and_batch("configs/gpt2_tiny.py", "bf16")
-  params = state_lib.unbox_plain(model.init(jax.random.PRNGKey(0), data["inputs"])["params"])
+  params = state_lib.unbox_plain(jax.jit(model.init)(jax.random.PRNGKey(0), data["inputs"])["params"])
 
   def value_and_grads(p, chunk: int, cast: bool):
     def f(p):
