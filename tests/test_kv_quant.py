@@ -60,7 +60,7 @@ def trained_shakespeare():
   cfg = ModelConfig(vocab_size=256, d_model=128, num_layers=2, num_heads=2, num_kv_heads=1, position="rope",
                     norm="rmsnorm", activation="swiglu", max_len=128)
   model = Transformer(cfg)
-  params = nn.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
   tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 3e-3, 20, 200), weight_decay=0.01)
   opt = tx.init(params)
 
@@ -88,7 +88,8 @@ def test_int8_cache_perplexity_within_one_percent_on_shakespeare():
   for dt in ("", "int8"):
     logp = decode.cache_logprobs(model, params, tokens, cache_dtype=dt)
     ppl[dt] = float(np.exp(-logp.mean()))
-  full = jax.nn.log_softmax(model.apply({"params": params}, jnp.asarray(tokens)), axis=-1)[:, :-1]
+  full = jax.jit(lambda p, t: jax.nn.log_softmax(model.apply({"params": p}, t), axis=-1)[:, :-1])(
+      params, jnp.asarray(tokens))
   ref = float(np.exp(-np.take_along_axis(np.asarray(full), tokens[:, 1:, None], -1).mean()))
   assert ppl[""] == pytest.approx(ref, rel=1e-5)              # the float cache is the full forward
   assert ppl[""] < 17.0, ppl      # trained: 15.7 here, below a byte unigram model's ~20 (uniform: 256)
