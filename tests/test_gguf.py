@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from real_weights import smollm2_gguf
+import real_weights
 
 from tformer_jax.cli import convert
 from tformer_jax.data.tokenizers import get_tokenizer
@@ -35,14 +35,14 @@ MESSAGES = [{"role": "user", "content": "What is 12 + 30? Answer briefly."},
 
 @pytest.fixture(scope="module")
 def gguf_file() -> pathlib.Path:
-  return smollm2_gguf()
+  return real_weights.smollm2_gguf()
 
 
 @pytest.fixture(scope="module")
-def imported(gguf_file, tmp_path_factory) -> pathlib.Path:
-  out = tmp_path_factory.mktemp("gguf") / "smollm2"
-  assert convert.main(["--from-gguf", str(gguf_file), "--out", str(out)]) == 0
-  return out
+def imported(gguf_file) -> pathlib.Path:
+  """`tformer-convert --from-gguf` of the file (exit 0), made once per cache and converter version and shared
+  with tests/test_recipe.py (real_weights.smollm2_hf)."""
+  return real_weights.smollm2_hf()
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +53,12 @@ def reference(gguf_file):
   kw = dict(gguf_file=gguf_file.name)
   model = transformers.AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype=torch.float32, **kw).eval()
   return model, transformers.AutoTokenizer.from_pretrained(gguf_file.parent, **kw)
+
+
+@pytest.fixture(scope="module")
+def ours(imported):
+  """Our (model, params) of the imported directory (load_hf), float32, read once for the two comparisons."""
+  return load_hf(imported)
 
 
 def test_directory_is_an_hf_model(imported):
@@ -69,34 +75,40 @@ def test_directory_is_an_hf_model(imported):
 
 
 def _worst_logit_diff(model, params, ref_model, ref_tok) -> float:
-  """Max abs difference of our logits from the torch model's over PROMPTS (argmax equal at every position)."""
+  """Max abs difference of our logits from the torch model's over PROMPTS (argmax equal at every position).
+  Ours in one forward of the prompts right-padded to the longest (one compile, not one per length): causal, so
+  a prompt's positions never see the padding after them and only those positions are compared."""
   import torch
+  rows = [ref_tok(prompt, return_tensors="pt").input_ids for prompt in PROMPTS]
+  batch = np.full((len(rows), max(r.shape[1] for r in rows)), ref_tok.eos_token_id, np.int32)
+  for i, ids in enumerate(rows):
+    batch[i, :ids.shape[1]] = ids[0].numpy()
+  logits = np.asarray(model.apply({"params": params}, jnp.asarray(batch)))
   worst = 0.0
-  for prompt in PROMPTS:
-    ids = ref_tok(prompt, return_tensors="pt").input_ids
+  for prompt, ids, row in zip(PROMPTS, rows, logits):
     with torch.no_grad():
       want = ref_model(ids).logits[0].numpy()
-    got = np.asarray(model.apply({"params": params}, jnp.asarray(ids.numpy(), jnp.int32)))[0]
+    got = row[:ids.shape[1]]
     worst = max(worst, float(np.abs(got - want).max()))
     assert got.argmax(-1).tolist() == want.argmax(-1).tolist(), prompt
   return worst
 
 
-def test_weights_and_logits_match_transformers(imported, reference):
+def test_weights_and_logits_match_transformers(imported, reference, ours):
   """The weights are bit-identical to transformers' dequantised ones; the logits differ only by float32 rounding in
   the two forwards: measured 1.57e-4 max abs (logits up to 41; transformers' own float32 is 8e-5 from float64)."""
   pytest.importorskip("torch")
   ref_model, ref_tok = reference
-  ours = read_safetensors(imported / "model.safetensors")
+  weights = read_safetensors(imported / "model.safetensors")
   ref_sd = ref_model.state_dict()
-  assert set(ours) == set(ref_sd) - {"lm_head.weight"}            # tied: the head is the embedding
-  for name, w in ours.items():
+  assert set(weights) == set(ref_sd) - {"lm_head.weight"}         # tied: the head is the embedding
+  for name, w in weights.items():
     np.testing.assert_array_equal(np.asarray(w), ref_sd[name].numpy(), err_msg=name)
-  model, params = load_hf(imported)
+  model, params = ours
   assert _worst_logit_diff(model, params, ref_model, ref_tok) <= 2.5e-4
 
 
-def test_float64_logits_equal_transformers(imported, reference):
+def test_float64_logits_equal_transformers(reference, ours):
   """The same comparison with both forwards in float64, so the two float32 forwards' rounding is gone: the issue's
   1e-4 holds (4.8e-5 measured, ours keeping norms, RoPE, softmax and its logits in float32)."""
   torch = pytest.importorskip("torch")
@@ -106,7 +118,7 @@ def test_float64_logits_equal_transformers(imported, reference):
   # for, so its float64 reference is its own Llama in float64 holding the weights that load dequantised
   ref64 = transformers.AutoModelForCausalLM.from_config(ref_model.config, dtype=torch.float64).eval()
   ref64.load_state_dict({k: v.to(torch.float64) for k, v in ref_model.state_dict().items()})
-  model, params = load_hf(imported)
+  model, params = ours
   with jax.enable_x64(True):
     model64 = type(model)(dataclasses.replace(model.cfg, dtype="float64", param_dtype="float64"))
     params64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)

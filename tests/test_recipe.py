@@ -28,12 +28,10 @@ PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-  """Stage 0: SmolLM2-135M-Instruct's GGUF as an HF directory (tformer-convert --from-gguf)."""
-  gguf = real_weights.smollm2_gguf()
-  out = tmp_path_factory.mktemp("recipe") / "smollm2-135m-instruct"
-  assert convert.main([f"--from-gguf={gguf}", f"--out={out}"]) == 0
-  return out
+def base():
+  """Stage 0: SmolLM2-135M-Instruct's GGUF as an HF directory (tformer-convert --from-gguf, exit 0), made once
+  per cache and converter version and shared with tests/test_gguf.py (real_weights.smollm2_hf)."""
+  return real_weights.smollm2_hf()
 
 
 def _config(name, base):
