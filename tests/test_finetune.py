@@ -2,7 +2,6 @@
 the run starts from the model's weights with its architecture and tokenizer, the loss falls, and the
 export (tokenizer, bos/eos/pad ids, generation_config.json) reloads in transformers with our logits."""
 import json
-import sys
 
 import hf_utils
 import jax.numpy as jnp
@@ -10,7 +9,7 @@ import numpy as np
 import pytest
 
 from tformer_jax.checkpoint import restore_params
-from tformer_jax.cli import convert, eval as eval_cli
+from tformer_jax.cli import convert, eval as eval_cli, train as train_cli
 from tformer_jax.cli_common import workdir_config
 from tformer_jax.config import ModelConfig
 from tformer_jax.data import pipeline
@@ -18,8 +17,6 @@ from tformer_jax.interop.hf import load_hf
 from tformer_jax.nn import Transformer
 from tformer_jax.train import step as step_lib
 from tformer_jax.train.metrics import read_metrics
-
-from train_utils import REPO, run
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -59,12 +56,13 @@ def test_eval_of_an_hf_model_matches_transformers_loss(hf_dir):
 @pytest.mark.slow
 def test_finetune_from_hf_then_export_reloads_in_transformers(hf_dir, tmp_path):
   work, out = tmp_path / "ft", tmp_path / "export"
-  r = run([sys.executable, str(REPO / "scripts" / "train.py"), "--config=finetune_hf", f"--workdir={work}",
-           f"--config.train.init_from=hf:{hf_dir}", "--config.data.seq_len=32", "--config.data.batch_size=8",
-           "--config.train.steps=12", "--config.optim.peak_lr=3e-3", "--config.optim.warmup_steps=1",
-           "--config.train.log_every=1", "--config.train.eval_every=12", "--config.train.eval_batches=2",
-           "--config.train.sample_tokens=0", "--config.model.scan_layers=true"])
-  assert r.returncode == 0, r.stderr[-3000:]
+  # tformer-train in this process (main(argv), as scripts/train.py runs it), on one device as a subprocess had
+  assert train_cli.main(["--config=finetune_hf", f"--workdir={work}", f"--config.train.init_from=hf:{hf_dir}",
+                         "--config.data.seq_len=32", "--config.data.batch_size=8", "--config.train.steps=12",
+                         "--config.optim.peak_lr=3e-3", "--config.optim.warmup_steps=1",
+                         "--config.train.log_every=1", "--config.train.eval_every=12",
+                         "--config.train.eval_batches=2", "--config.train.sample_tokens=0",
+                         "--config.model.scan_layers=true", "--config.mesh.num_devices=1"]) == 0
   cfg = workdir_config(work)
   assert cfg.model.d_model == 32 and cfg.model.num_kv_heads == 2 and cfg.model.scan_layers   # theirs + our layout
   assert cfg.data.tokenizer == f"hf:{hf_dir}"

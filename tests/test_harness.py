@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import sys
 
 import numpy as np
 import pytest
@@ -29,12 +28,12 @@ from lm_eval.models.huggingface import HFLM  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 
 from tformer_jax import decode, decode_io  # noqa: E402
-from tformer_jax.cli import convert, eval as eval_cli  # noqa: E402
+from tformer_jax.cli import convert, eval as eval_cli, train as train_cli  # noqa: E402
 from tformer_jax.config import default_config  # noqa: E402
 from tformer_jax.data.corpora import load_corpus  # noqa: E402
 from tformer_jax.eval import harness  # noqa: E402
 
-from train_utils import REPO, run  # noqa: E402
+from train_utils import REPO  # noqa: E402
 
 TASKS = ["shakespeare_next_line", "shakespeare_ppl", "shakespeare_continue"]
 LIMIT = 4
@@ -133,10 +132,9 @@ def trained(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
            "optim.peak_lr": 3e-3, "optim.warmup_steps": 3, "train.steps": 20, "train.eval_every": 20,
            "train.ckpt_every": 20, "train.eval_batches": 1, "train.sample_tokens": 0, "train.log_every": 10,
            "train.eval_tasks": "shakespeare_next_line", "train.eval_tasks_limit": LIMIT}
-  cmd = [sys.executable, str(REPO / "scripts" / "train.py"), f"--config={REPO / 'configs' / 'llama_tiny.py'}",
-         f"--workdir={work}", *[f"--config.{k}={v}" for k, v in flags.items()]]
-  p = run(cmd, timeout=300)
-  assert p.returncode == 0, p.stderr[-3000:]
+  # tformer-train in this process (main(argv), as scripts/train.py runs it), on one device as a subprocess had
+  assert train_cli.main([f"--config={REPO / 'configs' / 'llama_tiny.py'}", f"--workdir={work}",
+                         *[f"--config.{k}={v}" for k, v in flags.items()], "--config.mesh.num_devices=1"]) == 0
   assert convert.main(["--from", str(work), "--to-hf", str(hf_dir)]) == 0
   return work, hf_dir
 
