@@ -1,5 +1,6 @@
 """The CLIs' allocator choice (tformer_jax/host_alloc.py): the pure plan, and a real re-exec in a
-subprocess that ends up running under the planned allocator exactly once."""
+subprocess that ends up running under the planned allocator exactly once; the train loop's
+release-on-growth rule, by its readings and under a real tcmalloc."""
 import importlib.util
 import os
 import subprocess
@@ -65,3 +66,33 @@ def test_only_cpu_runs_reexec():
   plugins = any(importlib.util.find_spec(m) and (m != "libtpu" or ha._tpu_devices())   # libtpu alone: AOT
                 for m in ha.ACCELERATOR_MODULES)
   assert ha.cpu_run({}, ["train.py"]) == (not plugins)
+
+
+def test_release_on_growth_releases_only_when_the_free_heap_grows_past_the_slack():
+  readings, released = iter([None, 100, 90, 150, 300, 310, 80, 500]), []
+  guard = ha.ReleaseOnGrowth(slack_bytes=100, free=lambda: next(readings), release=lambda: released.append(1))
+  got = [guard.check() for _ in range(8)]
+  # unknown (glibc) -> no; 100 sets the level; 90 lowers it; 150 is within 100 of 90; 300 is past it:
+  # release and start over; 310 sets the level anew, 80 lowers it, 500 is past it again
+  assert got == [False, False, False, False, True, False, False, True] and len(released) == 2
+  guard.reset()
+  assert guard.level is None
+
+
+@pytest.mark.skipif(ha.find_tcmalloc() is None, reason="tcmalloc is not installed (libtcmalloc-minimal4)")
+def test_release_on_growth_under_tcmalloc_hands_a_grown_free_heap_back():
+  code = """
+import numpy as np
+from tformer_jax import host_alloc as ha
+assert ha.free_bytes() is not None
+g = ha.ReleaseOnGrowth(slack_bytes=64 << 20)
+a = np.ones(1 << 25); del a; g.check()                        # a 256 MiB span freed: the level
+assert not g.check()
+b = [np.ones(1 << 24) for _ in range(6)]; del b                  # 768 MiB more freed: past the slack
+before = ha.free_bytes()
+assert g.check() and ha.free_bytes() < before - (256 << 20), (before, ha.free_bytes())
+print("ok")
+"""
+  env = {**os.environ, "LD_PRELOAD": ha.find_tcmalloc()}
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+  assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -22,7 +22,7 @@ import glob
 import importlib.util
 import os
 import sys
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 ENV_CHOICE = "TFORMER_JAX_ALLOCATOR"
 ENV_DONE = "TFORMER_JAX_ALLOCATOR_SET"  # set in the re-executed process: never loop
@@ -128,7 +128,7 @@ def release_free_memory() -> str | None:
   tcmalloc keeps every freed span mapped, so one-off transients (loading a checkpoint or HF weights,
   compiling, the first steps' buffers before the allocator settles) stay in RSS for the whole run; the
   train loop calls this after them and after each evaluation, never every step (the step's temp buffer
-  would then fault in again)."""
+  would then fault in again): between those, `ReleaseOnGrowth`."""
   try:
     lib = ctypes.CDLL(None)
   except OSError:
@@ -139,6 +139,50 @@ def release_free_memory() -> str | None:
       fn(*args)
       return name
   return None
+
+
+def free_bytes() -> int | None:
+  """Bytes the allocator holds freed but still mapped (tcmalloc's page heap: what RSS counts beyond the
+  live heap), or None where that is not known (glibc)."""
+  try:
+    fn = getattr(ctypes.CDLL(None), "MallocExtension_GetNumericProperty", None)
+  except OSError:
+    return None
+  if fn is None:
+    return None
+  fn.argtypes, fn.restype = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int
+  value = ctypes.c_size_t(0)
+  return int(value.value) if fn(b"tcmalloc.pageheap_free_bytes", ctypes.byref(value)) else None
+
+
+class ReleaseOnGrowth:
+  """Between the loop's fixed releases, hands free pages back only when the free heap has grown by more
+  than `slack` over what a step leaves free. A step frees its temp buffer and the next one reuses it, so
+  the free heap after a step is normally level; when a span cannot be reused whole (another allocation
+  landed in it), the next step maps a second one and RSS holds both: that growth is what this releases,
+  so the usual step pays no page faults. `check()` after each step; `reset()` after any other release."""
+
+  def __init__(self, slack_bytes: int = 256 << 20, free: Callable[[], int | None] | None = None,
+               release: Callable[[], object] | None = None):
+    self.slack, self.level = int(slack_bytes), None
+    self.free, self.release = free or free_bytes, release or release_free_memory
+
+  def reset(self) -> None:
+    self.level = None
+
+  def check(self) -> bool:
+    """True when it released."""
+    free = self.free()
+    if free is None:
+      return False
+    if self.level is None or free < self.level:
+      self.level = free
+      return False
+    if free > self.level + self.slack:
+      self.release()
+      self.level = None
+      return True
+    return False
 
 
 def maybe_reexec() -> None:

@@ -176,6 +176,7 @@ class _Run:
                                       process_count=jax.process_count())
     self.state, self.start = self._restore_or_init()
     host_alloc.release_free_memory()   # the loading's transients (host_alloc: kept mapped otherwise)
+    self.heap = host_alloc.ReleaseOnGrowth()
     self.n_params = state_lib.param_count(self.state.params) + state_lib.param_count(self.state.frozen or {})
     if self.program.lora_scale is not None and self.is_main:
       log.info("LoRA: %s adapter parameters trained (rank %d, targets %s) on a frozen base of %s",
@@ -251,6 +252,9 @@ class _Run:
     self.progress.update(1)
     if step - self.start in (1, 2):   # the compiles and the first steps' buffers are behind: their free pages back
       host_alloc.release_free_memory()
+      self.heap.reset()
+    elif self.heap.check():             # a second temp span mapped (host_alloc.ReleaseOnGrowth): handed back
+      log.debug("step %d: the allocator's free heap grew; released", step + 1)
 
   def flush(self) -> None:
     """Reads and logs the pending step's metrics, if any."""
@@ -296,6 +300,7 @@ class _Run:
     self.writer.write(done, ev)
     self.final.update(ev)
     host_alloc.release_free_memory()
+    self.heap.reset()
     if self.is_main and not self.model.cfg.causal:
       log.info("step %d: val_loss %.4f (masked LM), masked-token accuracy %.4f", done, ev["val_loss"],
                ev["val_accuracy"])
@@ -309,6 +314,7 @@ class _Run:
       log.warning("step %d: not saving during a run of non-finite steps", done)
       return
     host_alloc.release_free_memory()   # the host copy of the state reuses no free span: RSS stays level
+    self.heap.reset()
     self.ckpt.save(done, self.state.replace(frozen=None), self.it.get_state(), {"step": done}, force=force)
     self.saved = done
 
