@@ -1,7 +1,7 @@
 """Fine-tuning throughput on published weights: ours against transformers (full) and transformers + peft (LoRA).
 
   python benchmarks/finetune_vs_peft.py --hf=DIR [--modes=full,lora --batch=8 --seq=512 --steps=3 --warmup=1
-                                        --threads=2 --json=OUT]
+                                        --threads=2 --json=OUT --remat=save_qkvo,none]
 
 One process, one model (the HF directory --hf, e.g. SmolLM2-135M-Instruct from `tformer-convert --from-gguf`),
 float32 everywhere, the same batch x sequence and the same random token batches for every contender:
@@ -16,7 +16,10 @@ torch.set_num_threads(--threads); XLA:CPU uses the machine's cores (2 here), so 
 to them. Each contender: built, its first step (compilation, for ours) timed apart, --warmup untimed steps,
 then --steps timed steps, blocking on each step's loss; contenders run one after another (each freed before
 the next: a full fine-tune in PyTorch at 8 x 512 holds its activations, several GiB), ours first in each
-mode. ratio = our tokens/s / theirs. Run as a command it re-runs itself under tcmalloc when installed (both
+mode. ratio = our tokens/s / theirs. --remat=P,...: ours again under each model.remat policy P
+(speed against memory: the presets recompute each layer to fit 4.5 / 3 GiB). peak_rss_gib: each
+contender's own high-water mark of this process (reset before it; the shared baseline of the imports
+included). Run as a command it re-runs itself under tcmalloc when installed (both
 contenders then share that allocator; `allocator` in the JSON). Measure on an otherwise idle machine.
 Prints one line per contender, then one JSON line.
 """
@@ -64,13 +67,37 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer("warmup", 1, "untimed steps after the first", flag_values=fv)
   flags.DEFINE_integer("threads", os.cpu_count() or 1, "torch intra-op threads", flag_values=fv)
   flags.DEFINE_string("json", None, "also write the result to this file", flag_values=fv)
+  flags.DEFINE_list("remat", [], "ours again under each of these model.remat policies (config.REMAT_POLICIES), "
+                    "after the preset's: `ours_remat` in the JSON", flag_values=fv)
 
 
-def our_config(mode: str, hf_dir: str, batch: int, seq: int) -> Any:
-  """The preset of `mode` on `hf_dir` at batch x seq, resolved as tformer-train resolves it."""
+def reset_peak_rss() -> None:
+  """Start a new peak (VmHWM) for this process: Linux's clear_refs '5'; a no-op where it is refused."""
+  try:
+    pathlib.Path("/proc/self/clear_refs").write_text("5")
+  except OSError:
+    pass
+
+
+def peak_rss_gib() -> float | None:
+  """This process's peak resident set since `reset_peak_rss` (VmHWM), GiB."""
+  try:
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+      if line.startswith("VmHWM:"):
+        return round(int(line.split()[1]) / 2**20, 3)
+  except OSError:
+    pass
+  return None
+
+
+def our_config(mode: str, hf_dir: str, batch: int, seq: int, remat: str = "") -> Any:
+  """The preset of `mode` on `hf_dir` at batch x seq (and model.remat `remat`, '' = the preset's),
+  resolved as tformer-train resolves it."""
   cfg = load_config_file(PRESETS[mode])
   cfg.train.init_from = f"hf:{hf_dir}"
   cfg.data.batch_size, cfg.data.seq_len = batch, seq
+  if remat:
+    cfg.model.remat = remat
   return init_from.resolve(cfg)
 
 
@@ -94,8 +121,8 @@ def timed(step: Any, batches: Sequence[Any], warmup: int, steps: int) -> dict[st
   return {"first_step_s": round(first, 2), "step_s": [round(t, 3) for t in times], "final_loss": round(loss, 5)}
 
 
-def run_ours(mode: str, args: Any, batches: Sequence[np.ndarray]) -> dict[str, Any]:
-  cfg = our_config(mode, args.hf, args.batch, args.seq)
+def run_ours(mode: str, args: Any, batches: Sequence[np.ndarray], remat: str = "") -> dict[str, Any]:
+  cfg = our_config(mode, args.hf, args.batch, args.seq, remat)
   mesh = mesh_lib.make_mesh(cfg.mesh)
   runtime = backends.resolve_runtime(cfg, mesh_devices=1, quiet=True)
   with backends.use(runtime.backend):
@@ -168,6 +195,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   if not args.hf or not (pathlib.Path(args.hf).expanduser() / "config.json").is_file():
     cli_common.fail(f"--hf: {args.hf!r} is not an HF model directory (no config.json)")
   bad = [m for m in args.modes if m not in PRESETS]
+  from tformer_jax.config import REMAT_POLICIES  # noqa: PLC0415
+  if any(r not in REMAT_POLICIES for r in args.remat):
+    cli_common.fail(f"--remat: {args.remat} names a policy outside {', '.join(REMAT_POLICIES)}")
   if bad or args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.seq < 2:
     cli_common.fail(f"--modes must name full and/or lora (got {bad}); --steps >= 1, --warmup >= 0, "
                     "--batch >= 1, --seq >= 2")
@@ -183,17 +213,30 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       "steps": args.steps, "warmup": args.warmup, "precision": "float32", "torch": torch.__version__,
       "transformers": transformers.__version__, "jax": jax.__version__, "torch_threads": args.threads,
       "cpu_count": os.cpu_count(), "allocator": host_alloc.loaded_allocator(), "machine": platform.processor()}
+  def contender(run: Any, *a: Any) -> dict[str, Any]:
+    """run(*a) with its own peak RSS (the process's high-water mark reset before it; the previous
+    contender's memory handed back first, so each peak is its own plus the process's baseline)."""
+    gc.collect()
+    host_alloc.release_free_memory()
+    reset_peak_rss()
+    out = run(*a)
+    out["peak_rss_gib"] = peak_rss_gib()
+    out["tokens_per_s"] = rate(out, tokens)
+    return out
+
   for mode in args.modes:
-    ours = run_ours(mode, args, batches)
-    gc.collect()
-    host_alloc.release_free_memory()
-    theirs = run_torch(mode, args, batches)
-    gc.collect()
-    host_alloc.release_free_memory()
-    ours["tokens_per_s"], theirs["tokens_per_s"] = rate(ours, tokens), rate(theirs, tokens)
+    ours = contender(run_ours, mode, args, batches)
+    theirs = contender(run_torch, mode, args, batches)
     res[mode] = {"ours": ours, "theirs": theirs, "ratio": round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3)}
-    print(f"{mode}: ours {ours['tokens_per_s']:.1f} tokens/s (first step {ours['first_step_s']:.1f} s), theirs "
-          f"{theirs['tokens_per_s']:.1f} tokens/s: {res[mode]['ratio']:.2f}x", flush=True)
+    print(f"{mode}: ours {ours['tokens_per_s']:.1f} tokens/s (first step {ours['first_step_s']:.1f} s, peak RSS "
+          f"{ours['peak_rss_gib']} GiB), theirs {theirs['tokens_per_s']:.1f} tokens/s ({theirs['peak_rss_gib']} GiB): "
+          f"{res[mode]['ratio']:.2f}x", flush=True)
+    for remat in args.remat:
+      alt = contender(run_ours, mode, args, batches, remat)
+      alt["ratio"] = round(alt["tokens_per_s"] / theirs["tokens_per_s"], 3)
+      res[mode].setdefault("ours_remat", {})[remat] = alt
+      print(f"{mode}, ours with remat {remat!r}: {alt['tokens_per_s']:.1f} tokens/s (peak RSS {alt['peak_rss_gib']} "
+            f"GiB): {alt['ratio']:.2f}x", flush=True)
     if args.json:
       pathlib.Path(args.json).write_text(json.dumps(res, indent=2))
   return emit(res, None)
