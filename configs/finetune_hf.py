@@ -15,9 +15,10 @@ SmolLM2-135M-shaped Llama (134.5M parameters, vocabulary 49,152) at batch 8 x 51
 with full logits peaked at 7.0 GiB (3.6 s/step) and batch 8 at 13.9 GB. `tformer-estimate` prints the
 run's host RSS (4.66 GiB here). LoRA: configs/finetune_lora.py.
 On the published SmolLM2-135M-Instruct weights (docs/recipe_smollm2.md; 2026-12-02, a slower 2-vCPU machine:
-32-43 s/step at 8 x 512, 96-126 tokens/s): peak 4.68 GiB over 8 steps (evaluation at 4, save at 8), 3.52 GiB
-over 4 steps with an evaluation every 2 (the peak there is the load; steady 3.19 GiB): over the 4.5 GiB goal by
-one more copy of the step's temporaries that the allocator keeps between evaluations (docs/recipe_smollm2.md).
+32-43 s/step at 8 x 512, 96-126 tokens/s): peak 4.25 GiB over 8 steps (evaluation at 4, save at 8; steady
+3.12 GiB), within the 4.5 GiB goal since the loop hands back a second temp span the allocator kept mapped
+(host_alloc.ReleaseOnGrowth; 4.68 GiB before). Faster at more memory: --config.model.remat=save_qkvo
+(1.14x transformers at 6.5 GiB against the preset's 1.00x; docs/recipe_smollm2.md).
 Measured (tests/test_finetune.py's setting: a 2-layer random transformers Llama with a 320-token
 byte-level BPE, 12 steps of 8 x 32 tokens on Shakespeare at peak_lr 3e-3, 2 CPU cores): train loss
 5.77 -> 5.13, val 5.06; the export reloads in transformers with our logits (1e-4).
