@@ -25,4 +25,4 @@ if ! command -v bible >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [
 fi
 # Lint first (config in pyproject.toml [tool.ruff]; ruff comes with the test extra): a finding fails the script.
 "$VENV/bin/ruff" check .
-exec "$VENV/bin/python" -m pytest -n 2 --dist loadfile "$@"
+exec "$VENV/bin/python" -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@"

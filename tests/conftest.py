@@ -22,3 +22,19 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# The files that take longest from a cold cache (tests/durations: `pytest --durations=0`, summed per file),
+# longest first. scripts/test.sh runs `-n 2 --dist loadfile --no-loadscope-reorder`: each worker takes the next
+# file in collection order, so these go first and the short files fill in behind them (xdist's default order,
+# most tests first, put the few-test heavy files such as test_recipe.py last, one worker running them alone).
+# Unlisted files keep their order after these. A stale entry costs only balance, never a result.
+HEAVY_FIRST = (
+    "test_decode.py", "test_parallel.py", "test_reliability_checkpoint.py", "test_train.py", "test_gguf.py",
+    "test_moe_parallel.py", "test_recipe.py", "test_gpu_check.py", "test_context_parallel.py",
+    "test_long_context.py", "test_model.py", "test_lora.py", "test_backends.py", "test_cli.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+  rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: unlisted files keep their order
