@@ -85,10 +85,13 @@ def test_wheel_installed_outside_the_checkout_runs_its_commands(tmp_path):
   assert r.returncode == 0 and r.stdout.startswith("To be"), r.stderr[-2000:]
   r = run("-m", "tformer_jax.bench", "train", "--help")            # its default config ships inside
   assert r.returncode == 0 and "usage:" in r.stdout, r.stderr[-2000:]
-  for script in PYPROJECT["project"]["scripts"].values():          # every entry point imports from the wheel
-    module = script.split(":")[0]
-    r = run("-c", f"import {module}")
-    assert r.returncode == 0, (module, r.stderr[-1000:])
+  # every entry point imports from the wheel: one interpreter imports them all, each one's file named
+  modules = [script.split(":")[0] for script in PYPROJECT["project"]["scripts"].values()]
+  r = run("-c", "import importlib, sys\nfor m in sys.argv[1:]:\n  print(m, importlib.import_module(m).__file__)",
+          *modules)
+  assert r.returncode == 0, r.stdout[-1000:] + r.stderr[-1000:]
+  files = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+  assert list(files) == modules and all(f.startswith(str(target)) for f in files.values()), files
   tree = ast.parse((target / "tformer_jax" / "configs" / "shakespeare_char.py").read_text())
   assert any(isinstance(n, ast.FunctionDef) and n.name == "get_config" for n in tree.body)
 
