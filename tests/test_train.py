@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tformer_jax import cli_common
 from tformer_jax.checkpoint import restore_params
+from tformer_jax.cli import train as train_cli
 from tformer_jax.config import ConfigError, ModelConfig, resolved
 from tformer_jax.nn import Transformer
 from tformer_jax.train import optim, precision, state as state_lib, step as step_lib
@@ -165,7 +167,19 @@ def test_sigterm_saves_exits_zero_and_corrupt_latest_falls_back(tmp_path):
   assert f"checkpoint step {latest}" in again.stderr and "falling back" in again.stderr
 
 
-def test_bad_inputs_give_clear_errors(tmp_path):
+def _train_cli(capsys, workdir, *flags: str) -> subprocess.CompletedProcess:
+  """tformer-train's main on the tiny model in this process, as its console entry point runs it
+  (`cli_common.run_main`: an anticipated error is one line and status 2): its status and stderr."""
+  capsys.readouterr()
+  try:
+    status = cli_common.run_main(train_cli.main, train_cmd(workdir, *flags)[2:])
+  except SystemExit as e:
+    status = e.code
+  cap = capsys.readouterr()
+  return subprocess.CompletedProcess("tformer-train", status, cap.out, cap.err)
+
+
+def test_bad_inputs_give_clear_errors(tmp_path, capsys):
   ro = tmp_path / "ro"
   ro.mkdir()
   os.chmod(ro, 0o500)
@@ -175,21 +189,21 @@ def test_bad_inputs_give_clear_errors(tmp_path):
     target = str(ro / "run")
   with pytest.raises(ConfigError, match="not writable"):
     train(tiny_config(), target)
-  r = run(train_cmd(tmp_path / "a", "--config.data.corpus=text:/nonexistent/path.txt"))
+  r = _train_cli(capsys, tmp_path / "a", "--config.data.corpus=text:/nonexistent/path.txt")
   assert r.returncode == 2 and "/nonexistent/path.txt" in r.stderr and "Traceback" not in r.stderr
-  r = run(train_cmd(tmp_path / "b", "--config.data.corpus=nosuchcorpus"))
+  r = _train_cli(capsys, tmp_path / "b", "--config.data.corpus=nosuchcorpus")
   assert r.returncode == 2 and "nosuchcorpus" in r.stderr
-  r = run(train_cmd(tmp_path / "c", "--config.model.num_heads=5"))
+  r = _train_cli(capsys, tmp_path / "c", "--config.model.num_heads=5")
   assert r.returncode == 2 and "model.d_model" in r.stderr
   short = tmp_path / "short.txt"
   short.write_text("too short")
-  r = run(train_cmd(tmp_path / "d", f"--config.data.corpus=text:{short}"))
+  r = _train_cli(capsys, tmp_path / "d", f"--config.data.corpus=text:{short}")
   assert r.returncode == 2 and "seq_len" in r.stderr
   blob = tmp_path / "latin1.txt"
   blob.write_bytes(("caf\xe9 " * 4000).encode("latin-1"))
-  r = run(train_cmd(tmp_path / "e", f"--config.data.corpus=text:{blob}", "--config.data.tokenizer=bpe"))
+  r = _train_cli(capsys, tmp_path / "e", f"--config.data.corpus=text:{blob}", "--config.data.tokenizer=bpe")
   assert r.returncode == 2 and "UTF-8" in r.stderr
-  r = run(train_cmd(tmp_path / "f", f"--config.data.corpus=text:{blob}", "--config.train.steps=2"))
+  r = _train_cli(capsys, tmp_path / "f", f"--config.data.corpus=text:{blob}", "--config.train.steps=2")
   assert r.returncode == 0, r.stderr[-2000:]  # the byte tokenizer takes any bytes
 
 
