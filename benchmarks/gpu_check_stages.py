@@ -232,8 +232,9 @@ def stage_a_roofline(st: Stage, args: Any, out: dict[str, Any], remat: str) -> N
   """The roofline prediction of the same step (tformer_jax/aot/roofline.py on this GPU's compiled HLO, the
   peak from a measured bf16 matmul, the bandwidth from a measured copy: benchmarks/roofline_cpu.py
   --predict-only), reported beside the measurement; not a self-check (a prediction may miss)."""
-  peak = ["--peak-n", "256", "--peak-dtype", "float32"] if args.smoke else ["--peak-n", "8192", "--peak-dtype",
-                                                                             "bfloat16"]
+  # smoke: a 32 MiB copy for the bandwidth (its 256 MiB default takes seconds on a CPU, a number meaningless there)
+  peak = ["--peak-n", "256", "--peak-dtype", "float32", "--copy-mib", "32"] if args.smoke else \
+      ["--peak-n", "8192", "--peak-dtype", "bfloat16"]
   sets = {**overrides(args), "data.batch_size": out["batch"], "model.remat": remat}
   cmd = [*python(), "benchmarks/roofline_cpu.py", "--platform=" + ("cpu" if args.smoke else ""),
          f"--configs={args.config_file}", "--predict-only", *peak, *[f"--set={k}={v}" for k, v in sets.items()]]
