@@ -62,12 +62,16 @@ def shrunk(name: str, **model_overrides):
 
 
 def random_params(model: Transformer, seed: int = 0) -> dict:
-  """Initialised params plus noise on every leaf, so norm scales and biases are not 1s and 0s."""
-  params = nn.unbox(model.init(jax.random.PRNGKey(seed), jnp.zeros((1, 8), jnp.int32))["params"])
-  leaves, tree = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
-  return jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape, x.dtype)
-                                   for x, k in zip(leaves, keys)])
+  """Initialised params plus noise on every leaf, so norm scales and biases are not 1s and 0s (one jitted
+  program: one compile, not one per eager op)."""
+  @jax.jit
+  def make():
+    params = nn.unbox(model.init(jax.random.PRNGKey(seed), jnp.zeros((1, 8), jnp.int32))["params"])
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
+    return jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape, x.dtype)
+                                     for x, k in zip(leaves, keys)])
+  return make()
 
 
 def make_workdir(cfg, params, work: pathlib.Path) -> pathlib.Path:
@@ -99,7 +103,7 @@ def test_causal_preset_exports_without_family(preset, tmp_path):
   x = tokens(model.cfg.vocab_size)
   with torch.no_grad():
     ref = hf_model(torch.tensor(x)).logits.numpy()
-  got = np.asarray(model.apply({"params": params}, x))
+  got = np.asarray(jax.jit(model.apply)({"params": params}, x))
   np.testing.assert_allclose(got, ref, **TOL)
   print(f"{preset} -> {CAUSAL_PRESETS[preset]}: max|diff| {np.abs(got - ref).max():.1e}")
 
@@ -117,7 +121,7 @@ def test_execution_fields_never_block_export(tmp_path):
   x = tokens(m.vocab_size)
   with torch.no_grad():
     ref = hf_model(torch.tensor(x)).logits.numpy()
-  np.testing.assert_allclose(np.asarray(model.apply({"params": params}, x)), ref, **TOL)
+  np.testing.assert_allclose(np.asarray(jax.jit(model.apply)({"params": params}, x)), ref, **TOL)
 
 
 def _assert_one_line_naming(msg: str, field: str) -> None:
