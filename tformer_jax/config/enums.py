@@ -13,8 +13,8 @@ ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
 # model.remat -> what a remat'd block saves: a jax.checkpoint_policies member's name, a tuple of the
 # activation names nn/ tags with checkpoint_name (REMAT_NAMES; jax.checkpoint_policies.save_only_these_names),
 # or None (nothing: the whole block is recomputed; 'none' is no remat at all). nn/transformer.py applies it.
-# 'save_qkvo' is MaxText's 'save_dot_except_mlp': the attention projections' outputs are kept (4 d_model-ish
-# floats a token a layer), the FFN is recomputed.
+# 'save_qkvo' is MaxText's 'save_dot_except_mlp' (its names too): q, k, v and the attention's output projection
+# are kept, the FFN is recomputed; 'save_mlp_in' keeps the FFN's up (and gate) outputs instead.
 REMAT_NAMES = ("query_proj", "key_proj", "value_proj", "out_proj", "mlp_in", "mlp_gate")
 REMAT_POLICIES = {"none": None, "full": None, "dots": "checkpoint_dots",
                   "dots_no_batch": "checkpoint_dots_with_no_batch_dims",
