@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tformer_jax.config import REMAT_NAMES, REMAT_POLICIES, ModelConfig
+from tformer_jax.decode.layout import unstack_layers
 from tformer_jax.nn import Transformer
 
 CFG = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, max_len=16,
@@ -23,14 +24,6 @@ def _kept_names(loss, *args) -> set[str]:
   with contextlib.redirect_stdout(out):
     jax.ad_checkpoint.print_saved_residuals(loss, *args)
   return {n for n in REMAT_NAMES if f"'{n}'" in out.getvalue()}
-
-
-def unroll(params):
-  """Scanned params ('layers', stacked) -> the unrolled model's ('layers_0', 'layers_1', ...)."""
-  out = {k: v for k, v in params.items() if k != "layers"}
-  for i in range(CFG.num_layers):
-    out[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], params["layers"])
-  return out
 
 
 def _loss_fn(cfg):
@@ -66,7 +59,7 @@ def test_named_policy_equals_no_remat_and_keeps_its_names(setup, policy):
     np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
   # what the backward keeps from the forward: the policy's names, and under 'full' none of them (unrolled
   # layers: under scan the kept values show only as the scan's stacked outputs, nameless)
-  unrolled = unroll(params)
+  unrolled = unstack_layers(params, CFG.num_layers)
   _, named = _loss_fn(dataclasses.replace(CFG, remat=policy, scan_layers=False))
   assert _kept_names(named, unrolled, tokens) == set(REMAT_POLICIES[policy])
   _, full = _loss_fn(dataclasses.replace(CFG, remat="full", scan_layers=False))

@@ -18,6 +18,7 @@ libtcmalloc-minimal4`.
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import importlib.util
 import os
@@ -141,16 +142,24 @@ def release_free_memory() -> str | None:
   return None
 
 
-def free_bytes() -> int | None:
-  """Bytes the allocator holds freed but still mapped (tcmalloc's page heap: what RSS counts beyond the
-  live heap), or None where that is not known (glibc)."""
+@functools.cache
+def _numeric_property() -> Callable[..., int] | None:
+  """tcmalloc's MallocExtension_GetNumericProperty, looked up once (the loop asks after every step)."""
   try:
     fn = getattr(ctypes.CDLL(None), "MallocExtension_GetNumericProperty", None)
   except OSError:
     return None
+  if fn is not None:
+    fn.argtypes, fn.restype = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int
+  return fn
+
+
+def free_bytes() -> int | None:
+  """Bytes the allocator holds freed but still mapped (tcmalloc's page heap: what RSS counts beyond the
+  live heap), or None where that is not known (glibc)."""
+  fn = _numeric_property()
   if fn is None:
     return None
-  fn.argtypes, fn.restype = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_size_t)], ctypes.c_int
   value = ctypes.c_size_t(0)
   return int(value.value) if fn(b"tcmalloc.pageheap_free_bytes", ctypes.byref(value)) else None
 

@@ -104,11 +104,11 @@ def with_recompute(m: ModelConfig, batch: int, seq: int, attn: str = "full") -> 
   forward (module docstring), and 'remat'."""
   out = dict(flops_per_step(m, batch, seq, attn))
   extra = 0.0
-  if m.remat == "full" or isinstance(REMAT_POLICIES.get(m.remat), tuple):
+  saved = REMAT_POLICIES.get(m.remat)
+  if m.remat == "full" or isinstance(saved, tuple):
     one, two = (flops_per_step(dataclasses.replace(m, num_layers=k), batch, seq, attn)["flops_per_step"]
                 for k in (1, 2))
     extra = (two - one) * m.num_layers / 3
-    saved = REMAT_POLICIES.get(m.remat)
     if isinstance(saved, tuple):   # named outputs kept: their projections' forward is not rerun
       extra -= 2 * batch * seq * m.num_layers * sum(_projection_params(m, n) for n in saved)
   elif m.remat == "dots_no_batch":
