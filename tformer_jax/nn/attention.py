@@ -17,7 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from tformer_jax import backends
 from tformer_jax.config import ModelConfig
-from tformer_jax.nn.common import dtypes, normal, param, residual_std
+from tformer_jax.nn.common import dtypes, normal, param, project, residual_std
 from tformer_jax.ops import kv_quant, positions as pos_ops
 from tformer_jax.ops.masks import RandomBlocks, Visibility
 from tformer_jax.ops.rope_scaling import rope_parameters
@@ -72,10 +72,10 @@ class Attention(nn.Module):
     wq = param(self, "wq", init, (d, h, dh), ("embed", "heads", "kv"), pdt)
     wk = param(self, "wk", init, (d, k, dh), ("embed", "kv_heads", "kv"), pdt)
     wv = param(self, "wv", init, (d, k, dh), ("embed", "kv_heads", "kv"), pdt)
-    # backend hook: the projection einsum (the xla_cpu backend gives it a hand-written VJP)
-    q_BxLxHxDh = backend.dense("bld,dhe->blhe", x, wq.astype(dt))
-    k_BxLxKxDh = backend.dense("bld,dke->blke", x, wk.astype(dt))
-    v_BxLxKxDh = backend.dense("bld,dke->blke", x, wv.astype(dt))
+    # the projection einsums (nn.common.project: the backend's dense, plus a LoRA step's adapters)
+    q_BxLxHxDh = project(self, "wq", "bld,dhe->blhe", x, wq.astype(dt), 1)
+    k_BxLxKxDh = project(self, "wk", "bld,dke->blke", x, wk.astype(dt), 1)
+    v_BxLxKxDh = project(self, "wv", "bld,dke->blke", x, wv.astype(dt), 1)
     # names a remat policy can keep (config.REMAT_POLICIES); no effect otherwise
     q_BxLxHxDh = checkpoint_name(q_BxLxHxDh, "query_proj")
     k_BxLxKxDh = checkpoint_name(k_BxLxKxDh, "key_proj")
@@ -117,7 +117,8 @@ class Attention(nn.Module):
 
     out_BxLxHxDh = nn.with_logical_constraint(out_BxLxHxDh, ("batch", "length", "heads", "kv"))
     wo = param(self, "wo", normal(residual_std(cfg)), (h, dh, d), ("heads", "kv", "embed"), pdt)
-    y_BxLxD = checkpoint_name(backend.dense("blhe,hed->bld", out_BxLxHxDh.astype(dt), wo.astype(dt)), "out_proj")
+    y_BxLxD = checkpoint_name(project(self, "wo", "blhe,hed->bld", out_BxLxHxDh.astype(dt), wo.astype(dt), 2),
+                              "out_proj")
     if cfg.out_bias:
       y_BxLxD += param(self, "bo", nn.initializers.zeros, (d,), ("embed",), pdt).astype(dt)
     return y_BxLxD

@@ -1,8 +1,9 @@
-"""Shared pieces of the linen layer: dtypes, initialisers, norms, activations and the logical-axis
-param helper."""
+"""Shared pieces of the linen layer: dtypes, initialisers, norms, activations, the logical-axis
+param helper and the projection (with its optional low-rank adapter)."""
 from __future__ import annotations
 
 import math
+import re
 
 import flax.linen as nn
 import jax
@@ -30,6 +31,26 @@ def param(module: nn.Module, name: str, init, shape: tuple[int, ...], axes: tupl
           dtype: jnp.dtype) -> jax.Array:
   """A parameter carrying logical axis names only (mesh rules live in configs)."""
   return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+LORA = "lora"   # the variable collection of unmerged low-rank adapters (ops/lora.py), when a step passes one
+
+
+def project(module: nn.Module, name: str, spec: str, x: jax.Array, w: jax.Array, n_in: int) -> jax.Array:
+  """The projection einsum `spec` ('X,W->Y') of x by the kernel `name` (w, already in x's dtype), plus
+  its low-rank adapter when the 'lora' collection holds one for that kernel (LoRA, Hu et al. 2021:
+  h = x W + (x A) B, W frozen; B arrives already scaled by alpha / rank, see train/step.py). The
+  kernel's first n_in letters are its inputs: A (inputs..., r), B (r, outputs...). Without adapters
+  (every call but a LoRA train step) this is the backend's dense alone."""
+  y = backends.current().dense(spec, x, w)   # backend hook: the einsum (xla_cpu: a hand-written VJP)
+  if not module.has_variable(LORA, name):
+    return y
+  adapter = module.get_variable(LORA, name)
+  x_spec, w_spec, y_spec = re.split(",|->", spec)
+  w_in, w_out = w_spec[:n_in], w_spec[n_in:]
+  keep = "".join(c for c in x_spec if c not in w_in)
+  xa = jnp.einsum(f"{x_spec},{w_in}r->{keep}r", x, adapter["lora_a"].astype(x.dtype))
+  return y + jnp.einsum(f"{keep}r,r{w_out}->{y_spec}", xa, adapter["lora_b"].astype(x.dtype))
 
 
 class Norm(nn.Module):

@@ -5,9 +5,8 @@ import flax.linen as nn
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from tformer_jax import backends
 from tformer_jax.config import GLU_ACTIVATIONS, ModelConfig
-from tformer_jax.nn.common import activation_fn, dtypes, normal, param, residual_std
+from tformer_jax.nn.common import activation_fn, dtypes, normal, param, project, residual_std
 
 
 class MLP(nn.Module):
@@ -22,15 +21,15 @@ class MLP(nn.Module):
     dt, pdt = dtypes(cfg)
     d, f = x_BxLxD.shape[-1], cfg.ff
     x = x_BxLxD.astype(dt)
-    dense = backends.current().dense   # backend hook: the projection einsum
     w_in = param(self, "wi", normal(cfg.init_std), (d, f), ("embed", "mlp"), pdt)
-    h_BxLxF = checkpoint_name(dense("bld,df->blf", x, w_in.astype(dt)), "mlp_in")   # a remat policy's name
+    # the projection einsums: nn.common.project (checkpoint_name: names a remat policy can keep)
+    h_BxLxF = checkpoint_name(project(self, "wi", "bld,df->blf", x, w_in.astype(dt), 1), "mlp_in")
     if cfg.mlp_bias:
       h_BxLxF += param(self, "bi", nn.initializers.zeros, (f,), ("mlp",), pdt).astype(dt)
     act = activation_fn(cfg.activation)
     if cfg.activation in GLU_ACTIVATIONS:
       w_gate = param(self, "wg", normal(cfg.init_std), (d, f), ("embed", "mlp"), pdt)
-      g_BxLxF = checkpoint_name(dense("bld,df->blf", x, w_gate.astype(dt)), "mlp_gate")
+      g_BxLxF = checkpoint_name(project(self, "wg", "bld,df->blf", x, w_gate.astype(dt), 1), "mlp_gate")
       if cfg.mlp_bias:
         g_BxLxF += param(self, "bg", nn.initializers.zeros, (f,), ("mlp",), pdt).astype(dt)
       h_BxLxF = act(g_BxLxF) * h_BxLxF
@@ -38,7 +37,7 @@ class MLP(nn.Module):
       h_BxLxF = act(h_BxLxF)
     h_BxLxF = nn.with_logical_constraint(h_BxLxF, ("batch", "length", "mlp"))
     w_out = param(self, "wo", normal(residual_std(cfg)), (f, d), ("mlp", "embed"), pdt)
-    y_BxLxD = dense("blf,fd->bld", h_BxLxF, w_out.astype(dt))
+    y_BxLxD = project(self, "wo", "blf,fd->bld", h_BxLxF, w_out.astype(dt), 1)
     if cfg.mlp_bias:
       y_BxLxD += param(self, "bo", nn.initializers.zeros, (d,), ("embed",), pdt).astype(dt)
     return y_BxLxD

@@ -14,8 +14,9 @@ from tformer_jax.nn.common import Norm, dtypes, normal, param
 from tformer_jax.ops import positions as pos_ops
 from tformer_jax.ops.relative_bias import t5_bias
 
-# Collections that get a leading 'layers' axis under scan_layers.
-SCANNED_COLLECTIONS = ("params", "cache", "intermediates", "aux_loss", "moe_metrics")
+# Collections that get a leading 'layers' axis under scan_layers ('lora': a LoRA step's unmerged
+# adapters, nn.common.project).
+SCANNED_COLLECTIONS = ("params", "lora", "cache", "intermediates", "aux_loss", "moe_metrics")
 
 
 def block_class(cfg: ModelConfig):

@@ -6,6 +6,11 @@ adapted model starts as the base; only A and B are trained.
 
   adapters = init(rng, params, targets=("q", "v"), rank=8)       # {'layers': {'attn': {'wq': {'lora_a', 'lora_b'}}}}
   merged = merge(params, adapters, scale=alpha / rank)         # the params tree with W + scale * A @ B
+  model.apply({"params": params, "lora": scaled(adapters, alpha / rank)}, x)   # the same, unmerged
+
+Training applies the adapters unmerged, inside each projection (nn.common.project: x W + (x A) B): the
+gradients of A and B then cost O(rank) per token, where the merged kernel's gradient would cost a
+whole x^T dy per kernel. Evaluation, generation and export merge them once.
 
 `params` is the model's tree as `Transformer.init` gives it (unscanned `layers_i` or scanned `layers`
 with a leading layer axis: the adapters then carry that axis too). Targets name projections:
@@ -113,6 +118,17 @@ def merge(params: PyTree, adapters: PyTree, scale: float) -> PyTree:
     return {k: walk(v, a[k]) if k in a else v for k, v in p.items()}
 
   return walk(dict(params), adapters)
+
+
+def scaled(adapters: PyTree, scale: float) -> PyTree:
+  """The adapters with every B multiplied by `scale`, so that (x A) B' = scale (x A) B: the form a model
+  applies unmerged (nn.common.project), with the gradients of A and B flowing back through it."""
+  def walk(a: Any) -> Any:
+    if isinstance(a, dict) and set(a) == {A, B}:
+      return {A: a[A], B: a[B] * jnp.asarray(scale, a[B].dtype)}
+    return {k: walk(v) for k, v in a.items()}
+
+  return walk(adapters)
 
 
 def count(adapters: PyTree) -> int:

@@ -26,6 +26,7 @@ import optax
 
 from tformer_jax import backends
 from tformer_jax.nn import moe as moe_nn
+from tformer_jax.nn.common import LORA
 from tformer_jax.ops import context_parallel as cp_ops, lora as lora_ops, losses
 from tformer_jax.train import objectives, optim, precision
 from tformer_jax.train.state import TrainState
@@ -75,12 +76,14 @@ def moe_log_metrics(mut: Any) -> dict[str, jax.Array]:
 
 
 def loss_sum_fn(model: nn.Module, params: Any, batch: dict, rng: jax.Array | None, *, train: bool,
-                scale: jax.Array | float = 1.0, loss_chunk: int = 0):
+                scale: jax.Array | float = 1.0, loss_chunk: int = 0, adapters: Any = None):
   """(scaled sum of token losses incl. aux, (token count, aux metrics)) — the sum form that
-  `optim.accumulate_gradients` needs. loss_chunk: see the module docstring."""
+  `optim.accumulate_gradients` needs. loss_chunk: see the module docstring. adapters: LoRA adapters
+  (B already scaled, `ops.lora.scaled`) that the model applies unmerged on `params`."""
   rngs = {"dropout": rng} if (train and rng is not None) else {}
   hidden = {"return_hidden": True} if loss_chunk > 0 else {}
-  out, mut = model.apply({"params": params}, batch["inputs"], **document_args(batch), deterministic=not train,
+  variables = {"params": params} if adapters is None else {"params": params, LORA: adapters}
+  out, mut = model.apply(variables, batch["inputs"], **document_args(batch), deterministic=not train,
                          rngs=rngs, mutable=list(AUX_COLLECTIONS), **hidden)
   mask = batch.get("loss_mask")
   mask = jnp.ones(batch["targets"].shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
@@ -107,8 +110,9 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, tx: optax.Gr
   dtype (float32) per micro-batch, before they are summed. The same values either way; None = when
   grad_accum > 1 (each micro-batch would cast again; with one micro-batch the model's own casts run
   once per step already and the step-long half-precision copy only costs memory).
-  A LoRA state (state.frozen set): state.params are the adapters, the model runs on
-  `lora.merge(state.frozen, adapters, lora_scale)` inside the loss, so only the adapters get gradients."""
+  A LoRA state (state.frozen set): state.params are the adapters; the model runs on state.frozen with
+  them applied unmerged in each adapted projection (x W + lora_scale (x A) B, nn.common.project), so only
+  the adapters get gradients, and those cost O(rank) a token (no merged kernel's x^T dy)."""
   rng = jax.random.fold_in(state.rng, state.step)
   if axis_name is not None:  # distinct dropout masks per device
     rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
@@ -122,10 +126,11 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, tx: optax.Gr
   psum = (lambda x: x) if axis_name is None else functools.partial(jax.lax.psum, axis_name=axis_name)
 
   def f(params, mb, r):
-    if state.frozen is not None:   # LoRA: the adapters on the frozen base
-      params = lora_ops.merge(state.frozen, params, lora_scale)
-    loss_sum, (count, metrics) = loss_sum_fn(model, params, mb, r, train=True, scale=ls.scale / tokens,
-                                             loss_chunk=loss_chunk)
+    base, adapters = params, None
+    if state.frozen is not None:   # LoRA: the adapters, applied unmerged on the frozen base
+      base, adapters = state.frozen, lora_ops.scaled(params, lora_scale)
+    loss_sum, (count, metrics) = loss_sum_fn(model, base, mb, r, train=True, scale=ls.scale / tokens,
+                                             loss_chunk=loss_chunk, adapters=adapters)
     return loss_sum, (psum(count), metrics)  # normalised by the global token count
 
   value_and_grad = jax.value_and_grad(f, has_aux=True)
