@@ -16,8 +16,8 @@ finetune_hf on the same data): 921,600 adapter parameters (0.69%), peak RSS 2.8-
 a 9.9 MB checkpoint (full: 1.4 GB); tests/test_lora.py: the merged export equals transformers to 1e-4.
 On the published SmolLM2-135M-Instruct weights (docs/recipe_smollm2.md, 8 steps at 8 x 512, evaluation at 4,
 save at 8): peak 2.81 GiB under tcmalloc (26-27 s/step on 2026-12-02's slower machine), 2.15 GiB under glibc.
-Against peft (benchmarks/finetune_vs_peft.py, one run): 0.90x at 2.59 GiB against its 8.68;
---config.model.remat=none: 1.12x at 8.52 GiB.
+Against peft (benchmarks/finetune_vs_peft.py, one run, adapters applied unmerged): 193.8 against 213.9
+tokens/s, 0.91x, at 2.58 GiB against its 8.67 (docs/recipe_smollm2.md: why 1.3x does not fit in 3 GiB here).
 """
 from tformer_jax.cli_common import load_config_file
 
