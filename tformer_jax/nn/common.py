@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from tformer_jax import backends
 from tformer_jax.config import ModelConfig
+from tformer_jax.ops import lora as lora_ops
 
 
 def dtypes(cfg: ModelConfig) -> tuple[jnp.dtype, jnp.dtype]:
@@ -49,8 +50,8 @@ def project(module: nn.Module, name: str, spec: str, x: jax.Array, w: jax.Array,
   x_spec, w_spec, y_spec = re.split(",|->", spec)
   w_in, w_out = w_spec[:n_in], w_spec[n_in:]
   keep = "".join(c for c in x_spec if c not in w_in)
-  xa = jnp.einsum(f"{x_spec},{w_in}r->{keep}r", x, adapter["lora_a"].astype(x.dtype))
-  return y + jnp.einsum(f"{keep}r,r{w_out}->{y_spec}", xa, adapter["lora_b"].astype(x.dtype))
+  xa = jnp.einsum(f"{x_spec},{w_in}r->{keep}r", x, adapter[lora_ops.A].astype(x.dtype))
+  return y + jnp.einsum(f"{keep}r,r{w_out}->{y_spec}", xa, adapter[lora_ops.B].astype(x.dtype))
 
 
 class Norm(nn.Module):
