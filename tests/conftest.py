@@ -1,20 +1,26 @@
 """Test setup, before jax is imported: 8 fake CPU devices (for the sharding tests), XLA:CPU's LLVM
-backend at -O0 without its expensive passes, float32 matmuls.
+backend at -O0 without its expensive passes and without its MLIR fusion emitters, float32 matmuls.
 
 -O0: the suite compiles hundreds of small programs and runs each briefly, so compiling dominates; at
 -O0 LLVM emits the same computation with fewer optimisation passes. From a cold compilation cache on
 the 2-core machine, `.ci/run` from a clean clone took 20 min 32 s at XLA's default (a46f9eb) and
 12 min 52 s at -O0 (a204899, 2026-12-02), every test passing with its own tolerance. LLVM's expensive
 passes are off too (what jax_disable_most_optimizations sets besides -O0): test_model.py and
-test_losses.py from a cold start, alone, 112 s -> 104 s. Neither changes a value (no fast-math). It does not
-apply outside the suite: the CLIs, benchmarks and AOT figures compile with XLA's defaults.
+test_losses.py from a cold start, alone, 112 s -> 104 s. Compiling is still ~80% of a worker's time
+(test_model, test_lora, test_decode and test_losses: backend compile 229 s, tracing 47 s, lowering 27 s of
+368 s), most of it in the fusions' MLIR emitters, so those are off too (xla_cpu_use_fusion_emitters=false:
+fusions through the elemental IR emitter, one LLVM module, not split for parallel codegen): a tiny model's
+value_and_grad compiles in 0.23-0.48 s instead of 0.7-1.3 s and runs about 10% slower. None of these is
+fast-math: each op computes the same function. They do not apply outside the suite: the CLIs, benchmarks
+and AOT figures compile with XLA's defaults.
 Subprocesses the tests start inherit it (tests/train_utils.env keeps it for those that set their own
 device count).
 """
 import os
 
 _FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
-          "--xla_llvm_disable_expensive_passes=true")
+          "--xla_llvm_disable_expensive_passes=true", "--xla_cpu_use_fusion_emitters=false",
+          "--xla_cpu_parallel_codegen_split_count=1")
 _given = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join([_given, *(f for f in _FLAGS if f.split("=")[0] not in _given)]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
