@@ -1,7 +1,7 @@
 """Fine-tuning throughput on published weights: ours against transformers (full) and transformers + peft (LoRA).
 
   python benchmarks/finetune_vs_peft.py --hf=DIR [--modes=full,lora --batch=8 --seq=512 --steps=3 --warmup=1
-                                        --threads=2 --json=OUT --remat=save_qkvo,none]
+                                        --threads=2 --json=OUT --variant=model.remat=none,optim.grad_accum=8]
 
 One process, one model (the HF directory --hf, e.g. SmolLM2-135M-Instruct from `tformer-convert --from-gguf`),
 float32 everywhere, the same batch x sequence and the same random token batches for every contender:
@@ -16,8 +16,9 @@ torch.set_num_threads(--threads); XLA:CPU uses the machine's cores (2 here), so 
 to them. Each contender: built, its first step (compilation, for ours) timed apart, --warmup untimed steps,
 then --steps timed steps, blocking on each step's loss; contenders run one after another (each freed before
 the next: a full fine-tune in PyTorch at 8 x 512 holds its activations, several GiB), ours first in each
-mode. ratio = our tokens/s / theirs. --remat=P,...: ours again under each model.remat policy P
-(speed against memory: the presets recompute each layer to fit 4.5 / 3 GiB). peak_rss_gib: each
+mode. ratio = our tokens/s / theirs. --variant=FIELD=V,...: ours again with those config overrides (as
+--config.FIELD=V would set them; repeat the flag for several variants), e.g. another model.remat policy
+or micro-batches (optim.grad_accum: the same batch per optimizer step, in parts). peak_rss_gib: each
 contender's own high-water mark of this process (reset before it; the shared baseline of the imports
 included). Run as a command it re-runs itself under tcmalloc when installed (both
 contenders then share that allocator; `allocator` in the JSON). Measure on an otherwise idle machine.
@@ -50,6 +51,7 @@ from absl import flags  # noqa: E402
 from tformer_jax import backends, cli_common  # noqa: E402
 from tformer_jax.bench import emit  # noqa: E402
 from tformer_jax.cli_common import load_config_file  # noqa: E402
+from tformer_jax.config import validate  # noqa: E402
 from tformer_jax.parallel import mesh as mesh_lib  # noqa: E402
 from tformer_jax.train import init_from, setup as setup_lib, state as state_lib  # noqa: E402
 
@@ -67,8 +69,9 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer("warmup", 1, "untimed steps after the first", flag_values=fv)
   flags.DEFINE_integer("threads", os.cpu_count() or 1, "torch intra-op threads", flag_values=fv)
   flags.DEFINE_string("json", None, "also write the result to this file", flag_values=fv)
-  flags.DEFINE_list("remat", [], "ours again under each of these model.remat policies (config.REMAT_POLICIES), "
-                    "after the preset's: `ours_remat` in the JSON", flag_values=fv)
+  flags.DEFINE_multi_string("variant", [], "ours again with these config overrides, FIELD=V,... "
+                            "(e.g. model.remat=none,optim.grad_accum=8), after the preset: `ours_variants` in the "
+                            "JSON; repeat for several", flag_values=fv)
 
 
 def reset_peak_rss() -> None:
@@ -90,15 +93,24 @@ def peak_rss_gib() -> float | None:
   return None
 
 
-def our_config(mode: str, hf_dir: str, batch: int, seq: int, remat: str = "") -> Any:
-  """The preset of `mode` on `hf_dir` at batch x seq (and model.remat `remat`, '' = the preset's),
-  resolved as tformer-train resolves it."""
+def parse_variant(text: str) -> dict[str, str]:
+  """'a.b=v,c.d=w' -> {'a.b': 'v', 'c.d': 'w'}; a one-line error for an item without '='."""
+  items = [t.strip() for t in text.split(",") if t.strip()]
+  bad = [t for t in items if "=" not in t]
+  if bad or not items:
+    cli_common.fail(f"--variant: {text!r} is not FIELD=V,... (e.g. model.remat=none,optim.grad_accum=8)")
+  return dict(t.split("=", 1) for t in items)
+
+
+def our_config(mode: str, hf_dir: str, batch: int, seq: int, variant: dict[str, str] | None = None) -> Any:
+  """The preset of `mode` on `hf_dir` at batch x seq, with `variant`'s overrides, resolved and validated as
+  tformer-train resolves them."""
   cfg = load_config_file(PRESETS[mode])
   cfg.train.init_from = f"hf:{hf_dir}"
   cfg.data.batch_size, cfg.data.seq_len = batch, seq
-  if remat:
-    cfg.model.remat = remat
-  return init_from.resolve(cfg)
+  cfg = init_from.resolve(cli_common.override(cfg, variant or {}))
+  validate(cfg)
+  return cfg
 
 
 def token_batches(vocab: int, batch: int, seq: int, n: int = 2, seed: int = 0) -> list[np.ndarray]:
@@ -121,8 +133,9 @@ def timed(step: Any, batches: Sequence[Any], warmup: int, steps: int) -> dict[st
   return {"first_step_s": round(first, 2), "step_s": [round(t, 3) for t in times], "final_loss": round(loss, 5)}
 
 
-def run_ours(mode: str, args: Any, batches: Sequence[np.ndarray], remat: str = "") -> dict[str, Any]:
-  cfg = our_config(mode, args.hf, args.batch, args.seq, remat)
+def run_ours(mode: str, args: Any, batches: Sequence[np.ndarray], variant: dict[str, str] | None = None
+             ) -> dict[str, Any]:
+  cfg = our_config(mode, args.hf, args.batch, args.seq, variant)
   mesh = mesh_lib.make_mesh(cfg.mesh)
   runtime = backends.resolve_runtime(cfg, mesh_devices=1, quiet=True)
   with backends.use(runtime.backend):
@@ -142,7 +155,8 @@ def run_ours(mode: str, args: Any, batches: Sequence[np.ndarray], remat: str = "
     out = timed(step, batches, args.warmup, args.steps)
   rt = runtime.as_dict()
   out["trained_params"] = state_lib.param_count(state[0].params)
-  out["config"] = {"preset": PRESETS[mode], "remat": cfg.model.remat, "scan_layers": bool(cfg.model.scan_layers),
+  out["config"] = {"preset": PRESETS[mode], "overrides": variant or {}, "remat": cfg.model.remat,
+                   "grad_accum": int(cfg.optim.grad_accum), "scan_layers": bool(cfg.model.scan_layers),
                    "loss_chunk": int(cfg.train.loss_chunk),
                    **{k: rt[k] for k in ("backend", "attention", "cpu_kernels", "allocator")}}
   return out
@@ -195,16 +209,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   if not args.hf or not (pathlib.Path(args.hf).expanduser() / "config.json").is_file():
     cli_common.fail(f"--hf: {args.hf!r} is not an HF model directory (no config.json)")
   bad = [m for m in args.modes if m not in PRESETS]
-  from tformer_jax.config import REMAT_POLICIES  # noqa: PLC0415
-  if any(r not in REMAT_POLICIES for r in args.remat):
-    cli_common.fail(f"--remat: {args.remat} names a policy outside {', '.join(REMAT_POLICIES)}")
+  variants = [parse_variant(v) for v in args.variant]
   if bad or args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.seq < 2:
     cli_common.fail(f"--modes must name full and/or lora (got {bad}); --steps >= 1, --warmup >= 0, "
                     "--batch >= 1, --seq >= 2")
+  args.hf = str(pathlib.Path(args.hf).expanduser().resolve())
+  for mode in args.modes:       # a bad override or an invalid combination: one line, before anything loads
+    for v in variants:
+      our_config(mode, args.hf, args.batch, args.seq, v)
   import torch  # noqa: PLC0415 (after the allocator re-exec)
   import transformers  # noqa: PLC0415
   torch.set_num_threads(args.threads)
-  args.hf = str(pathlib.Path(args.hf).expanduser().resolve())
   vocab = int(json.loads((pathlib.Path(args.hf) / "config.json").read_text())["vocab_size"])
   batches = token_batches(vocab, args.batch, args.seq)
   tokens = args.batch * args.seq
@@ -231,12 +246,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"{mode}: ours {ours['tokens_per_s']:.1f} tokens/s (first step {ours['first_step_s']:.1f} s, peak RSS "
           f"{ours['peak_rss_gib']} GiB), theirs {theirs['tokens_per_s']:.1f} tokens/s ({theirs['peak_rss_gib']} GiB): "
           f"{res[mode]['ratio']:.2f}x", flush=True)
-    for remat in args.remat:
-      alt = contender(run_ours, mode, args, batches, remat)
+    for text, v in zip(args.variant, variants):
+      alt = contender(run_ours, mode, args, batches, v)
       alt["ratio"] = round(alt["tokens_per_s"] / theirs["tokens_per_s"], 3)
-      res[mode].setdefault("ours_remat", {})[remat] = alt
-      print(f"{mode}, ours with remat {remat!r}: {alt['tokens_per_s']:.1f} tokens/s (peak RSS {alt['peak_rss_gib']} "
-            f"GiB): {alt['ratio']:.2f}x", flush=True)
+      res[mode].setdefault("ours_variants", {})[text] = alt
+      print(f"{mode}, ours with {text}: {alt['tokens_per_s']:.1f} tokens/s (peak RSS {alt['peak_rss_gib']} GiB): "
+            f"{alt['ratio']:.2f}x", flush=True)
     if args.json:
       pathlib.Path(args.json).write_text(json.dumps(res, indent=2))
   return emit(res, None)
