@@ -5,6 +5,7 @@ backend with the barrier off (logits and parameter gradients, float32, 1e-6) and
 backend (no barrier, autodiff: the same within float32 summation order, 1e-6 of each gradient's
 largest entry)."""
 import dataclasses
+import re
 
 import flax.linen as nn
 import jax
@@ -36,6 +37,13 @@ def test_compiled_backward_keeps_the_loop():
   f = jax.grad(lambda x: jnp.sum(jnp.tanh(grad_fusion_barrier(x * 2.0)) ** 2))
   hlo = jax.jit(f).lower(jnp.ones((8, 16))).compile().as_text()
   assert " while(" in hlo  # XLA neither folded nor hoisted it: the cotangent is materialised
+
+
+def _loops(hlo: str) -> int:
+  """The compiled program's lax.while_loop loops (op_name '.../while'), not the loops XLA:CPU makes of a
+  scatter when its fusion emitters are off (tests/conftest.py; the embedding's gradient is one)."""
+  return sum(1 for line in hlo.splitlines() if " while(" in line
+             and (m := re.search(r'op_name="([^"]*)"', line)) and m.group(1).endswith("/while"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,9 +79,9 @@ def test_model_same_with_and_without_barrier(extra):
 
   (la, ga, hlo_on), (lb, gb, hlo_off), (lr, gr, _) = run(on), run(off), run(ref)
   if jax.default_backend() == "cpu":   # the xla_cpu backend really puts the loop in the backward
-    assert " while(" in hlo_on
+    assert _loops(hlo_on) >= 1
     if not extra:
-      assert " while(" not in hlo_off
+      assert _loops(hlo_off) == 0 and _loops(hlo_on) == base.num_layers   # one barrier a block
   np.testing.assert_allclose(np.asarray(la), np.asarray(lb), rtol=1e-6, atol=1e-6)
   for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
