@@ -24,6 +24,7 @@ _FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimizatio
 _given = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join([_given, *(f for f in _FLAGS if f.split("=")[0] not in _given)]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.05")
 
 import jax  # noqa: E402
 

@@ -15,6 +15,8 @@ from tformer_jax.data.corpora import load_corpus
 from tformer_jax.nn import Transformer
 from tformer_jax.ops import kv_quant
 
+from train_utils import RUN_HEAVY
+
 
 def test_round_trip_error_is_half_a_step():
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 7, 3, 64)) * jnp.array([0.01, 1.0, 30.0])[:, None]
@@ -64,7 +66,7 @@ def trained_shakespeare():
   tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 3e-3, 20, 200), weight_decay=0.01)
   opt = tx.init(params)
 
-  @jax.jit
+  @functools.partial(jax.jit, compiler_options=RUN_HEAVY)   # 200 steps: run time, not compile time
   def step(params, opt, batch):
     def loss(p):
       logits = model.apply({"params": p}, batch[:, :-1])

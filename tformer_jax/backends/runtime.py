@@ -187,8 +187,10 @@ def _resolve_moe(rt: dict[str, Any], m: config_lib.ModelConfig, platform: str,
 def enable_compilation_cache(cache_dir: str = "") -> pathlib.Path:
   """Turn on JAX's persistent compilation cache under cache_dir (default $TFORMER_CACHE or
   ~/.cache/tformer_jax) + '/jax_compile': a rerun (training, or generation with the same model and
-  prompt bucket) loads its executables instead of compiling them. Compiles under 1 s are not stored."""
+  prompt bucket) loads its executables instead of compiling them. Compiles under 1 s are not stored
+  (JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS, JAX's own variable, sets another threshold)."""
   root = pathlib.Path(cache_dir or os.environ.get("TFORMER_CACHE", "~/.cache/tformer_jax")).expanduser()
   jax.config.update("jax_compilation_cache_dir", str(root / "jax_compile"))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                    float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", 1.0)))
   return root / "jax_compile"
