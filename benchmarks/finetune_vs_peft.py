@@ -3,6 +3,8 @@
   python benchmarks/finetune_vs_peft.py --hf=DIR [--modes=full,lora --batch=8 --seq=512 --steps=3 --warmup=1
                                         --threads=2 --json=OUT --variant=model.remat=none,optim.grad_accum=8]
 
+Needs torch, transformers and (for lora) peft: `pip install torch==2.13.0` first (the CPU wheel), then
+`pip install -e ".[reference]" "peft>=0.21,<0.22"`; a missing one is named in one line before anything runs.
 One process, one model (the HF directory --hf, e.g. SmolLM2-135M-Instruct from `tformer-convert --from-gguf`),
 float32 everywhere, the same batch x sequence and the same random token batches for every contender:
 - ours `full`: configs/finetune_hf.py's train step (the one tformer-train compiles: scanned layers, remat
@@ -27,6 +29,7 @@ Prints one line per contender, then one JSON line.
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import os
 import pathlib
@@ -210,6 +213,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cli_common.fail(f"--hf: {args.hf!r} is not an HF model directory (no config.json)")
   bad = [m for m in args.modes if m not in PRESETS]
   variants = [parse_variant(v) for v in args.variant]
+  missing = [m for m, needed in (("torch", True), ("transformers", True), ("peft", "lora" in args.modes))
+             if needed and importlib.util.find_spec(m) is None]
+  if missing:
+    cli_common.fail(f"the reference contenders need {', '.join(missing)}: pip install torch==2.13.0 first (the CPU "
+                    "wheel), then pip install -e '.[reference]' 'peft>=0.21,<0.22'")
   if bad or args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.seq < 2:
     cli_common.fail(f"--modes must name full and/or lora (got {bad}); --steps >= 1, --warmup >= 0, "
                     "--batch >= 1, --seq >= 2")
