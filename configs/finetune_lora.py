@@ -17,7 +17,10 @@ a 9.9 MB checkpoint (full: 1.4 GB); tests/test_lora.py: the merged export equals
 On the published SmolLM2-135M-Instruct weights (docs/recipe_smollm2.md, 8 steps at 8 x 512, evaluation at 4,
 save at 8): peak 2.81 GiB under tcmalloc (26-27 s/step on 2026-12-02's slower machine), 2.15 GiB under glibc.
 Against peft (benchmarks/finetune_vs_peft.py, one run, adapters applied unmerged): 193.8 against 213.9
-tokens/s, 0.91x, at 2.58 GiB against its 8.67 (docs/recipe_smollm2.md: why 1.3x does not fit in 3 GiB here).
+tokens/s, 0.91x, at 2.58 GiB against its 8.67 (docs/recipe_smollm2.md: why 1.3x does not fit in 3 GiB here);
+on 2026-12-03's machine, where torch's matmul is as fast as XLA's, 187.0 against 231.8 (0.81x). Faster at more
+memory: --config.model.remat=none --config.optim.grad_accum=4 (the same 8 x 512 a step in 4 parts, no
+recompute): 0.95x at 4.07 GiB there.
 """
 from tformer_jax.cli_common import load_config_file
 
