@@ -17,13 +17,12 @@ Subprocesses the tests start inherit it (tests/train_utils.env keeps it for thos
 device count). A test whose time is in running one program many times, not in compiling it, compiles that
 program optimised (train_utils.RUN_HEAVY, jax.jit's compiler_options).
 
-JAX's persistent compilation cache is on for the whole suite, the CLIs' own (backends.enable_compilation_cache:
-$TFORMER_CACHE/jax_compile, shared by the workers and every command a test runs), keeping compiles of 0.05 s
-and more, not only those over 1 s: most are under 1 s with the fusion emitters off, and many tests compile the
-same tiny models' programs under new jit objects, which only a cache keyed by the program finds again
-(test_train, test_workdir and test_cli from an empty cache: 111 s -> 102 s with the threshold alone in the
-commands; test_model, test_lora, test_decode, test_losses and test_moe_model: 146 s -> 133 s with the cache
-on in the workers too). It starts empty on a clean machine.
+The commands' persistent compilation cache (backends.enable_compilation_cache: every tformer-train a test
+runs, in a subprocess or in-process) keeps compiles of 0.05 s and more in the suite, not only those over 1 s:
+most are under 1 s with the fusion emitters off, and the suite's many tiny runs compile the same programs
+(test_train, test_workdir and test_cli from an empty cache: 111 s -> 102 s). It starts empty on a clean
+machine. Turning it on in the workers themselves as well helped five compile-heavy files (146 -> 133 s) but
+not the whole suite (17 min 06 s against 15 min 27 s from a clean clone): it is not on.
 """
 import os
 
@@ -38,10 +37,6 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.05")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-
-from tformer_jax.backends import enable_compilation_cache  # noqa: E402
-
-enable_compilation_cache()
 
 # The files that take longest from a cold cache (tests/durations: `pytest --durations=0`, summed per file),
 # longest first. scripts/test.sh runs `-n 2 --dist loadfile --no-loadscope-reorder`: each worker takes the next
