@@ -56,15 +56,23 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-# The files that take longest from a cold cache (tests/durations: `pytest --durations=0`, summed per file),
-# longest first. scripts/test.sh runs `-n 2 --dist loadfile --no-loadscope-reorder`: each worker takes the next
-# file in collection order, so these go first and the short files fill in behind them (xdist's default order,
-# most tests first, put the few-test heavy files such as test_recipe.py last, one worker running them alone).
-# Unlisted files keep their order after these. A stale entry costs only balance, never a result.
+# The files, longest first, by their time in one cold clean-clone run (`pytest --durations=0` summed per file,
+# 2026-12-03): every file of 10 s or more. scripts/test.sh runs `-n 2 --dist loadfile --no-loadscope-reorder`:
+# each worker takes the next file in collection order, so longest-first leaves the two workers to finish within
+# about one short file of each other (with only the heaviest 14 listed, one worker ended 30 s before the other,
+# its last file a 42 s one). xdist's default order (most tests first) put the few-test heavy files such as
+# test_recipe.py last, one worker running them alone. Unlisted files keep their order after these; a stale
+# entry costs only balance, never a result.
 HEAVY_FIRST = (
-    "test_decode.py", "test_parallel.py", "test_reliability_checkpoint.py", "test_train.py", "test_gguf.py",
-    "test_moe_parallel.py", "test_recipe.py", "test_gpu_check.py", "test_context_parallel.py",
-    "test_long_context.py", "test_model.py", "test_lora.py", "test_backends.py", "test_cli.py",
+    "test_reliability_checkpoint.py", "test_recipe.py", "test_train.py", "test_parallel.py", "test_gpu_check.py",
+    "test_decode.py", "test_gguf.py", "test_moe_parallel.py", "test_lora.py", "test_context_parallel.py",
+    "test_workdir.py", "test_doctor.py", "test_model.py", "test_optim.py", "test_long_context.py", "test_aot.py",
+    "test_diagnostics.py", "test_backends.py", "test_hf_interop.py", "test_losses.py", "test_harness.py",
+    "test_hf_export.py", "test_config_errors.py", "test_splash.py", "test_kv_quant.py", "test_moe.py",
+    "test_moe_model.py", "test_real_model_path.py", "test_config.py", "test_cli.py", "test_hf_import_faults.py",
+    "test_prepared_data.py", "test_linear_attention.py", "test_fused_adamw.py", "test_sparse_masks.py",
+    "test_estimate.py", "test_blockwise.py", "test_chunked_attention.py", "test_cpu_kernel.py", "test_finetune.py",
+    "test_attention.py", "test_objectives.py", "test_bench.py", "test_sampling.py",
 )
 
 
