@@ -14,9 +14,9 @@ PY=${PYTHON:-python3}
 # jax[tpu] pins for the jax just installed (kept: no other jax is tried). Optional: without it those tests skip.
 JAX_VERSION=$("$VENV/bin/python" -c "import jax; print(jax.__version__)")
 # ml_dtypes 0.7.0 takes ~0.8 s to import (numpy searches its loop list once per ufunc loop registered:
-# quadratic), against ~0.1 s for 0.6.0, and every process of the suite that imports jax pays it (a few hundred:
-# the command-line tests, two-process runs, gpu_check's stages). jax, jaxlib and tensorstore need >=0.5. Kept at
-# the jax just installed; where that jax needs 0.7, the newest is kept.
+# quadratic), against ~0.1 s for 0.6.0, and every process of the suite that imports jax pays it (50 or more in a
+# run: the command-line tests, two-process runs, gpu_check's stages; 40-60 s of the two workers' time). jax, jaxlib
+# and tensorstore need >=0.5. Kept at the jax just installed; where that jax needs 0.7, the newest is kept.
 "$VENV/bin/python" -m pip install -q "ml_dtypes>=0.5,<0.7" "jax==$JAX_VERSION" \
   || echo "note: ml_dtypes kept at $("$VENV/bin/python" -c "import ml_dtypes; print(ml_dtypes.__version__)")"
 "$VENV/bin/python" -m pip install -q -e ".[tpu-aot]" "jax==$JAX_VERSION" \
