@@ -136,9 +136,9 @@ def timed(step: Any, batches: Sequence[Any], warmup: int, steps: int) -> dict[st
   return {"first_step_s": round(first, 2), "step_s": [round(t, 3) for t in times], "final_loss": round(loss, 5)}
 
 
-def run_ours(mode: str, args: Any, batches: Sequence[np.ndarray], variant: dict[str, str] | None = None
+def run_ours(mode: str, cfg: Any, args: Any, batches: Sequence[np.ndarray], variant: dict[str, str] | None = None
              ) -> dict[str, Any]:
-  cfg = our_config(mode, args.hf, args.batch, args.seq, variant)
+  """Ours on `cfg` (our_config of `mode` with `variant`'s overrides): built, the weights loaded, timed."""
   mesh = mesh_lib.make_mesh(cfg.mesh)
   runtime = backends.resolve_runtime(cfg, mesh_devices=1, quiet=True)
   with backends.use(runtime.backend):
@@ -222,9 +222,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cli_common.fail(f"--modes must name full and/or lora (got {bad}); --steps >= 1, --warmup >= 0, "
                     "--batch >= 1, --seq >= 2")
   args.hf = str(pathlib.Path(args.hf).expanduser().resolve())
-  for mode in args.modes:       # a bad override or an invalid combination: one line, before anything loads
-    for v in variants:
-      our_config(mode, args.hf, args.batch, args.seq, v)
+  # every configuration of ours, the preset's first, resolved and validated before anything loads (a bad override
+  # or an invalid combination: one line)
+  configs = {mode: [our_config(mode, args.hf, args.batch, args.seq, v) for v in ({}, *variants)] for mode in args.modes}
   import torch  # noqa: PLC0415 (after the allocator re-exec)
   import transformers  # noqa: PLC0415
   torch.set_num_threads(args.threads)
@@ -248,14 +248,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return out
 
   for mode in args.modes:
-    ours = contender(run_ours, mode, args, batches)
+    ours = contender(run_ours, mode, configs[mode][0], args, batches)
     theirs = contender(run_torch, mode, args, batches)
     res[mode] = {"ours": ours, "theirs": theirs, "ratio": round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3)}
     print(f"{mode}: ours {ours['tokens_per_s']:.1f} tokens/s (first step {ours['first_step_s']:.1f} s, peak RSS "
           f"{ours['peak_rss_gib']} GiB), theirs {theirs['tokens_per_s']:.1f} tokens/s ({theirs['peak_rss_gib']} GiB): "
           f"{res[mode]['ratio']:.2f}x", flush=True)
-    for text, v in zip(args.variant, variants):
-      alt = contender(run_ours, mode, args, batches, v)
+    for text, v, cfg in zip(args.variant, variants, configs[mode][1:]):
+      alt = contender(run_ours, mode, cfg, args, batches, v)
       alt["ratio"] = round(alt["tokens_per_s"] / theirs["tokens_per_s"], 3)
       res[mode].setdefault("ours_variants", {})[text] = alt
       print(f"{mode}, ours with {text}: {alt['tokens_per_s']:.1f} tokens/s (peak RSS {alt['peak_rss_gib']} GiB): "
@@ -266,4 +266,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(cli_common.run_main(main))

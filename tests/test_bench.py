@@ -205,3 +205,33 @@ def test_llama_gpu_config_validates():
   assert (m.d_model, m.num_layers, m.kv_heads, m.ff, cfg.runtime.attention, m.dtype) == (
       2048, 16, 8, 5632, "cudnn", "bfloat16")
   assert 0.8e9 < flops.param_counts(m)["total"] < 1.2e9
+
+
+@pytest.mark.reference
+def test_finetune_vs_peft_bad_input_is_one_line_before_any_model_loads(tmp_path, capsys):
+  """benchmarks/finetune_vs_peft.py: a bad --hf, --variant or config override is one `error:` line and exit
+  status 2, found before any model is built or loaded; in-process through cli_common.run_main, and once as the
+  command itself (its entry point, which used to let the error out as a traceback)."""
+  pytest.importorskip("transformers")
+  import hf_utils  # noqa: PLC0415 (imports torch)
+  hf_utils.save_llama(tmp_path / "hf", 300, hidden=32, ffn=64, max_positions=64, tied=True)
+  spec = importlib.util.spec_from_file_location("finetune_vs_peft", REPO / "benchmarks" / "finetune_vs_peft.py")
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  capsys.readouterr()                 # the model's save progress bar
+  hf = f"--hf={tmp_path / 'hf'}", "--seq=32"
+  for argv, want in (
+      ([f"--hf={tmp_path}", "--modes=full"], f"error: --hf: '{tmp_path}' is not an HF model directory"),
+      ([*hf, "--modes=full", "--variant=model.remat"], "error: --variant: 'model.remat' is not FIELD=V,..."),
+      ([*hf, "--modes=full", "--variant=model.remat=bogus"], "error: model.remat: unknown value 'bogus'"),
+      ([*hf, "--modes=full", "--variant=model.num_layer=2"], "error: model.num_layer: unknown field")):
+    try:
+      rc = cli_common.run_main(bench.main, argv)
+    except SystemExit as e:           # cli_common.fail exits itself, after its one line
+      rc = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith(want), (argv, err)
+  p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "finetune_vs_peft.py"), *hf, "--modes=full",
+                      "--variant=model.remat=bogus"], capture_output=True, text=True, timeout=120)
+  assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith(
+      "error: model.remat: unknown value 'bogus'") and "Traceback" not in p.stderr, p.stderr[-2000:]
