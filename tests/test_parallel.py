@@ -233,7 +233,11 @@ def test_survivor_exits_with_an_error_when_a_process_dies(tmp_path):
         p.kill()
         p.communicate()
   assert procs[0].returncode != 0
-  clear = ("another task died", "unhealthy", "closed by peer", "Connection reset")
+  # how the survivor learns of it depends on where the kill lands: the coordination service's heartbeat, or gloo
+  # on the broken connection (closed, reset, or, when the peer dies mid-message, a truncated one: gloo then aborts
+  # with "Received data size doesn't match expected size", seen once in about a dozen suite runs on 2 cores)
+  clear = ("another task died", "unhealthy", "closed by peer", "Connection reset",
+           "Received data size doesn't match expected size")
   assert any(c in out for c in clear), out[-3000:]
 
 
