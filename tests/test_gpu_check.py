@@ -49,7 +49,11 @@ def test_smoke_every_stage_and_a_failing_stage_keeps_results(tmp_path):
   want = {("tformer_jax", "cached", 2)} | ({("transformers", m, 2) for m in ("eager", "static")} if torch_ok else set())
   assert {(r["impl"], r["mode"], r["batch"]) for r in rows} == want
   for r in rows:
-    assert r["tok_s"] > 0 and r["per_token_ms"] > 0 and r["first_call_s"] >= r["compile_s"] >= 0, r
+    assert r["tok_s"] > 0 and r["first_call_s"] >= r["compile_s"] >= 0, r
+    # ours times its compiled step loop alone; transformers' per-token time is a difference of two medians (the
+    # full call's and a one-token call's, benchmarks/torch_generate.py), which for this tiny model under the other
+    # worker's load can come out negative (-3.5 ms once): a number there, a positive one for ours
+    assert math.isfinite(r["per_token_ms"]) and (r["impl"] != "tformer_jax" or r["per_token_ms"] > 0), r
   lay = st["c"]["results"]["layouts"]          # the decode layout the runtime did not pick, measured beside it
   assert all(lay[k]["compile_s"] > 0 and lay[k]["per_token_ms"] > 0 for k in ("scanned", "unrolled")), lay
   assert lay["slower_compile"] in ("scanned", "unrolled")
