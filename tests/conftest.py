@@ -30,23 +30,25 @@ import os
 import pathlib
 
 
-def _xla_knows(flag: str) -> bool:
-  """Whether the installed jaxlib has this XLA flag (its name in jaxlib's shared libraries): XLA aborts the
-  process on an unknown flag in XLA_FLAGS, so a speed flag that a jaxlib of the pinned range lacks is left out."""
-  name = flag.lstrip("-").split("=")[0].encode()
+def _xla_known(flags: tuple[str, ...]) -> list[str]:
+  """Those of `flags` the installed jaxlib has (their names in jaxlib's shared libraries, each library read
+  once): XLA aborts the process on an unknown flag in XLA_FLAGS, so a speed flag that a jaxlib of the pinned
+  range lacks is left out."""
+  names = {f: f.lstrip("-").split("=")[0].encode() for f in flags}
   spec = importlib.util.find_spec("jaxlib")
   libs = sorted(pathlib.Path(spec.origin).parent.glob("*.so"), key=lambda f: -f.stat().st_size) if spec else []
+  found: set[str] = set()
   for lib in libs:
-    with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-      if m.find(name) >= 0:
-        return True
-  return False
+    with open(lib, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m:
+      found |= {f for f, name in names.items() if f not in found and m.find(name) >= 0}
+    if len(found) == len(flags):
+      break
+  return [f for f in flags if f in found]
 
 
 _FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
           "--xla_llvm_disable_expensive_passes=true",
-          *(f for f in ("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
-            if _xla_knows(f)))
+          *_xla_known(("--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")))
 _given = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join([_given, *(f for f in _FLAGS if f.split("=")[0] not in _given)]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

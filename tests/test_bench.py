@@ -145,12 +145,17 @@ def test_matmul_rates_keys():
   assert set(r) == {"best", "median", "mean"} and r["best"] >= r["median"] > 0
 
 
-def _torch_gpt2():
-  spec = importlib.util.spec_from_file_location("torch_gpt2", REPO / "benchmarks" / "torch_gpt2.py")
+def _benchmark(name: str):
+  """benchmarks/NAME.py as a module (the folder is not a package)."""
+  spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
   mod = importlib.util.module_from_spec(spec)
-  sys.modules["torch_gpt2"] = mod   # dataclasses look their module up there
+  sys.modules[name] = mod   # dataclasses look their module up there
   spec.loader.exec_module(mod)
   return mod
+
+
+def _torch_gpt2():
+  return _benchmark("torch_gpt2")
 
 
 @pytest.mark.reference
@@ -215,9 +220,7 @@ def test_finetune_vs_peft_bad_input_is_one_line_before_any_model_loads(tmp_path,
   pytest.importorskip("transformers")
   import hf_utils  # noqa: PLC0415 (imports torch)
   hf_utils.save_llama(tmp_path / "hf", 300, hidden=32, ffn=64, max_positions=64, tied=True)
-  spec = importlib.util.spec_from_file_location("finetune_vs_peft", REPO / "benchmarks" / "finetune_vs_peft.py")
-  bench = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(bench)
+  bench = _benchmark("finetune_vs_peft")
   capsys.readouterr()                 # the model's save progress bar
   hf = f"--hf={tmp_path / 'hf'}", "--seq=32"
   for argv, want in (
