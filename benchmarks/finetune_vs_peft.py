@@ -28,6 +28,7 @@ Prints one line per contender, then one JSON line.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -52,7 +53,8 @@ import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 
 from tformer_jax import backends, cli_common  # noqa: E402
-from tformer_jax.bench import emit  # noqa: E402
+from tformer_jax.bench import emit, flops as flops_lib  # noqa: E402
+from tformer_jax.bench.train import matmul_rates  # noqa: E402
 from tformer_jax.cli_common import load_config_file  # noqa: E402
 from tformer_jax.config import validate  # noqa: E402
 from tformer_jax.parallel import mesh as mesh_lib  # noqa: E402
@@ -158,6 +160,7 @@ def run_ours(mode: str, cfg: Any, args: Any, batches: Sequence[np.ndarray], vari
     out = timed(step, batches, args.warmup, args.steps)
   rt = runtime.as_dict()
   out["trained_params"] = state_lib.param_count(state[0].params)
+  out["mflop_per_token"] = mflop_per_token(program.model_config, args, out["trained_params"] if mode == "lora" else 0)
   out["config"] = {"preset": PRESETS[mode], "overrides": variant or {}, "remat": cfg.model.remat,
                    "grad_accum": int(cfg.optim.grad_accum), "scan_layers": bool(cfg.model.scan_layers),
                    "loss_chunk": int(cfg.train.loss_chunk),
@@ -165,12 +168,13 @@ def run_ours(mode: str, cfg: Any, args: Any, batches: Sequence[np.ndarray], vari
   return out
 
 
-def run_torch(mode: str, args: Any, batches: Sequence[np.ndarray]) -> dict[str, Any]:
+def run_torch(mode: str, cfg: Any, args: Any, batches: Sequence[np.ndarray]) -> dict[str, Any]:
+  """transformers (full) or transformers + peft (lora) on args.hf, with the optimizer settings of `cfg` (our
+  preset of `mode`, resolved), timed as ours."""
   import torch  # noqa: PLC0415 (the reference contender only)
   import torch.nn.functional as F  # noqa: PLC0415
   import transformers  # noqa: PLC0415
 
-  cfg = load_config_file(PRESETS[mode])
   o = cfg.optim
   model = transformers.AutoModelForCausalLM.from_pretrained(args.hf, dtype=torch.float32, attn_implementation="sdpa")
   model.config.use_cache = False
@@ -198,9 +202,45 @@ def run_torch(mode: str, args: Any, batches: Sequence[np.ndarray]) -> dict[str, 
 
   out = timed(step, batches, args.warmup, args.steps)
   out["trained_params"] = sum(p.numel() for p in params)
+  # the same architecture's count at no recompute (their step keeps every activation)
+  m = dataclasses.replace(setup_lib.resolve_model_config(cfg), remat="none")
+  out["mflop_per_token"] = mflop_per_token(m, args, out["trained_params"] if mode == "lora" else 0)
   out["config"] = {"library": "peft " + peft.__version__ if mode == "lora" else "transformers",
                    "attention": "sdpa", "gradient_checkpointing": False, "torch_threads": torch.get_num_threads()}
   return out
+
+
+def mflop_per_token(m: Any, args: Any, adapter_params: int) -> float:
+  """Matmul MFLOP a token that a step of `m` (at m.remat) executes: bench.flops.finetune_flops, the attention
+  counted causal (the lower triangle, what a flash kernel that skips masked blocks computes: torch's SDPA;
+  our chunked kernel computes whole 64-query tiles, a little more), LoRA over a frozen base when
+  adapter_params > 0."""
+  fl = flops_lib.finetune_flops(m, args.batch, args.seq, adapter_params=adapter_params, attn="causal")
+  return round(fl["executed"] / (args.batch * args.seq) / 1e6, 3)
+
+
+def torch_matmul_rate(n: int = 2048, reps: int = 5) -> float:
+  """torch's best GFLOP/s on an n x n @ n x n float32 matmul (2 n^3 FLOPs) over `reps` calls, after one."""
+  import torch  # noqa: PLC0415
+  a, b = torch.randn(n, n), torch.randn(n, n)
+  torch.matmul(a, b)
+  best = float("inf")
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    torch.matmul(a, b)
+    best = min(best, time.perf_counter() - t0)
+  return round(2 * n ** 3 / best / 1e9, 1)
+
+
+def bound(mode_res: dict[str, Any], matmul: dict[str, float]) -> dict[str, Any]:
+  """What the two libraries' matmul rates allow: their step's FLOP rate (their executed MFLOP a token x
+  tokens/s) as a share of torch's measured matmul rate, and `ceiling_ratio`, the ratio ours would reach
+  executing no more FLOPs than theirs at XLA's measured matmul rate with nothing else costing time: no
+  configuration of ours can beat it by more than that rate's own noise."""
+  theirs = mode_res["theirs"]
+  gflops = theirs["mflop_per_token"] * theirs["tokens_per_s"] / 1e3
+  return {"theirs_gflops": round(gflops, 2), "theirs_share_of_torch_matmul": round(gflops / matmul["torch"], 4),
+          "ceiling_ratio": round(matmul["xla"] / gflops, 3)}
 
 
 def rate(r: dict[str, Any], tokens: int) -> float:
@@ -235,7 +275,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       "bench": "finetune_vs_peft", "hf": args.hf, "batch": args.batch, "seq": args.seq, "tokens_per_step": tokens,
       "steps": args.steps, "warmup": args.warmup, "precision": "float32", "torch": torch.__version__,
       "transformers": transformers.__version__, "jax": jax.__version__, "torch_threads": args.threads,
-      "cpu_count": os.cpu_count(), "allocator": host_alloc.loaded_allocator(), "machine": platform.processor()}
+      "cpu_count": os.cpu_count(), "allocator": host_alloc.loaded_allocator(), "machine": platform.processor(),
+      # each library's best float32 rate on a 2048^3 matmul, measured here before the contenders
+      "matmul_gflops": {"xla": round(matmul_rates(2048, 5)["best"], 1), "torch": torch_matmul_rate()}}
   def contender(run: Any, *a: Any) -> dict[str, Any]:
     """run(*a) with its own peak RSS (the process's high-water mark reset before it; the previous
     contender's memory handed back first, so each peak is its own plus the process's baseline)."""
@@ -249,11 +291,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
   for mode in args.modes:
     ours = contender(run_ours, mode, configs[mode][0], args, batches)
-    theirs = contender(run_torch, mode, args, batches)
+    theirs = contender(run_torch, mode, configs[mode][0], args, batches)
     res[mode] = {"ours": ours, "theirs": theirs, "ratio": round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3)}
+    res[mode].update(bound(res[mode], res["matmul_gflops"]))
     print(f"{mode}: ours {ours['tokens_per_s']:.1f} tokens/s (first step {ours['first_step_s']:.1f} s, peak RSS "
           f"{ours['peak_rss_gib']} GiB), theirs {theirs['tokens_per_s']:.1f} tokens/s ({theirs['peak_rss_gib']} GiB): "
           f"{res[mode]['ratio']:.2f}x", flush=True)
+    print(f"{mode}: theirs executes {theirs['mflop_per_token']} MFLOP a token (ours {ours['mflop_per_token']}), "
+          f"{res[mode]['theirs_gflops']} GFLOP/s: {100 * res[mode]['theirs_share_of_torch_matmul']:.0f}% of torch's "
+          f"matmul rate; ours at XLA's matmul rate with no other cost: {res[mode]['ceiling_ratio']:.2f}x",
+          flush=True)
     for text, v, cfg in zip(args.variant, variants, configs[mode][1:]):
       alt = contender(run_ours, mode, cfg, args, batches, v)
       alt["ratio"] = round(alt["tokens_per_s"] / theirs["tokens_per_s"], 3)

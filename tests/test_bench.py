@@ -2,6 +2,7 @@
 
 No timing is asserted anywhere: speed lives in the benchmarks' JSON, not in tests.
 """
+import dataclasses
 import importlib.util
 import json
 import math
@@ -18,6 +19,7 @@ import pytest
 from tformer_jax import cli_common
 from tformer_jax.bench import flops, train as train_bench
 from tformer_jax.config import ModelConfig
+from tformer_jax.train import setup as setup_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.max_len=32",
@@ -238,3 +240,32 @@ def test_finetune_vs_peft_bad_input_is_one_line_before_any_model_loads(tmp_path,
                       "--variant=model.remat=bogus"], capture_output=True, text=True, timeout=120)
   assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith(
       "error: model.remat: unknown value 'bogus'") and "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+def test_finetune_vs_peft_runs_and_bounds_the_ratio(tmp_path):
+  """benchmarks/finetune_vs_peft.py end to end on a small Llama (full mode, one timed step, both contenders):
+  the JSON's ratio is ours / theirs, each contender's MFLOP a token is bench.flops.finetune_flops at its
+  remat (theirs: none), and the ceiling is XLA's measured matmul rate over theirs' FLOP rate."""
+  pytest.importorskip("transformers")
+  import hf_utils  # noqa: PLC0415 (imports torch)
+  hf_utils.save_llama(tmp_path / "hf", 300, hidden=32, ffn=64, max_positions=64, tied=True)
+  bench = _benchmark("finetune_vs_peft")
+  out = tmp_path / "r.json"
+  bench.main([f"--hf={tmp_path / 'hf'}", "--modes=full", "--batch=8", "--seq=16", "--steps=1", "--warmup=0",
+              "--threads=2", f"--json={out}"])
+  r = json.loads(out.read_text())
+  full, mm = r["full"], r["matmul_gflops"]
+  assert mm["xla"] > 0 and mm["torch"] > 0
+  ours, theirs = full["ours"], full["theirs"]
+  assert full["ratio"] == pytest.approx(ours["tokens_per_s"] / theirs["tokens_per_s"], rel=2e-3)
+  assert ours["trained_params"] == theirs["trained_params"]
+  cfg = bench.our_config("full", str(tmp_path / "hf"), 8, 16)
+  m = setup_lib.resolve_model_config(cfg)
+  fl = flops.finetune_flops(m, 8, 16, attn="causal")["executed"] / 128 / 1e6
+  assert ours["mflop_per_token"] == pytest.approx(fl, abs=1e-3) and m.remat == "full"
+  none = flops.finetune_flops(dataclasses.replace(m, remat="none"), 8, 16, attn="causal")["executed"] / 128 / 1e6
+  assert theirs["mflop_per_token"] == pytest.approx(none, abs=1e-3) and none < fl
+  gflops = theirs["mflop_per_token"] * theirs["tokens_per_s"] / 1e3
+  assert full["theirs_gflops"] == pytest.approx(gflops, abs=0.01)
+  assert full["ceiling_ratio"] == pytest.approx(mm["xla"] / gflops, rel=0.01)
+  assert full["theirs_share_of_torch_matmul"] == pytest.approx(gflops / mm["torch"], abs=2e-4)

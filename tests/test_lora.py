@@ -301,3 +301,28 @@ def test_lora_stats_are_the_merged_models(hf_dir, tmp_path):
   assert set(want) < set(got) and "attn_entropy/layer_1" in want
   np.testing.assert_allclose([got[k] for k in want], [float(want[k]) for k in want], rtol=1e-5, atol=1e-6)
   assert got["update_ratio/embed"] == 0 and got["update_ratio/layers_0/attn"] > 0 and got["lora/grad_norm"] > 0
+
+
+@pytest.mark.parametrize("rank,remat", [(8, "none"), (8, "full"), (8, "save_mlp_in"), (0, "full")])
+def test_step_flops_formula_matches_the_compiled_step(hf_dir, rank, remat):
+  """bench.flops.finetune_flops, the count the fine-tuning benchmark reports: within 2% of the matmul FLOPs in
+  the compiled train step's HLO (aot.hlo_matmul_flops), for LoRA over the frozen base (no weight gradients of
+  the base, the adapters' products, the recompute) and for a full fine-tune under remat 'full' (which does not
+  rerun the FFN's output projection). The formula counts the norms' scales as matmul weights (~0.3% here)."""
+  from tformer_jax import aot  # noqa: PLC0415
+  from tformer_jax.bench import flops  # noqa: PLC0415
+  c = _cfg(hf_dir, 2, rank, **{"model.remat": remat})
+  c.runtime.attention = "xla"   # the dense kernel: the formula's 'full' attention term
+  c = init_from.resolve(c)
+  mesh, backend = mesh_lib.make_mesh(c.mesh), backends.Backend()
+  with backends.use(backend):
+    program = setup_lib.build(c, mesh, backend)
+    state = jax.eval_shape(lambda: state_lib.create_state(program.init, jax.random.PRNGKey(0), None))
+    batch = {k: jax.ShapeDtypeStruct((8, 32), jnp.int32, sharding=program.batch_sharding)
+             for k in ("inputs", "targets")}
+    hlo = aot.hlo_matmul_flops(program.train_step.lower(state, batch).compile().as_text())
+  adapters = state_lib.param_count(state.params) if rank else 0
+  assert (adapters > 0) == bool(rank)
+  want = flops.finetune_flops(program.model_config, 8, 32, adapter_params=adapters)
+  assert want["frozen_base"] == bool(rank)
+  assert hlo == pytest.approx(want["executed"], rel=0.02), (hlo, want)

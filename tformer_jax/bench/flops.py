@@ -19,7 +19,8 @@ Elementwise work (softmax, norms, GELU, the optimizer) is not counted: MFU is ma
 the machine's matmul rate, as in PaLM (Chowdhery et al. 2022, appendix B).
 
 What a compiled step executes adds the rematerialised forward (`with_recompute`): remat 'full' runs
-each layer's forward twice (x 4/3 on the layers: forward 2 + recompute 2 + backward 4; the embedding
+each layer's forward twice (x 4/3 on the layers: forward 2 + recompute 2 + backward 4, less the
+projections no backward reads, `_not_rerun`: a pre-LN block's FFN output; the embedding
 and LM head are outside the checkpointed blocks), 'dots_no_batch' recomputes the attention's batched
 matmuls (x 4/3 on the attention term), 'dots' saves every matmul output (x 1), and the named policies
 ('save_qkvo', 'save_mlp_in') rerun what 'full' does less the forward of the projections they keep.
@@ -99,6 +100,19 @@ def _projection_params(m: ModelConfig, name: str) -> int:
           "out_proj": q * m.d_model, "mlp_in": m.d_model * m.ff, "mlp_gate": m.d_model * m.ff if glu else 0}[name]
 
 
+def _not_rerun(m: ModelConfig) -> float:
+  """Weights per layer (averaged over the layers) whose forward a recomputed layer skips: the projections
+  whose outputs only feed the layer's output sum, which the backward never reads (JAX's remat reruns only
+  what the gradient needs): in a pre-LN block the FFN's output projection, with a parallel residual the
+  attention's output projection too. A post-LN block's norm reads that sum, so it reruns them all; MoE FFNs
+  (their outputs weigh the router's gradient) are rerun too."""
+  if m.norm_position != "pre" and not m.parallel_residual:
+    return 0
+  dense = m.num_layers - (m.num_layers // m.moe.every if m.moe.num_experts else 0)   # layers with a dense FFN
+  out_proj = m.num_heads * m.hd * m.d_model if m.parallel_residual else 0
+  return dense * m.ff * m.d_model / m.num_layers + out_proj
+
+
 def with_recompute(m: ModelConfig, batch: int, seq: int, attn: str = "full") -> dict[str, Any]:
   """`flops_per_step` plus 'with_recompute': the FLOPs the step executes with `m.remat`'s recomputed
   forward (module docstring), and 'remat'."""
@@ -109,10 +123,32 @@ def with_recompute(m: ModelConfig, batch: int, seq: int, attn: str = "full") -> 
     one, two = (flops_per_step(dataclasses.replace(m, num_layers=k), batch, seq, attn)["flops_per_step"]
                 for k in (1, 2))
     extra = (two - one) * m.num_layers / 3
-    if isinstance(saved, tuple):   # named outputs kept: their projections' forward is not rerun
-      extra -= 2 * batch * seq * m.num_layers * sum(_projection_params(m, n) for n in saved)
+    # named outputs kept, and the projections whose outputs nothing in the backward reads: their forward
+    # is not rerun
+    kept = sum(_projection_params(m, n) for n in saved) if isinstance(saved, tuple) else 0
+    extra -= 2 * batch * seq * m.num_layers * (kept + _not_rerun(m))
   elif m.remat == "dots_no_batch":
     extra = out["attention_flops"] / 3
   out["with_recompute"] = out["flops_per_step"] + extra
   out["remat"] = m.remat
   return out
+
+
+def finetune_flops(m: ModelConfig, batch: int, seq: int, *, adapter_params: int = 0,
+                   attn: str = "full") -> dict[str, Any]:
+  """`with_recompute` for a fine-tuning step; with adapter_params > 0, a LoRA step over frozen weights.
+
+  LoRA (ops/lora.py, applied unmerged: x W + (x A) s B): the frozen weights take no gradient, so the
+  step executes 'with_recompute' less the weight-gradient products (2 * N_matmul * T), plus the adapters'
+  own products: forward, input gradient and weight gradient (6 * adapter_params * T), and where remat
+  reruns the layers ('full' and the named policies) their forward again (2 * adapter_params * T: an upper
+  bound, as an adapter on a projection that is not rerun is counted rerun). adapter_params is their count
+  (A and B of every adapted projection). Adds 'executed' (the FLOPs the step runs) and 'frozen_base'.
+  Within 2% of the matmul FLOPs in the compiled step's HLO (tests/test_lora.py)."""
+  out = with_recompute(m, batch, seq, attn)
+  t = batch * seq
+  executed = out["with_recompute"]
+  if adapter_params:
+    rerun = m.remat == "full" or isinstance(REMAT_POLICIES.get(m.remat), tuple)
+    executed += -2 * out["n_matmul"] * t + (8 if rerun else 6) * adapter_params * t
+  return {**out, "executed": executed, "frozen_base": bool(adapter_params)}
