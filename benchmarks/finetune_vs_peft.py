@@ -24,7 +24,13 @@ or micro-batches (optim.grad_accum: the same batch per optimizer step, in parts)
 contender's own high-water mark of this process (reset before it; the shared baseline of the imports
 included). Run as a command it re-runs itself under tcmalloc when installed (both
 contenders then share that allocator; `allocator` in the JSON). Measure on an otherwise idle machine.
-Prints one line per contender, then one JSON line.
+What bounds the ratio: `matmul_gflops` holds each library's best rate on a 2048^3 float32 matmul, timed
+before the contenders; each contender's `mflop_per_token` is the matmul work its step executes
+(bench.flops.finetune_flops: theirs at no recompute, ours at its remat; LoRA without the frozen weights'
+gradients); per mode, `theirs_gflops` is their step's FLOP rate, `theirs_share_of_torch_matmul` that rate
+over torch's matmul rate, and `ceiling_ratio` XLA's matmul rate over theirs: the ratio ours would reach
+executing no more FLOPs than theirs at XLA's matmul rate with nothing else taking time.
+Prints one line per contender and one per mode for the bound, then one JSON line.
 """
 from __future__ import annotations
 
