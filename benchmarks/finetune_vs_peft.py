@@ -24,17 +24,19 @@ or micro-batches (optim.grad_accum: the same batch per optimizer step, in parts)
 contender's own high-water mark of this process (reset before it; the shared baseline of the imports
 included). Run as a command it re-runs itself under tcmalloc when installed (both
 contenders then share that allocator; `allocator` in the JSON). Measure on an otherwise idle machine.
-What bounds the ratio: `matmul_gflops` holds each library's best rate on a 2048^3 float32 matmul, timed
-before the contenders; each contender's `mflop_per_token` is the matmul work its step executes
-(bench.flops.finetune_flops: theirs at no recompute, ours at its remat; LoRA without the frozen weights'
-gradients); per mode, `theirs_gflops` is their step's FLOP rate, `theirs_share_of_torch_matmul` that rate
-over torch's matmul rate, and `ceiling_ratio` XLA's matmul rate over theirs: the ratio ours would reach
-executing no more FLOPs than theirs at XLA's matmul rate with nothing else taking time.
+What bounds the ratio: `matmul_gflops` holds each library's best float32 matmul rate (a 2048^3 product and
+the model's FFN products at batch x seq tokens; `by_shape` each), timed before the contenders; each
+contender's `mflop_per_token` is the matmul work its step executes (bench.flops.finetune_flops: theirs at no
+recompute, ours at its remat; LoRA without the frozen weights' gradients); per mode, `theirs_gflops` is
+their step's FLOP rate, `theirs_share_of_torch_matmul` that rate over torch's matmul rate, and
+`ceiling_ratio` XLA's matmul rate over theirs: the ratio ours would reach executing no more FLOPs than
+theirs at XLA's best matmul rate with nothing else taking time.
 Prints one line per contender and one per mode for the bound, then one JSON line.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import importlib.util
 import json
@@ -60,7 +62,6 @@ from absl import flags  # noqa: E402
 
 from tformer_jax import backends, cli_common  # noqa: E402
 from tformer_jax.bench import emit, flops as flops_lib  # noqa: E402
-from tformer_jax.bench.train import matmul_rates  # noqa: E402
 from tformer_jax.cli_common import load_config_file  # noqa: E402
 from tformer_jax.config import validate  # noqa: E402
 from tformer_jax.parallel import mesh as mesh_lib  # noqa: E402
@@ -225,17 +226,30 @@ def mflop_per_token(m: Any, args: Any, adapter_params: int) -> float:
   return round(fl["executed"] / (args.batch * args.seq) / 1e6, 3)
 
 
-def torch_matmul_rate(n: int = 2048, reps: int = 5) -> float:
-  """torch's best GFLOP/s on an n x n @ n x n float32 matmul (2 n^3 FLOPs) over `reps` calls, after one."""
+def matmul_rates(shapes: Sequence[tuple[int, int, int]], reps: int = 5) -> dict[str, Any]:
+  """Each library's best float32 GFLOP/s (2 m k n FLOPs a call, the fastest of `reps` calls after one) on
+  each (m, k, n) product, 2 threads or whatever both were given: {'xla': best over the shapes, 'torch': the
+  same, 'by_shape': {'MxKxN': {'xla', 'torch'}}}."""
   import torch  # noqa: PLC0415
-  a, b = torch.randn(n, n), torch.randn(n, n)
-  torch.matmul(a, b)
-  best = float("inf")
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    torch.matmul(a, b)
-    best = min(best, time.perf_counter() - t0)
-  return round(2 * n ** 3 / best / 1e9, 1)
+  product = jax.jit(lambda a, b: a @ b)
+  rng = np.random.default_rng(0)
+  by_shape = {}
+  for m, k, n in shapes:
+    a, b = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
+    xa, xb, ta, tb = jax.device_put(a), jax.device_put(b), torch.from_numpy(a), torch.from_numpy(b)
+    calls = {"xla": functools.partial(lambda x, y: product(x, y).block_until_ready(), xa, xb),
+             "torch": functools.partial(torch.matmul, ta, tb)}
+    rates = {}
+    for lib, call in calls.items():
+      call()
+      best = float("inf")
+      for _ in range(reps):
+        t0 = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - t0)
+      rates[lib] = round(2 * m * k * n / best / 1e9, 1)
+    by_shape[f"{m}x{k}x{n}"] = rates
+  return {lib: max(r[lib] for r in by_shape.values()) for lib in ("xla", "torch")} | {"by_shape": by_shape}
 
 
 def bound(mode_res: dict[str, Any], matmul: dict[str, float]) -> dict[str, Any]:
@@ -274,7 +288,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   import torch  # noqa: PLC0415 (after the allocator re-exec)
   import transformers  # noqa: PLC0415
   torch.set_num_threads(args.threads)
-  vocab = int(json.loads((pathlib.Path(args.hf) / "config.json").read_text())["vocab_size"])
+  hf_config = json.loads((pathlib.Path(args.hf) / "config.json").read_text())
+  vocab, ffn = int(hf_config["vocab_size"]), (int(hf_config["hidden_size"]), int(hf_config["intermediate_size"]))
   batches = token_batches(vocab, args.batch, args.seq)
   tokens = args.batch * args.seq
   res: dict[str, Any] = {
@@ -282,8 +297,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       "steps": args.steps, "warmup": args.warmup, "precision": "float32", "torch": torch.__version__,
       "transformers": transformers.__version__, "jax": jax.__version__, "torch_threads": args.threads,
       "cpu_count": os.cpu_count(), "allocator": host_alloc.loaded_allocator(), "machine": platform.processor(),
-      # each library's best float32 rate on a 2048^3 matmul, measured here before the contenders
-      "matmul_gflops": {"xla": round(matmul_rates(2048, 5)["best"], 1), "torch": torch_matmul_rate()}}
+      # each library's best float32 matmul rate, on a 2048^3 product and the model's FFN products at this batch
+      "matmul_gflops": matmul_rates([(2048, 2048, 2048), (tokens, ffn[0], ffn[1]), (tokens, ffn[1], ffn[0])])}
   def contender(run: Any, *a: Any) -> dict[str, Any]:
     """run(*a) with its own peak RSS (the process's high-water mark reset before it; the previous
     contender's memory handed back first, so each peak is its own plus the process's baseline)."""
