@@ -20,7 +20,9 @@ Against peft (benchmarks/finetune_vs_peft.py, one run, adapters applied unmerged
 tokens/s, 0.91x, at 2.58 GiB against its 8.67 (docs/recipe_smollm2.md: why 1.3x does not fit in 3 GiB here);
 on 2026-12-03's machine, where torch's matmul is as fast as XLA's, 187.0 against 231.8 (0.81x). Faster at more
 memory: --config.model.remat=none --config.optim.grad_accum=4 (the same 8 x 512 a step in 4 parts, no
-recompute): 0.95x at 4.07 GiB there.
+recompute): 0.95x at 4.07 GiB there. Later that day (docs/recipe_smollm2.md, one run): the preset 0.72x,
+--config.model.remat=dots_no_batch --config.optim.grad_accum=4 1.11x (3.3 GiB alone), and
+--config.model.remat=none --config.model.scan_layers=false --config.optim.grad_accum=2 1.10x (8.9 GiB).
 """
 from tformer_jax.cli_common import load_config_file
 
