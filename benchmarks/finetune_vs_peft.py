@@ -167,7 +167,6 @@ def run_ours(mode: str, cfg: Any, args: Any, batches: Sequence[np.ndarray], vari
     out = timed(step, batches, args.warmup, args.steps)
   rt = runtime.as_dict()
   out["trained_params"] = state_lib.param_count(state[0].params)
-  out["mflop_per_token"] = mflop_per_token(program.model_config, args, out["trained_params"] if mode == "lora" else 0)
   out["config"] = {"preset": PRESETS[mode], "overrides": variant or {}, "remat": cfg.model.remat,
                    "grad_accum": int(cfg.optim.grad_accum), "scan_layers": bool(cfg.model.scan_layers),
                    "loss_chunk": int(cfg.train.loss_chunk),
@@ -209,19 +208,18 @@ def run_torch(mode: str, cfg: Any, args: Any, batches: Sequence[np.ndarray]) -> 
 
   out = timed(step, batches, args.warmup, args.steps)
   out["trained_params"] = sum(p.numel() for p in params)
-  # the same architecture's count at no recompute (their step keeps every activation)
-  m = dataclasses.replace(setup_lib.resolve_model_config(cfg), remat="none")
-  out["mflop_per_token"] = mflop_per_token(m, args, out["trained_params"] if mode == "lora" else 0)
   out["config"] = {"library": "peft " + peft.__version__ if mode == "lora" else "transformers",
                    "attention": "sdpa", "gradient_checkpointing": False, "torch_threads": torch.get_num_threads()}
   return out
 
 
-def mflop_per_token(m: Any, args: Any, adapter_params: int) -> float:
-  """Matmul MFLOP a token that a step of `m` (at m.remat) executes: bench.flops.finetune_flops, the attention
-  counted causal (the lower triangle, what a flash kernel that skips masked blocks computes: torch's SDPA;
-  our chunked kernel computes whole 64-query tiles, a little more), LoRA over a frozen base when
-  adapter_params > 0."""
+def mflop_per_token(cfg: Any, args: Any, adapter_params: int, remat: str | None = None) -> float:
+  """Matmul MFLOP a token that a step of `cfg`'s model executes at its remat (or `remat`): bench.flops.
+  finetune_flops, the attention counted causal (the lower triangle, what a flash kernel that skips masked
+  blocks computes: torch's SDPA; our chunked kernel computes whole 64-query tiles, a little more), LoRA over
+  a frozen base when adapter_params > 0."""
+  m = setup_lib.resolve_model_config(cfg)
+  m = dataclasses.replace(m, remat=remat) if remat else m
   fl = flops_lib.finetune_flops(m, args.batch, args.seq, adapter_params=adapter_params, attn="causal")
   return round(fl["executed"] / (args.batch * args.seq) / 1e6, 3)
 
@@ -300,20 +298,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       "cpu_count": os.cpu_count(), "allocator": host_alloc.loaded_allocator(), "machine": platform.processor(),
       # each library's best float32 matmul rate, on a 2048^3 product and the model's FFN products at this batch
       "matmul_gflops": matmul_rates([(2048, 2048, 2048), (tokens, ffn[0], ffn[1]), (tokens, ffn[1], ffn[0])])}
-  def contender(run: Any, *a: Any) -> dict[str, Any]:
-    """run(*a) with its own peak RSS (the process's high-water mark reset before it; the previous
-    contender's memory handed back first, so each peak is its own plus the process's baseline)."""
+  def contender(run: Any, mode: str, cfg: Any, *a: Any, remat: str | None = None) -> dict[str, Any]:
+    """run(mode, cfg, *a) with its own peak RSS (the process's high-water mark reset before it; the previous
+    contender's memory handed back first, so each peak is its own plus the process's baseline) and the MFLOP
+    a token its step executes at cfg's remat or `remat`."""
     gc.collect()
     host_alloc.release_free_memory()
     reset_peak_rss()
-    out = run(*a)
+    out = run(mode, cfg, *a)
     out["peak_rss_gib"] = peak_rss_gib()
     out["tokens_per_s"] = rate(out, tokens)
+    out["mflop_per_token"] = mflop_per_token(cfg, args, out["trained_params"] if mode == "lora" else 0, remat)
     return out
 
   for mode in args.modes:
     ours = contender(run_ours, mode, configs[mode][0], args, batches)
-    theirs = contender(run_torch, mode, configs[mode][0], args, batches)
+    # their step keeps every activation: the same architecture's count at no recompute
+    theirs = contender(run_torch, mode, configs[mode][0], args, batches, remat="none")
     res[mode] = {"ours": ours, "theirs": theirs, "ratio": round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3)}
     res[mode].update(bound(res[mode], res["matmul_gflops"]))
     print(f"{mode}: ours {ours['tokens_per_s']:.1f} tokens/s (first step {ours['first_step_s']:.1f} s, peak RSS "

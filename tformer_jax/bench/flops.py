@@ -100,17 +100,17 @@ def _projection_params(m: ModelConfig, name: str) -> int:
           "out_proj": q * m.d_model, "mlp_in": m.d_model * m.ff, "mlp_gate": m.d_model * m.ff if glu else 0}[name]
 
 
-def _not_rerun(m: ModelConfig) -> float:
-  """Weights per layer (averaged over the layers) whose forward a recomputed layer skips: the projections
-  whose outputs only feed the layer's output sum, which the backward never reads (JAX's remat reruns only
-  what the gradient needs): in a pre-LN block the FFN's output projection, with a parallel residual the
-  attention's output projection too. A post-LN block's norm reads that sum, so it reruns them all; MoE FFNs
-  (their outputs weigh the router's gradient) are rerun too."""
+def _not_rerun(m: ModelConfig) -> int:
+  """Weights, summed over the layers, whose forward a recomputed layer skips: the projections whose outputs
+  only feed the layer's output sum, which the backward never reads (JAX's remat reruns only what the
+  gradient needs): in a pre-LN block the FFN's output projection, with a parallel residual the attention's
+  output projection too. A post-LN block's norm reads that sum, so it reruns them all; MoE FFNs (their
+  outputs weigh the router's gradient) are rerun too."""
   if m.norm_position != "pre" and not m.parallel_residual:
     return 0
   dense = m.num_layers - (m.num_layers // m.moe.every if m.moe.num_experts else 0)   # layers with a dense FFN
   out_proj = m.num_heads * m.hd * m.d_model if m.parallel_residual else 0
-  return dense * m.ff * m.d_model / m.num_layers + out_proj
+  return dense * m.ff * m.d_model + m.num_layers * out_proj
 
 
 def with_recompute(m: ModelConfig, batch: int, seq: int, attn: str = "full") -> dict[str, Any]:
@@ -126,7 +126,7 @@ def with_recompute(m: ModelConfig, batch: int, seq: int, attn: str = "full") -> 
     # named outputs kept, and the projections whose outputs nothing in the backward reads: their forward
     # is not rerun
     kept = sum(_projection_params(m, n) for n in saved) if isinstance(saved, tuple) else 0
-    extra -= 2 * batch * seq * m.num_layers * (kept + _not_rerun(m))
+    extra -= 2 * batch * seq * (m.num_layers * kept + _not_rerun(m))
   elif m.remat == "dots_no_batch":
     extra = out["attention_flops"] / 3
   out["with_recompute"] = out["flops_per_step"] + extra
