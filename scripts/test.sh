@@ -21,6 +21,9 @@ JAX_VERSION=$("$VENV/bin/python" -c "import jax; print(jax.__version__)")
   || echo "note: ml_dtypes kept at $("$VENV/bin/python" -c "import ml_dtypes; print(ml_dtypes.__version__)")"
 "$VENV/bin/python" -m pip install -q -e ".[tpu-aot]" "jax==$JAX_VERSION" \
   || echo "note: libtpu not installed (the tpu-aot extra); tests/test_aot.py skips"
+# oneMKL for the C++ kernels' sgemm (the mkl extra, ~230 MB; runtime.cpu_blas 'auto' takes it on Intel CPUs, so
+# the suite runs what such a machine runs). Optional: without it the MKL cases of tests/test_cpu_matmul.py skip.
+"$VENV/bin/python" -m pip install -q -e ".[mkl]" || echo "note: mkl not installed (the mkl extra); its tests skip"
 # lm-evaluation-harness (tests/test_harness.py): the eval extra, with torch and jax kept at the versions just
 # installed. Optional: without it those tests skip.
 "$VENV/bin/python" -m pip install -q -e ".[eval]" "torch==2.13.0" "jax==$JAX_VERSION" \

@@ -1,9 +1,13 @@
-"""The C++ CPU matmul (ops.cpu_kernel.matmul_cpu) and its one use, the weight gradients of
-backends.xla_cpu.project with the xla_cpu backend's C++ kernels on (runtime.cpu_kernels 'on' / 'auto').
+"""The C++ CPU matmul (ops.cpu_kernel.matmul_cpu) on each BLAS (runtime.cpu_blas: OpenBLAS, and oneMKL
+where the `mkl` wheel is installed) and its use in backends.xla_cpu.project with the xla_cpu backend's C++
+kernels on (runtime.cpu_kernels 'on' / 'auto'): the weight gradients, and under runtime.cpu_matmul 'all'
+the forward and input-gradient products too.
 
 Tolerances: float32 against a float64 product, 1e-5 relative to the largest entry; model gradients
-against the XLA path, 1e-5 (only the summation order differs). Skipped only without a C++ compiler.
+against the XLA path, 1e-5 (only the summation order differs). Skipped only without a C++ compiler; the
+MKL cases skip where the `mkl` wheel is not installed (`pip install -e ".[mkl]"`; scripts/test.sh has it).
 """
+import contextlib
 import dataclasses
 
 import jax
@@ -17,21 +21,56 @@ from tformer_jax import backends
 from tformer_jax.backends.xla_cpu import project
 from tformer_jax.config import ConfigError, default_config, validate_runtime
 from tformer_jax.nn import Transformer
+from tformer_jax.ops import cpu_kernel
 from tformer_jax.ops.cpu_kernel import matmul_cpu
+
+MKL = cpu_kernel.blas_available("mkl")
+BLAS = ["openblas", pytest.param("mkl", marks=pytest.mark.skipif(not MKL[0], reason=f"no MKL: {MKL[1]}"))]
+
+
+@contextlib.contextmanager
+def blas(name):
+  """The kernels on `name`'s sgemm inside, the BLAS in use before restored after (a process-wide setting)."""
+  before = cpu_kernel.blas_in_use()
+  cpu_kernel.load(blas=name)
+  try:
+    yield
+  finally:
+    cpu_kernel.load(blas=before)
+
 
 SHAPES = [(37, 53, 19), (5, 300, 200), (200, 64, 3), (1, 1, 1), (16, 0, 8), (512, 96, 384)]
 
 
+@pytest.mark.parametrize("name", BLAS)
 @pytest.mark.parametrize("m,k,n", SHAPES)
 @pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
-def test_matches_float64_product(m, k, n, ta, tb):
+def test_matches_float64_product(m, k, n, ta, tb, name):
   r = np.random.default_rng(m * 7 + n)
   a = r.standard_normal((k, m) if ta else (m, k)).astype(np.float32)
   b = r.standard_normal((n, k) if tb else (k, n)).astype(np.float32)
   ref = (a.T if ta else a).astype(np.float64) @ (b.T if tb else b).astype(np.float64)
-  got = np.asarray(jax.jit(lambda a, b: matmul_cpu(a, b, transpose_a=ta, transpose_b=tb))(a, b))
+  with blas(name):
+    got = np.asarray(jax.jit(lambda a, b: matmul_cpu(a, b, transpose_a=ta, transpose_b=tb))(a, b))
+    assert cpu_kernel.blas_in_use() == name
   assert got.shape == (m, n)
   np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * max(1.0, np.abs(ref).max()))
+
+
+def test_a_compiled_call_follows_the_blas_switch():
+  """The BLAS is read when the kernel runs: one compiled executable gives the product on either, and a
+  different summation order (MKL's and OpenBLAS's blockings differ) where both load."""
+  r = np.random.default_rng(3)
+  a, b = r.standard_normal((256, 2000)).astype(np.float32), r.standard_normal((2000, 130)).astype(np.float32)
+  f = jax.jit(matmul_cpu)
+  ref = a.astype(np.float64) @ b.astype(np.float64)
+  got = {}
+  for name in ("openblas", "mkl") if MKL[0] else ("openblas",):
+    with blas(name):
+      got[name] = np.asarray(f(a, b))
+    np.testing.assert_allclose(got[name], ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+  if MKL[0]:
+    assert not np.array_equal(got["openblas"], got["mkl"])   # two libraries really ran
 
 
 def test_gradient_matches_xla_dot():
@@ -83,10 +122,36 @@ def test_project_weight_grad_kernel_equals_xla(spec, x_shape, w_shape):
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(want, np.float32))
 
 
-def test_model_gradients_equal_with_the_kernel():
+@pytest.mark.parametrize("spec,x_shape,w_shape", [
+    ("bld,dhk->blhk", (2, 9, 12), (12, 3, 5)),
+    ("blhk,hkd->bld", (2, 9, 3, 5), (3, 5, 12)),
+    ("bld,df->blf", (3, 7, 12), (12, 40)),
+])
+@pytest.mark.parametrize("name", BLAS)
+def test_project_all_products_on_the_kernel(spec, x_shape, w_shape, name):
+  """runtime.cpu_matmul 'all': the forward y = x w and dx = dy w^T run on the kernel too (three calls in
+  the gradient's HLO, one in the forward's), with einsum's values and autodiff's gradients."""
+  r = np.random.default_rng(2)
+  x, w = (jnp.asarray(r.standard_normal(s), jnp.float32) for s in (x_shape, w_shape))
+  fwd = jax.jit(lambda x, w: project(spec, x, w, True, True))
+  grad = jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.tanh(project(spec, x, w, True, True))), argnums=(0, 1)))
+  assert fwd.lower(x, w).as_text().count("tfj_matmul") == 1
+  assert grad.lower(x, w).as_text().count("tfj_matmul") == 3
+  plain = jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.tanh(jnp.einsum(spec, x, w))), argnums=(0, 1)))
+  with blas(name):
+    np.testing.assert_allclose(np.asarray(fwd(x, w)), np.asarray(jnp.einsum(spec, x, w)), atol=1e-5, rtol=1e-5)
+    for g, want in zip(grad(x, w), plain(x, w)):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(want), atol=1e-5, rtol=1e-5)
+  # blas_all without the kernels is XLA's path: no custom call at all
+  assert "tfj_matmul" not in jax.jit(jax.grad(lambda w: jnp.sum(project(spec, x, w, False, True)))).lower(w).as_text()
+
+
+@pytest.mark.parametrize("matmul", ["weight_grads", "all"])
+def test_model_gradients_equal_with_the_kernel(matmul):
   """A GQA/SwiGLU model and a GELU one with biases: logits and every parameter gradient match with
-  the xla_cpu backend's kernels on and off (reference attention: only the matmul kernel differs)."""
-  on = backends.XlaCpuBackend(attention_impl="reference", cpu_kernels=True)
+  the xla_cpu backend's kernels on (dw, or every projection product) and off (reference attention: only
+  the matmul kernel differs)."""
+  on = backends.XlaCpuBackend(attention_impl="reference", cpu_kernels=True, cpu_matmul=matmul)
   off = backends.XlaCpuBackend(attention_impl="reference", cpu_kernels=False)
   for kw in (dict(), dict(activation="gelu", mlp_bias=True, qkv_bias=True, position="learned")):
     ref = _cfg(**kw)
@@ -98,9 +163,40 @@ def test_model_gradients_equal_with_the_kernel():
 
     with backends.use(on):
       hlo = jax.jit(jax.grad(loss)).lower(params).as_text()
-    assert "tfj_matmul" in hlo
+      fwd = jax.jit(loss).lower(params).as_text()
+    assert "tfj_matmul" in hlo and ("tfj_matmul" in fwd) == (matmul == "all")
     _assert_same(_logits_and_grads(ref, params, tokens, backend=on),
                  _logits_and_grads(ref, params, tokens, backend=off))
+
+
+def test_auto_blas_and_matmul():
+  """runtime.cpu_blas 'auto': MKL on an Intel CPU where the wheel loads, else OpenBLAS; explicit choices
+  kept. runtime.cpu_matmul 'auto': every projection product on MKL, except under the remat policies that
+  keep dots by primitive (the custom call is not one), and only the weight gradients on OpenBLAS."""
+  from tformer_jax.backends.runtime import cpu_vendor  # noqa: PLC0415
+  before = cpu_kernel.blas_in_use()
+
+  def resolve(remat="none", **runtime):
+    c = _runtime_cfg(_cfg(), **runtime)
+    c.model.remat = remat
+    return backends.resolve_runtime(c, platform="cpu", quiet=True).backend
+
+  try:
+    want = "mkl" if cpu_vendor() == "GenuineIntel" and MKL[0] else "openblas"
+    b = resolve()
+    assert (b.cpu_blas, cpu_kernel.blas_in_use()) == (want, want)
+    assert b.cpu_matmul == ("all" if want == "mkl" else "weight_grads")
+    b = resolve(cpu_blas="openblas")
+    assert (b.cpu_blas, b.cpu_matmul, cpu_kernel.blas_in_use()) == ("openblas", "weight_grads", "openblas")
+    assert resolve(cpu_blas="openblas", cpu_matmul="all").cpu_matmul == "all"
+    if MKL[0]:
+      for remat, matmul in (("none", "all"), ("full", "all"), ("save_qkvo", "all"), ("dots", "weight_grads"),
+                            ("dots_no_batch", "weight_grads")):
+        b = resolve(remat, cpu_blas="mkl")
+        assert (b.cpu_blas, b.cpu_matmul, cpu_kernel.blas_in_use()) == ("mkl", matmul, "mkl"), remat
+      assert resolve("dots", cpu_blas="mkl", cpu_matmul="all").cpu_matmul == "all"
+  finally:
+    cpu_kernel.load(blas=before)
 
 
 def test_auto_uses_the_kernels_only_on_one_device_in_float32():
@@ -132,6 +228,8 @@ def test_auto_uses_the_kernels_only_on_one_device_in_float32():
     (dict(cpu_kernels="on"), dict(dtype="bfloat16"), "runtime.cpu_kernels"),
     (dict(cpu_kernels="fast"), {}, "runtime.cpu_kernels"),
     (dict(cpu_kernels="on", backend="reference"), {}, "runtime.cpu_kernels"),
+    (dict(cpu_blas="accelerate"), {}, "runtime.cpu_blas"),
+    (dict(cpu_matmul="forward"), {}, "runtime.cpu_matmul"),
 ])
 def test_config_rejects(kw, model_kw, match):
   r = default_config().runtime
@@ -146,3 +244,13 @@ def test_resolve_rejects_what_this_platform_cannot_run():
                              platform="cpu", quiet=True)
   with pytest.raises(ConfigError, match="runtime.backend"):       # xla_cpu off the CPU platform
     backends.resolve_runtime(_runtime_cfg(_cfg(), backend="xla_cpu"), platform="gpu", quiet=True)
+
+
+def test_mkl_missing_is_a_clear_error(monkeypatch, tmp_path):
+  """Where no libmkl_rt is installed, asking for MKL names the wheel to install (resolve_runtime turns it
+  into `runtime.cpu_blas: 'mkl' is unavailable: ...`)."""
+  from tformer_jax.ops.cpu_kernel import build  # noqa: PLC0415
+  monkeypatch.setattr("sys.prefix", str(tmp_path))
+  monkeypatch.setattr("sysconfig.get_config_var", lambda name: str(tmp_path))
+  with pytest.raises(cpu_kernel.KernelUnavailable, match=r"pip install mkl"):
+    build._mkl()

@@ -41,6 +41,8 @@ class Runtime:
             "splash_block_kv": b.splash_block_kv, "splash_interpret": b.splash_interpret,
             "context_strategy": b.context_strategy, "context_load_balance": b.context_load_balance,
             "cpu_kernels": bool(getattr(b, "cpu_kernels", False)),
+            "cpu_matmul": getattr(b, "cpu_matmul", None) if getattr(b, "cpu_kernels", False) else None,
+            "cpu_blas": getattr(b, "cpu_blas", None) if getattr(b, "cpu_kernels", False) else None,
             "platform": self.platform, "allocator": self.allocator,
             "moe_exchange": b.moe_exchange, "moe_gmm": b.moe_gmm, "moe_interpret": b.moe_interpret,
             "decode_layout": b.decode_layout}
@@ -90,7 +92,11 @@ def resolve_runtime(cfg: Any, *, model: config_lib.ModelConfig | None = None, me
     chosen: Backend = Backend(**blocks)
   else:
     use_kernels = _cpu_kernels(rt["cpu_kernels"], m, precision, mesh_devices, reasons)
-    chosen = XlaCpuBackend(cpu_kernels=use_kernels, **blocks)
+    matmul, blas = "weight_grads", "openblas"
+    if use_kernels:
+      blas = _cpu_blas(rt.get("cpu_blas", "auto"), reasons)
+      matmul = _cpu_matmul(rt.get("cpu_matmul", "auto"), blas, m.remat, reasons)
+    chosen = XlaCpuBackend(cpu_kernels=use_kernels, cpu_matmul=matmul, cpu_blas=blas, **blocks)
 
   out = Runtime(chosen, platform, host_alloc.loaded_allocator(), tuple(reasons))
   if not quiet:
@@ -146,6 +152,53 @@ def _cpu_kernels(kernels: str, m: config_lib.ModelConfig, precision: str, mesh_d
         "not float32" if not f32 else f"a {mesh_devices}-device mesh" if mesh_devices > 1
         else f"unavailable ({why})")))
   return use_kernels
+
+
+def _cpu_matmul(choice: str, blas: str, remat: str, reasons: list[str]) -> str:
+  """Which projection products the C++ kernels run (runtime.cpu_matmul), from the figures measured
+  (docs/benchmarks.md, "The projections on MKL"): 'all' pays with MKL (SmolLM2-135M LoRA at remat 'full',
+  Intel: +8% over 'weight_grads'), not with OpenBLAS (-1%). The remat policies that keep dots by primitive
+  ('dots', 'dots_no_batch') do not see the custom call as one and would recompute it: 'weight_grads' there
+  (the named policies, 'save_qkvo' and 'save_mlp_in', keep its output by name)."""
+  if choice != "auto":
+    return choice
+  if blas != "mkl":
+    reasons.append("matmuls weight_grads: XLA's dot for the forward and input gradients (as fast as OpenBLAS's)")
+    return "weight_grads"
+  if remat in ("dots", "dots_no_batch"):
+    reasons.append(f"matmuls weight_grads: remat {remat!r} keeps dots by primitive, which the C++ call is not")
+    return "weight_grads"
+  reasons.append("matmuls all: the projections' forward and input gradients on MKL too (faster than XLA's dot)")
+  return "all"
+
+
+def cpu_vendor() -> str:
+  """The CPU's vendor string from /proc/cpuinfo ('GenuineIntel', 'AuthenticAMD', ...; '' where unknown)."""
+  try:
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith("vendor_id"):
+        return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return ""
+
+
+def _cpu_blas(choice: str, reasons: list[str]) -> str:
+  """The sgemm the C++ kernels call (runtime.cpu_blas), applied to the process (ops/cpu_kernel/build.py)."""
+  if choice == "auto":
+    vendor = cpu_vendor()
+    ok, why = cpu_kernel.blas_available("mkl") if vendor == "GenuineIntel" else (False, "")
+    choice = "mkl" if ok else "openblas"
+    reasons.append("BLAS " + ("mkl: an Intel CPU and the `mkl` wheel installed" if ok else
+                              "openblas: " + ("`pip install mkl` would give MKL on this Intel CPU"
+                                              if vendor == "GenuineIntel" else
+                                              f"MKL is slower than OpenBLAS on {vendor or 'this'} CPUs")))
+  else:
+    ok, why = cpu_kernel.blas_available(choice)
+    if not ok:
+      raise config_lib.ConfigError(f"runtime.cpu_blas: {choice!r} is unavailable: {why}")
+  cpu_kernel.load(blas=choice)
+  return choice
 
 
 def _decode_layout(choice: str, platform: str, reasons: list[str]) -> str:

@@ -5,7 +5,8 @@ what changes is how XLA:CPU runs them (docs/benchmarks.md has the measurements):
   norm       the closed-form LayerNorm/RMSNorm backward (ops/norms.py).
   dense      a hand-written VJP whose weight gradient is x^T dy (XLA's autodiff layout makes it
              transpose dy and fuse the backward residual chain into each transpose); with the C++
-             kernels, that product by OpenBLAS (ops/cpu_kernel/matmul.py).
+             kernels, that product by the run's BLAS (ops/cpu_kernel/matmul.py; runtime.cpu_blas),
+             and under runtime.cpu_matmul 'all' the forward and input-gradient products too.
   residual   `grad_fusion_barrier`: identity whose cotangent is materialised, so the residual-stream
              gradient is computed once per block instead of fused into every consumer.
   attention  'chunked' runs as the C++ kernel (ops/cpu_kernel/attention.py) with the kernels on.
@@ -34,16 +35,21 @@ PyTree = Any
 
 @dataclasses.dataclass(frozen=True)
 class XlaCpuBackend(Backend):
-  """cpu_kernels: use the C++ kernels (float32 only; others keep XLA's ops)."""
+  """cpu_kernels: use the C++ kernels (float32 only; others keep XLA's ops). cpu_matmul: which of the
+  projections' products they run, 'weight_grads' (dw) or 'all' (y, dx and dw). cpu_blas: the sgemm they
+  call, 'openblas' | 'mkl' (a process-wide setting: resolve_runtime applies it, see ops/cpu_kernel/build.py)."""
   cpu_kernels: bool = True
+  cpu_matmul: str = "weight_grads"
+  cpu_blas: str = "openblas"
   name: ClassVar[str] = "xla_cpu"
 
   def describe(self) -> str:
-    kernels = "C++ kernels on" if self.cpu_kernels else "C++ kernels off"
+    kernels = (f"C++ kernels on: {self.cpu_blas}, matmuls {self.cpu_matmul}" if self.cpu_kernels
+               else "C++ kernels off")
     return f"{self.name} (attention {self.attention_impl}, {kernels})"
 
   def dense(self, spec: str, x: Array, w: Array) -> Array:
-    return project(spec, x, w, self.cpu_kernels)
+    return project(spec, x, w, self.cpu_kernels, self.cpu_matmul == "all")
 
   def norm(self, x: Array, scale: Array, bias: Array | None, *, eps: float, center: bool) -> Array:
     return norm_ops.norm_closed_form_vjp(x, scale, bias, eps, center)
@@ -66,46 +72,71 @@ class XlaCpuBackend(Backend):
 # dense: einsum with a hand-written VJP
 
 
-def project(spec: str, x: Array, w: Array, cpu_kernels: bool = False) -> Array:
+def project(spec: str, x: Array, w: Array, cpu_kernels: bool = False, blas_all: bool = False) -> Array:
   """jnp.einsum(spec, x, w) for an activation x and a weight w, with a hand-written VJP.
 
   Same values and gradients as autodiff; only the gradient *layouts* differ: autodiff computes the
   weight gradient as dot(dy, x) with dy (the residual-stream gradient) as the left operand, which
   makes XLA transpose dy, and on CPU it then fuses the whole backward residual chain (a sum over
   every later layer) into each such transpose. Here dw = einsum(x, dy) (x first, no transpose of
-  dy) and dx = einsum(dy, w). With cpu_kernels the 2-D float32 case computes dw = x^T dy with
-  ops.cpu_kernel.matmul_cpu (faster than XLA:CPU's dot for that transposed product).
+  dy) and dx = einsum(dy, w). With cpu_kernels, a spec that is one 2-D float32 matmul (the rows of x
+  times w: every projection of the models here) computes dw = x^T dy with ops.cpu_kernel.matmul_cpu
+  (the C++ call on the run's BLAS, faster than XLA:CPU's dot for that transposed product), and with
+  blas_all too the forward y = x w and dx = dy w^T (runtime.cpu_matmul 'all').
   """
-  return _project(spec, cpu_kernels, x, w)
+  return _project(spec, cpu_kernels, cpu_kernels and blas_all, x, w)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _project(spec: str, cpu_kernels: bool, x: Array, w: Array) -> Array:
-  return jnp.einsum(spec, x, w)
-
-
-def _project_fwd(spec: str, cpu_kernels: bool, x: Array, w: Array):
-  return jnp.einsum(spec, x, w), (x, w)
-
-
-def _project_bwd(spec: str, cpu_kernels: bool, res, g: Array):
-  x, w = res
+def _as_matmul(spec: str, x: Array, w: Array) -> tuple[int, int, int, tuple[int, ...]] | None:
+  """(rows, k, n, y's shape) when einsum(spec, x, w) is the 2-D matmul x.reshape(rows, k) @ w.reshape(k, n)
+  (x's leading letters are the output's, its trailing ones w's leading ones), else None."""
   ins, out = spec.split("->")
   sx, sw = ins.split(",")
   rows = "".join(c for c in sx if c in out and c not in sw)   # e.g. 'bl': summed over for dw
   kx = sx[len(rows):]                                        # x's contracted letters, e.g. 'd'
   n = out[len(rows):]                                        # the output's weight letters
-  if sx.startswith(rows) and out.startswith(rows) and sw == kx + n:
+  if not (sx.startswith(rows) and out.startswith(rows) and sw == kx + n):
+    return None
+  r, k = math.prod(x.shape[:len(rows)]), math.prod(x.shape[len(rows):])
+  return r, k, math.prod(w.shape[len(kx):]), tuple(x.shape[:len(rows)]) + tuple(w.shape[len(kx):])
+
+
+def _f32(*arrays: Array) -> bool:
+  return all(a.dtype == jnp.float32 for a in arrays)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _project(spec: str, cpu_kernels: bool, blas_all: bool, x: Array, w: Array) -> Array:
+  return _project_fwd(spec, cpu_kernels, blas_all, x, w)[0]
+
+
+def _project_fwd(spec: str, cpu_kernels: bool, blas_all: bool, x: Array, w: Array):
+  mm = _as_matmul(spec, x, w)
+  if blas_all and mm and _f32(x, w):
+    r, k, n, shape = mm
+    return cpu_kernel.matmul_cpu(x.reshape(r, k), w.reshape(k, n)).reshape(shape), (x, w)
+  return jnp.einsum(spec, x, w), (x, w)
+
+
+def _project_bwd(spec: str, cpu_kernels: bool, blas_all: bool, res, g: Array):
+  x, w = res
+  mm = _as_matmul(spec, x, w)
+  if mm:
     # 2-D matmuls with one contracting dimension each: XLA then needs no transposed copies.
-    r = math.prod(x.shape[:len(rows)])
-    x2, g2 = x.reshape(r, -1), g.reshape(r, -1)
-    w2 = w.reshape(x2.shape[1], g2.shape[1])
-    if cpu_kernels and x2.dtype == g2.dtype == jnp.float32:
+    r, k, n, _ = mm
+    x2, g2, w2 = x.reshape(r, k), g.reshape(r, n), w.reshape(k, n)
+    blas = cpu_kernels and _f32(x2, g2, w2)
+    if blas:
       dw = cpu_kernel.matmul_cpu(x2, g2, transpose_a=True).reshape(w.shape)
     else:
       dw = jax.lax.dot_general(x2, g2, (((0,), (0,)), ((), ()))).reshape(w.shape)
-    dx = jax.lax.dot_general(g2, w2, (((1,), (1,)), ((), ()))).reshape(x.shape)
+    if blas and blas_all:
+      dx = cpu_kernel.matmul_cpu(g2, w2, transpose_b=True).reshape(x.shape)
+    else:
+      dx = jax.lax.dot_general(g2, w2, (((1,), (1,)), ((), ()))).reshape(x.shape)
   else:
+    ins, out = spec.split("->")
+    sx, sw = ins.split(",")
     dx = jnp.einsum(f"{out},{sw}->{sx}", g, w)
     dw = jnp.einsum(f"{sx},{out}->{sw}", x, g)
   return dx.astype(x.dtype), dw.astype(w.dtype)

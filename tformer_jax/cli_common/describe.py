@@ -79,6 +79,7 @@ def enum_fields() -> dict[str, tuple[str, ...]]:
            "optim.schedule": c.SCHEDULES, "train.precision": c.PRECISIONS, "mesh.parallelism": c.PARALLELISMS,
            "mesh.context_strategy": c.CONTEXT_STRATEGIES, "runtime.backend": c.RUNTIME_BACKENDS,
            "runtime.attention": c.RUNTIME_ATTENTION, "runtime.cpu_kernels": c.AUTO_ON_OFF,
+           "runtime.cpu_matmul": c.RUNTIME_CPU_MATMUL, "runtime.cpu_blas": c.RUNTIME_CPU_BLAS,
            "runtime.decode_layout": c.DECODE_LAYOUTS, "runtime.moe_exchange": c.RUNTIME_MOE_EXCHANGE,
            "runtime.moe_gmm": c.RUNTIME_MOE_GMM}
   return {**{f"model.{k}": v for k, v in model.items()}, **other}

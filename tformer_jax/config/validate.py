@@ -26,6 +26,8 @@ from tformer_jax.config.enums import (
   RULE_PRESETS,
   RUNTIME_ATTENTION,
   RUNTIME_BACKENDS,
+  RUNTIME_CPU_BLAS,
+  RUNTIME_CPU_MATMUL,
   RUNTIME_MOE_EXCHANGE,
   RUNTIME_MOE_GMM,
   SAMPLINGS,
@@ -304,7 +306,8 @@ def validate_runtime(r: Any, m: ModelConfig, precision: str = "float32") -> None
   """The runtime section against the model; the platform-dependent rules (cudnn needs a GPU, ...)
   are `backends.resolve_runtime`'s."""
   for name, allowed in dict(moe_exchange=RUNTIME_MOE_EXCHANGE, moe_gmm=RUNTIME_MOE_GMM,
-                            decode_layout=DECODE_LAYOUTS).items():
+                            decode_layout=DECODE_LAYOUTS, cpu_matmul=RUNTIME_CPU_MATMUL,
+                            cpu_blas=RUNTIME_CPU_BLAS).items():
     if name in r:
       _check_choice("runtime." + name, r[name], allowed)
   for name, allowed in dict(backend=RUNTIME_BACKENDS, attention=RUNTIME_ATTENTION,

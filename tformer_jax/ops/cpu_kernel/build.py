@@ -3,9 +3,13 @@
 The source ships with the package (`*.cc` next to this file). `load()` compiles it once per source,
 jaxlib and CPU with the system C++ compiler (`$CXX`, else g++/c++/clang++) against the FFI headers
 jaxlib ships, caches the shared library under `$TFORMER_JAX_KERNEL_CACHE` (default
-~/.cache/tformer_jax/kernels), points it at OpenBLAS's sgemm from the `scipy-openblas32` wheel
-(forced single-threaded: the kernels parallelise over heads themselves) and registers the FFI
-targets for the 'cpu' platform. Any missing piece raises `KernelUnavailable` naming it.
+~/.cache/tformer_jax/kernels), points it at a CBLAS sgemm and registers the FFI targets for the
+'cpu' platform. Any missing piece raises `KernelUnavailable` naming it.
+
+The sgemm (`use_blas`, chosen per run by runtime.cpu_blas): OpenBLAS from the `scipy-openblas32`
+wheel (a dependency), or Intel's oneMKL from the `mkl` wheel when it is installed (its sequential
+layer, LP64). Either is forced single-threaded: the kernels split the work over XLA's threads
+themselves. MKL is the faster of the two on Intel CPUs and the slower on AMD ones (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -91,7 +95,10 @@ def _build(cxx: str) -> pathlib.Path:
   return out
 
 
-def _sgemm() -> tuple[int, ctypes.CDLL]:
+BLAS = ("openblas", "mkl")
+
+
+def _openblas() -> tuple[int, ctypes.CDLL]:
   try:
     import scipy_openblas32  # noqa: PLC0415 (kernel build only: a missing wheel is KernelUnavailable)
   except ImportError as e:
@@ -103,24 +110,73 @@ def _sgemm() -> tuple[int, ctypes.CDLL]:
   return ctypes.cast(lib.scipy_cblas_sgemm, ctypes.c_void_p).value, lib
 
 
-def load() -> None:
-  """Build (or reuse), load and register the kernels; idempotent and thread-safe."""
+def _mkl() -> tuple[int, ctypes.CDLL]:
+  """oneMKL's cblas_sgemm from the `mkl` wheel's libmkl_rt (installed under the environment's lib/)."""
+  import sys  # noqa: PLC0415
+  import sysconfig  # noqa: PLC0415
+  names = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
+  dirs = dict.fromkeys(pathlib.Path(d) / "lib" for d in (sys.prefix, sysconfig.get_config_var("prefix") or sys.prefix))
+  found = [d / n for d in dirs for n in names if (d / n).is_file()]
+  if not found:
+    raise KernelUnavailable(f"runtime.cpu_blas 'mkl': no libmkl_rt in {', '.join(map(str, dirs))}: "
+                            "`pip install mkl`")
+  lib = ctypes.CDLL(str(found[0]))
+  lib.MKL_Set_Threading_Layer(1)   # MKL_THREADING_SEQUENTIAL: no OpenMP runtime, the caller's thread
+  lib.MKL_Set_Interface_Layer(0)   # MKL_INTERFACE_LP64: 32-bit integers, as tfj::Sgemm declares
+  return ctypes.cast(lib.cblas_sgemm, ctypes.c_void_p).value, lib
+
+
+def _blas(name: str) -> tuple[int, ctypes.CDLL]:
+  if name not in BLAS:
+    raise ValueError(f"cpu_blas: {name!r} is not one of {BLAS}")
+  if name not in _state.setdefault("blas_libs", {}):
+    _state["blas_libs"][name] = _openblas() if name == "openblas" else _mkl()
+  return _state["blas_libs"][name]
+
+
+def load(blas: str | None = None) -> None:
+  """Build (or reuse), load and register the kernels, with `blas`'s sgemm (default: the one in use, at
+  first OpenBLAS); idempotent and thread-safe. Switching the BLAS applies to every later call of the
+  kernels, compiled executables included."""
   with _lock:
     if "error" in _state:
       raise KernelUnavailable(_state["error"])
-    if "lib" in _state:
-      return
-    try:
-      path = _build(_compiler())
-      sgemm, blas = _sgemm()
-      lib = ctypes.CDLL(str(path))
-    except (KernelUnavailable, OSError) as e:
-      _state["error"] = str(e)
-      raise KernelUnavailable(str(e)) from e
-    lib.tfj_set_sgemm(ctypes.c_void_p(sgemm))
-    for name, symbol in TARGETS.items():
-      jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-    _state.update(lib=lib, blas=blas, path=path)
+    if "lib" not in _state:
+      try:
+        path = _build(_compiler())
+        _blas("openblas")
+        lib = ctypes.CDLL(str(path))
+      except (KernelUnavailable, OSError) as e:
+        _state["error"] = str(e)
+        raise KernelUnavailable(str(e)) from e
+      for name, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+      _state.update(lib=lib, path=path, blas=None)
+    want = blas or _state["blas"] or "openblas"
+    if want != _state["blas"]:
+      try:
+        sgemm, _ = _blas(want)
+      except OSError as e:
+        raise KernelUnavailable(f"runtime.cpu_blas {want!r}: cannot load it ({e})") from e
+      _state["lib"].tfj_set_sgemm(ctypes.c_void_p(sgemm))
+      _state["blas"] = want
+
+
+def blas_in_use() -> str | None:
+  """The BLAS the kernels call now ('openblas' | 'mkl'), None before they load."""
+  return _state.get("blas")
+
+
+def blas_available(name: str) -> tuple[bool, str]:
+  """(True, '') when the kernels load here with `name`'s sgemm, else (False, why); leaves the BLAS in use
+  as it was."""
+  try:
+    load()
+    with _lock:
+      _blas(name)
+    return True, ""
+  except (KernelUnavailable, OSError) as e:
+    return False, str(e)
 
 
 def available() -> tuple[bool, str]:
