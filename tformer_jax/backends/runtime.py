@@ -156,14 +156,15 @@ def _cpu_kernels(kernels: str, m: config_lib.ModelConfig, precision: str, mesh_d
 
 def _cpu_matmul(choice: str, blas: str, remat: str, reasons: list[str]) -> str:
   """Which projection products the C++ kernels run (runtime.cpu_matmul), from the figures measured
-  (docs/benchmarks.md, "The projections on MKL"): 'all' pays with MKL (SmolLM2-135M LoRA at remat 'full',
-  Intel: +8% over 'weight_grads'), not with OpenBLAS (-1%). The remat policies that keep dots by primitive
-  ('dots', 'dots_no_batch') do not see the custom call as one and would recompute it: 'weight_grads' there
-  (the named policies, 'save_qkvo' and 'save_mlp_in', keep its output by name)."""
+  (docs/runtime.md; docs/recipe_smollm2.md, 2026-12-04): 'all' pays with MKL (SmolLM2-135M LoRA at remat
+  'full', Intel: +8% over 'weight_grads'; gpt2_cpu +5%), not with OpenBLAS (-1%). The remat policies that
+  keep dots by primitive ('dots', 'dots_no_batch') do not see the custom call as one and would recompute
+  it: 'weight_grads' there (the named policies, 'save_qkvo' and 'save_mlp_in', keep its output by name)."""
   if choice != "auto":
     return choice
   if blas != "mkl":
-    reasons.append("matmuls weight_grads: XLA's dot for the forward and input gradients (as fast as OpenBLAS's)")
+    reasons.append("matmuls weight_grads: XLA's dot for the forward and input gradients ('all' on OpenBLAS "
+                   "measured no faster)")
     return "weight_grads"
   if remat in ("dots", "dots_no_batch"):
     reasons.append(f"matmuls weight_grads: remat {remat!r} keeps dots by primitive, which the C++ call is not")
@@ -192,7 +193,8 @@ def _cpu_blas(choice: str, reasons: list[str]) -> str:
     reasons.append("BLAS " + ("mkl: an Intel CPU and the `mkl` wheel installed" if ok else
                               "openblas: " + ("`pip install mkl` would give MKL on this Intel CPU"
                                               if vendor == "GenuineIntel" else
-                                              f"MKL is slower than OpenBLAS on {vendor or 'this'} CPUs")))
+                                              f"not an Intel CPU ({vendor or 'unknown'}; on an AMD EPYC MKL "
+                                              "ran slower than OpenBLAS)")))
   else:
     ok, why = cpu_kernel.blas_available(choice)
     if not ok:
