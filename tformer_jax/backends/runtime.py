@@ -157,7 +157,7 @@ def _cpu_kernels(kernels: str, m: config_lib.ModelConfig, precision: str, mesh_d
 def _cpu_matmul(choice: str, blas: str, remat: str, reasons: list[str]) -> str:
   """Which projection products the C++ kernels run (runtime.cpu_matmul), from the figures measured
   (docs/runtime.md; docs/recipe_smollm2.md, 2026-12-04): 'all' pays with MKL (SmolLM2-135M LoRA at remat
-  'full', Intel: +8% over 'weight_grads'; gpt2_cpu +5%), not with OpenBLAS (-1%). The remat policies that
+  'full', Intel: +8% over 'weight_grads'; gpt2_cpu +4%), not with OpenBLAS (-1%). The remat policies that
   keep dots by primitive ('dots', 'dots_no_batch') do not see the custom call as one and would recompute
   it: 'weight_grads' there (the named policies, 'save_qkvo' and 'save_mlp_in', keep its output by name)."""
   if choice != "auto":
