@@ -96,9 +96,9 @@ def test_bad_arguments_are_clear_errors(a_shape, b_shape, dtype, kw, match):
 
 
 @pytest.mark.parametrize("spec,x_shape,w_shape", [
-    ("bld,dhk->blhk", (2, 9, 12), (12, 3, 5)),
-    ("blhk,hkd->bld", (2, 9, 3, 5), (3, 5, 12)),
-    ("bld,df->blf", (3, 7, 12), (12, 40)),
+    ("bld,dhk->blhk", (2, 9, 20), (20, 4, 5)),
+    ("blhk,hkd->bld", (2, 9, 4, 5), (4, 5, 20)),
+    ("bld,df->blf", (3, 7, 20), (20, 40)),
 ])
 def test_project_weight_grad_kernel_equals_xla(spec, x_shape, w_shape):
   r = np.random.default_rng(1)
@@ -123,9 +123,9 @@ def test_project_weight_grad_kernel_equals_xla(spec, x_shape, w_shape):
 
 
 @pytest.mark.parametrize("spec,x_shape,w_shape", [
-    ("bld,dhk->blhk", (2, 9, 12), (12, 3, 5)),
-    ("blhk,hkd->bld", (2, 9, 3, 5), (3, 5, 12)),
-    ("bld,df->blf", (3, 7, 12), (12, 40)),
+    ("bld,dhk->blhk", (2, 9, 20), (20, 4, 5)),
+    ("blhk,hkd->bld", (2, 9, 4, 5), (4, 5, 20)),
+    ("bld,df->blf", (3, 7, 20), (20, 40)),
 ])
 @pytest.mark.parametrize("name", BLAS)
 def test_project_all_products_on_the_kernel(spec, x_shape, w_shape, name):
@@ -254,3 +254,21 @@ def test_mkl_missing_is_a_clear_error(monkeypatch, tmp_path):
   monkeypatch.setattr("sysconfig.get_config_var", lambda name: str(tmp_path))
   with pytest.raises(cpu_kernel.KernelUnavailable, match=r"pip install mkl"):
     build._mkl()
+
+
+def test_narrow_weights_keep_xlas_dot():
+  """A weight with a side under MIN_KERNEL_SIDE (a LoRA adapter: 'bld,dr->blr' at rank 8, and its B) stays
+  on XLA's dot even under 'all', with the hand-written VJP's values; a side at the limit goes to the kernel."""
+  from tformer_jax.backends.xla_cpu import MIN_KERNEL_SIDE  # noqa: PLC0415
+  r = np.random.default_rng(4)
+  x = jnp.asarray(r.standard_normal((2, 9, 32)), jnp.float32)
+  for spec, w_shape, on_kernel in (("bld,dr->blr", (32, 8), False), ("blr,rd->bld", (8, 32), False),
+                                   ("bld,dr->blr", (32, MIN_KERNEL_SIDE), True)):
+    xi = x if spec.startswith("bld") else x[..., :w_shape[0]]
+    w = jnp.asarray(r.standard_normal(w_shape), jnp.float32)
+    grad = jax.jit(jax.grad(lambda x, w, spec=spec: jnp.sum(jnp.tanh(project(spec, x, w, True, True))),
+                            argnums=(0, 1)))
+    assert ("tfj_matmul" in grad.lower(xi, w).as_text()) == on_kernel, spec
+    plain = jax.jit(jax.grad(lambda x, w, spec=spec: jnp.sum(jnp.tanh(jnp.einsum(spec, x, w))), argnums=(0, 1)))
+    for g, want in zip(grad(xi, w), plain(xi, w)):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(want), atol=1e-5, rtol=1e-5)

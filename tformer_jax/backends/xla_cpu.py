@@ -82,7 +82,8 @@ def project(spec: str, x: Array, w: Array, cpu_kernels: bool = False, blas_all: 
   dy) and dx = einsum(dy, w). With cpu_kernels, a spec that is one 2-D float32 matmul (the rows of x
   times w: every projection of the models here) computes dw = x^T dy with ops.cpu_kernel.matmul_cpu
   (the C++ call on the run's BLAS, faster than XLA:CPU's dot for that transposed product), and with
-  blas_all too the forward y = x w and dx = dy w^T (runtime.cpu_matmul 'all').
+  blas_all too the forward y = x w and dx = dy w^T (runtime.cpu_matmul 'all'); a weight with a side under
+  MIN_KERNEL_SIDE (a LoRA adapter) keeps XLA's dots, in the same layouts.
   """
   return _project(spec, cpu_kernels, cpu_kernels and blas_all, x, w)
 
@@ -105,6 +106,17 @@ def _f32(*arrays: Array) -> bool:
   return all(a.dtype == jnp.float32 for a in arrays)
 
 
+# The kernel splits a product into one block per thread: a weight side narrower than this (a LoRA adapter's
+# rank) leaves each sgemm too little work, and XLA's dot is faster there (measured: rank-8 adapters on the
+# kernel cost ~0.5 s a step more than on XLA's dot; SmolLM2-135M LoRA, 2026-12-04). Only rank 8 was measured;
+# 16 keeps every projection of the models here (head dims of 8 and more, grouped K/V) on the kernel.
+MIN_KERNEL_SIDE = 16
+
+
+def _kernel_size(k: int, n: int) -> bool:
+  return min(k, n) >= MIN_KERNEL_SIDE
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _project(spec: str, cpu_kernels: bool, blas_all: bool, x: Array, w: Array) -> Array:
   return _project_fwd(spec, cpu_kernels, blas_all, x, w)[0]
@@ -112,7 +124,7 @@ def _project(spec: str, cpu_kernels: bool, blas_all: bool, x: Array, w: Array) -
 
 def _project_fwd(spec: str, cpu_kernels: bool, blas_all: bool, x: Array, w: Array):
   mm = _as_matmul(spec, x, w)
-  if blas_all and mm and _f32(x, w):
+  if blas_all and mm and _f32(x, w) and _kernel_size(mm[1], mm[2]):
     r, k, n, shape = mm
     return cpu_kernel.matmul_cpu(x.reshape(r, k), w.reshape(k, n)).reshape(shape), (x, w)
   return jnp.einsum(spec, x, w), (x, w)
@@ -125,7 +137,7 @@ def _project_bwd(spec: str, cpu_kernels: bool, blas_all: bool, res, g: Array):
     # 2-D matmuls with one contracting dimension each: XLA then needs no transposed copies.
     r, k, n, _ = mm
     x2, g2, w2 = x.reshape(r, k), g.reshape(r, n), w.reshape(k, n)
-    blas = cpu_kernels and _f32(x2, g2, w2)
+    blas = cpu_kernels and _f32(x2, g2, w2) and _kernel_size(k, n)
     if blas:
       dw = cpu_kernel.matmul_cpu(x2, g2, transpose_a=True).reshape(w.shape)
     else:

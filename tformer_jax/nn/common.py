@@ -42,16 +42,18 @@ def project(module: nn.Module, name: str, spec: str, x: jax.Array, w: jax.Array,
   its low-rank adapter when the 'lora' collection holds one for that kernel (LoRA, Hu et al. 2021:
   h = x W + (x A) B, W frozen; B arrives already scaled by alpha / rank, see train/step.py). The
   kernel's first n_in letters are its inputs: A (inputs..., r), B (r, outputs...). Without adapters
-  (every call but a LoRA train step) this is the backend's dense alone."""
-  y = backends.current().dense(spec, x, w)   # backend hook: the einsum (xla_cpu: a hand-written VJP)
+  (every call but a LoRA train step) this is the backend's dense alone; the adapter's two products are
+  the backend's dense too."""
+  dense = backends.current().dense   # backend hook: the einsum (xla_cpu: a hand-written VJP)
+  y = dense(spec, x, w)
   if not module.has_variable(LORA, name):
     return y
   adapter = module.get_variable(LORA, name)
   x_spec, w_spec, y_spec = re.split(",|->", spec)
   w_in, w_out = w_spec[:n_in], w_spec[n_in:]
   keep = "".join(c for c in x_spec if c not in w_in)
-  xa = jnp.einsum(f"{x_spec},{w_in}r->{keep}r", x, adapter[lora_ops.A].astype(x.dtype))
-  return y + jnp.einsum(f"{keep}r,r{w_out}->{y_spec}", xa, adapter[lora_ops.B].astype(x.dtype))
+  xa = dense(f"{x_spec},{w_in}r->{keep}r", x, adapter[lora_ops.A].astype(x.dtype))
+  return y + dense(f"{keep}r,r{w_out}->{y_spec}", xa, adapter[lora_ops.B].astype(x.dtype))
 
 
 class Norm(nn.Module):
