@@ -193,9 +193,16 @@ def _fused_nll_sum_fwd(h_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights
   def body(dw_DxV, xs):
     h_BxCxD, t_BxC, g_BxC = xs
     logits_BxCxV = logits(h_BxCxD, w_DxV)
-    lse_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
+    # one exp over the chunk's logits serves both the logsumexp and the softmax (jax.nn.logsumexp, then
+    # exp(logits - lse), would take two: each a pass over (chunk x V) at transcendental cost)
+    max_BxC = jnp.max(logits_BxCxV, axis=-1)
+    max_BxC = jnp.where(jnp.isfinite(max_BxC), max_BxC, 0.0)   # as jax.nn.logsumexp: an all -inf row
+    e_BxCxV = jnp.exp(logits_BxCxV - max_BxC[..., None])
+    sum_BxC = jnp.sum(e_BxCxV, axis=-1)
+    lse_BxC = max_BxC + jnp.log(sum_BxC)
     nll_BxC = lse_BxC - jnp.take_along_axis(logits_BxCxV, t_BxC[..., None], axis=-1)[..., 0]
-    dlogits_BxCxV = _softmax_grad(logits_BxCxV, lse_BxC, t_BxC, g_BxC, grad_dtype)
+    onehot_BxCxV = jax.nn.one_hot(t_BxC, logits_BxCxV.shape[-1], dtype=jnp.float32)
+    dlogits_BxCxV = ((e_BxCxV / sum_BxC[..., None] - onehot_BxCxV) * g_BxC[..., None]).astype(grad_dtype)
     dh_BxCxD = jnp.einsum("bcv,dv->bcd", dlogits_BxCxV, w_DxV.astype(grad_dtype))
     dw_DxV = dw_DxV + jnp.einsum("bcd,bcv->dv", h_BxCxD.astype(grad_dtype), dlogits_BxCxV,
                                  preferred_element_type=jnp.float32)
