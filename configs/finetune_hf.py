@@ -18,11 +18,12 @@ On the published SmolLM2-135M-Instruct weights (docs/recipe_smollm2.md; 2026-12-
 32-43 s/step at 8 x 512, 96-126 tokens/s): peak 4.25 GiB over 8 steps (evaluation at 4, save at 8; steady
 3.12 GiB), within the 4.5 GiB goal since the loop hands back a second temp span the allocator kept mapped
 (host_alloc.ReleaseOnGrowth; 4.68 GiB before); 4.32 GiB on 2026-12-04 with the kernels on oneMKL.
-Against transformers (benchmarks/finetune_vs_peft.py, one run, 2026-12-04, 2 Intel vCPUs, `pip install -e
-".[mkl]"`: runtime 'auto' runs every projection on MKL): the preset 290.9 against 321.2 tokens/s (0.91x); faster
-at more memory, --config.model.remat=none --config.model.scan_layers=false --config.optim.grad_accum=2 (no
-recompute, no copies of the scan's stacked activations, the batch in 2 parts) 308.2 tokens/s, 0.94x, at 7.6 GiB
-against its 11.1. The 1.2x goal is missed; other machines and why: docs/recipe_smollm2.md.
+Against transformers (benchmarks/finetune_vs_peft.py, 2026-12-04, 2 Intel vCPUs, `pip install -e ".[mkl]"`:
+runtime 'auto' runs every projection on MKL): the preset 290.9 against 321.2 tokens/s (0.91x, at 4.18 GiB against
+its 11.3); faster at more memory in that day's first run, --config.model.remat=none
+--config.model.scan_layers=false --config.optim.grad_accum=2 (no recompute, no copies of the scan's stacked
+activations, the batch in 2 parts) 308.2 against 328.0 tokens/s, 0.94x, at 7.6 GiB. The 1.2x goal is missed;
+other machines and why: docs/recipe_smollm2.md.
 Measured (tests/test_finetune.py's setting: a 2-layer random transformers Llama with a 320-token
 byte-level BPE, 12 steps of 8 x 32 tokens on Shakespeare at peak_lr 3e-3, 2 CPU cores): train loss
 5.77 -> 5.13, val 5.06; the export reloads in transformers with our logits (1e-4).

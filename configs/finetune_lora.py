@@ -17,10 +17,11 @@ a 9.9 MB checkpoint (full: 1.4 GB); tests/test_lora.py: the merged export equals
 On the published SmolLM2-135M-Instruct weights (docs/recipe_smollm2.md, 8 steps at 8 x 512, evaluation at 4,
 save at 8): peak 2.81 GiB under tcmalloc (26-27 s/step on 2026-12-02's slower machine), 2.15 GiB under glibc.
 On 2026-12-04 (2 Intel vCPUs, the kernels on oneMKL: `pip install -e ".[mkl]"`) the same run peaked at 2.33 GiB.
-Against peft (benchmarks/finetune_vs_peft.py, one run that day, adapters applied unmerged): the preset 363.6
-against 436.8 tokens/s (0.83x); faster at more memory, --config.model.remat=none --config.model.scan_layers=false
---config.optim.grad_accum=2 (no recompute, the batch in 2 parts) 439.8 tokens/s, 1.03x, at 5.5 GiB against peft's
-8.0. The 1.3x goal is missed; other machines and why: docs/recipe_smollm2.md.
+Against peft (benchmarks/finetune_vs_peft.py, that day, adapters applied unmerged): the preset 363.6 against
+436.8 tokens/s (0.83x, at 2.44 GiB against its 8.0); faster at more memory, --config.model.remat=none
+--config.model.scan_layers=false --config.optim.grad_accum=2 (no recompute, the batch in 2 parts) 438.8 against
+436.8 (1.00x) in the same run, 1.03x in the first. The 1.3x goal is missed; other machines and why:
+docs/recipe_smollm2.md.
 """
 from tformer_jax.cli_common import load_config_file
 
