@@ -20,6 +20,8 @@ import pathlib
 import platform
 import shutil
 import subprocess
+import sys
+import sysconfig
 import tempfile
 import threading
 
@@ -112,8 +114,6 @@ def _openblas() -> tuple[int, ctypes.CDLL]:
 
 def _mkl() -> tuple[int, ctypes.CDLL]:
   """oneMKL's cblas_sgemm from the `mkl` wheel's libmkl_rt (installed under the environment's lib/)."""
-  import sys  # noqa: PLC0415
-  import sysconfig  # noqa: PLC0415
   names = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
   dirs = dict.fromkeys(pathlib.Path(d) / "lib" for d in (sys.prefix, sysconfig.get_config_var("prefix") or sys.prefix))
   found = [d / n for d in dirs for n in names if (d / n).is_file()]
@@ -156,7 +156,7 @@ def load(blas: str | None = None) -> None:
     if want != _state["blas"]:
       try:
         sgemm, _ = _blas(want)
-      except OSError as e:
+      except (OSError, AttributeError) as e:   # a library that does not load, or lacks a symbol
         raise KernelUnavailable(f"runtime.cpu_blas {want!r}: cannot load it ({e})") from e
       _state["lib"].tfj_set_sgemm(ctypes.c_void_p(sgemm))
       _state["blas"] = want
@@ -175,7 +175,7 @@ def blas_available(name: str) -> tuple[bool, str]:
     with _lock:
       _blas(name)
     return True, ""
-  except (KernelUnavailable, OSError) as e:
+  except (KernelUnavailable, OSError, AttributeError) as e:
     return False, str(e)
 
 
