@@ -244,11 +244,11 @@ def matmul_rates(shapes: Sequence[tuple[int, int, int]], reps: int = 5) -> dict[
     xa, xb, ta, tb = jax.device_put(a), jax.device_put(b), torch.from_numpy(a), torch.from_numpy(b)
     calls = {"xla": functools.partial(lambda x, y: product(x, y).block_until_ready(), xa, xb),
              "torch": functools.partial(torch.matmul, ta, tb)}
-    calls |= {name: functools.partial(lambda name, x, y: (cpu_kernel.load(blas=name),
-                                                          kernel(x, y).block_until_ready()), name, xa, xb)
-              for name in blas}
+    calls |= {name: functools.partial(lambda x, y: kernel(x, y).block_until_ready(), xa, xb) for name in blas}
     rates = {}
     for lib, call in calls.items():
+      if lib in blas:
+        cpu_kernel.load(blas=lib)   # the kernel calls whichever BLAS is loaded (process-wide)
       call()
       best = float("inf")
       for _ in range(reps):
@@ -308,7 +308,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       "bench": "finetune_vs_peft", "hf": args.hf, "batch": args.batch, "seq": args.seq, "tokens_per_step": tokens,
       "steps": args.steps, "warmup": args.warmup, "precision": "float32", "torch": torch.__version__,
       "transformers": transformers.__version__, "jax": jax.__version__, "torch_threads": args.threads,
-      "cpu_count": os.cpu_count(), "allocator": host_alloc.loaded_allocator(), "machine": platform.processor(),
+      "cpu_count": os.cpu_count(), "allocator": host_alloc.loaded_allocator(),
+      "machine": cpu_kernel.build.cpu_field("model name") or platform.processor(),
       # each library's best float32 matmul rate, on a 2048^3 product and the model's FFN products at this batch
       "matmul_gflops": matmul_rates([(2048, 2048, 2048), (tokens, ffn[0], ffn[1]), (tokens, ffn[1], ffn[0])])}
   def contender(run: Any, mode: str, cfg: Any, *a: Any, remat: str | None = None) -> dict[str, Any]:

@@ -174,14 +174,8 @@ def _cpu_matmul(choice: str, blas: str, remat: str, reasons: list[str]) -> str:
 
 
 def cpu_vendor() -> str:
-  """The CPU's vendor string from /proc/cpuinfo ('GenuineIntel', 'AuthenticAMD', ...; '' where unknown)."""
-  try:
-    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith("vendor_id"):
-        return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return ""
+  """The CPU's vendor ('GenuineIntel', 'AuthenticAMD', ...; '' where unknown)."""
+  return cpu_kernel.build.cpu_field("vendor_id")
 
 
 def _cpu_blas(choice: str, reasons: list[str]) -> str:

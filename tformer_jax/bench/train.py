@@ -41,6 +41,7 @@ from tformer_jax import backends, cli_common
 from tformer_jax.bench import emit, flops as flops_lib, op_profile
 from tformer_jax.host_alloc import loaded_allocator
 from tformer_jax.nn import Transformer
+from tformer_jax.ops.cpu_kernel.build import cpu_field
 from tformer_jax.train import loop, optim, precision, setup, state as state_lib, step as step_lib
 
 DEFAULT_CONFIG = "configs/bench/gpt2_cpu.py"
@@ -174,16 +175,8 @@ def matmul_rates(n: int = 2048, reps: int = 5, dtype: str = "float32",
 
 def machine_info() -> dict[str, Any]:
   """nproc, CPU model, load average, jax backend and device: what a figure was measured on."""
-  cpu = ""
-  try:
-    for line in open("/proc/cpuinfo"):
-      if line.startswith("model name"):
-        cpu = line.split(":", 1)[1].strip()
-        break
-  except OSError:
-    pass
   dev = jax.devices()[0]
-  return {"nproc": os.cpu_count(), "cpu": cpu, "loadavg": [round(x, 2) for x in os.getloadavg()],
+  return {"nproc": os.cpu_count(), "cpu": cpu_field("model name"), "loadavg": [round(x, 2) for x in os.getloadavg()],
           "backend": jax.default_backend(), "device": getattr(dev, "device_kind", str(dev)),
           "jax": jax.__version__, "allocator": loaded_allocator(),
           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}

@@ -54,6 +54,18 @@ def _compiler() -> str:
                           "`apt-get install g++`)")
 
 
+def cpu_field(name: str) -> str:
+  """The first value of /proc/cpuinfo's `name` line ('vendor_id' -> 'GenuineIntel', 'model name' -> ...);
+  '' where there is none."""
+  try:
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+      if line.split(":", 1)[0].strip() == name:
+        return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return ""
+
+
 def _cpu_tag() -> str:
   """What -march=native depends on: the CPU model and its feature flags."""
   try:
