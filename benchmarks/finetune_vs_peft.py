@@ -1,12 +1,15 @@
 """Fine-tuning throughput on published weights: ours against transformers (full) and transformers + peft (LoRA).
 
   python benchmarks/finetune_vs_peft.py --hf=DIR [--modes=full,lora --batch=8 --seq=512 --steps=3 --warmup=1
-                                        --threads=2 --json=OUT --variant=model.remat=none,optim.grad_accum=8]
+                                        --threads=2 --precision=float32 --json=OUT
+                                        --variant=model.remat=none,optim.grad_accum=8]
 
 Needs torch, transformers and (for lora) peft: `pip install torch==2.13.0` first (the CPU wheel), then
 `pip install -e ".[reference]" "peft>=0.21,<0.22"`; a missing one is named in one line before anything runs.
 One process, one model (the HF directory --hf, e.g. SmolLM2-135M-Instruct from `tformer-convert --from-gguf`),
-float32 everywhere, the same batch x sequence and the same random token batches for every contender:
+one precision for every contender (--precision: float32 everywhere, or bf16 mixed precision: float32 weights and
+optimizer, bfloat16 matmuls; ours train.precision=bf16, theirs the forward under torch.autocast('cpu',
+torch.bfloat16), each library's documented way), the same batch x sequence and the same random token batches:
 - ours `full`: configs/finetune_hf.py's train step (the one tformer-train compiles: scanned layers, remat
   'full', chunked loss, AdamW, clipping at 1) on the loaded weights; `lora`: configs/finetune_lora.py's
   (rank 8, alpha 16, q,k,v,o over the frozen base);
@@ -24,7 +27,8 @@ or micro-batches (optim.grad_accum: the same batch per optimizer step, in parts)
 contender's own high-water mark of this process (reset before it; the shared baseline of the imports
 included). Run as a command it re-runs itself under tcmalloc when installed (both
 contenders then share that allocator; `allocator` in the JSON). Measure on an otherwise idle machine.
-What bounds the ratio: `matmul_gflops` holds each library's best float32 matmul rate (a 2048^3 product and
+What bounds the ratio: `matmul_gflops` holds each library's best matmul rate at --precision (bf16: bfloat16
+operands, float32 accumulation; our kernel on MKL only, the BLAS with a bfloat16 gemm) (a 2048^3 product and
 the model's FFN products at batch x seq tokens; `by_shape` each: XLA's dot, torch's and our C++ matmul on each
 BLAS installed, `ours` the best of XLA and those), timed before the contenders; each
 contender's `mflop_per_token` is the matmul work its step executes (bench.flops.finetune_flops: theirs at no
@@ -58,6 +62,7 @@ if __name__ == "__main__":
   host_alloc.maybe_reexec()
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 
@@ -82,6 +87,8 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer("steps", 3, "timed steps per contender", flag_values=fv)
   flags.DEFINE_integer("warmup", 1, "untimed steps after the first", flag_values=fv)
   flags.DEFINE_integer("threads", os.cpu_count() or 1, "torch intra-op threads", flag_values=fv)
+  flags.DEFINE_enum("precision", "float32", ["float32", "bf16"], "every contender's precision: float32, or bf16 "
+                    "mixed precision (ours train.precision=bf16, theirs torch.autocast bfloat16)", flag_values=fv)
   flags.DEFINE_string("json", None, "also write the result to this file", flag_values=fv)
   flags.DEFINE_multi_string("variant", [], "ours again with these config overrides, FIELD=V,... "
                             "(e.g. model.remat=none,optim.grad_accum=8), after the preset: `ours_variants` in the "
@@ -116,11 +123,13 @@ def parse_variant(text: str) -> dict[str, str]:
   return dict(t.split("=", 1) for t in items)
 
 
-def our_config(mode: str, hf_dir: str, batch: int, seq: int, variant: dict[str, str] | None = None) -> Any:
-  """The preset of `mode` on `hf_dir` at batch x seq, with `variant`'s overrides, resolved and validated as
-  tformer-train resolves them."""
+def our_config(mode: str, hf_dir: str, batch: int, seq: int, variant: dict[str, str] | None = None,
+               precision: str = "float32") -> Any:
+  """The preset of `mode` on `hf_dir` at batch x seq and train.precision `precision`, with `variant`'s
+  overrides, resolved and validated as tformer-train resolves them."""
   cfg = load_config_file(PRESETS[mode])
   cfg.train.init_from = f"hf:{hf_dir}"
+  cfg.train.precision = precision
   cfg.data.batch_size, cfg.data.seq_len = batch, seq
   cfg = init_from.resolve(cli_common.override(cfg, variant or {}))
   validate(cfg)
@@ -169,7 +178,8 @@ def run_ours(mode: str, cfg: Any, args: Any, batches: Sequence[np.ndarray], vari
     out = timed(step, batches, args.warmup, args.steps)
   rt = runtime.as_dict()
   out["trained_params"] = state_lib.param_count(state[0].params)
-  out["config"] = {"preset": PRESETS[mode], "overrides": variant or {}, "remat": cfg.model.remat,
+  out["config"] = {"preset": PRESETS[mode], "overrides": variant or {}, "precision": cfg.train.precision,
+                   "remat": cfg.model.remat,
                    "grad_accum": int(cfg.optim.grad_accum), "scan_layers": bool(cfg.model.scan_layers),
                    "loss_chunk": int(cfg.train.loss_chunk),
                    **{k: rt[k] for k in ("backend", "attention", "cpu_kernels", "cpu_matmul", "cpu_blas",
@@ -198,10 +208,12 @@ def run_torch(mode: str, cfg: Any, args: Any, batches: Sequence[np.ndarray]) -> 
   opt = torch.optim.AdamW(params, lr=float(o.peak_lr), betas=(float(o.b1), float(o.b2)), eps=float(o.eps),
                           weight_decay=float(o.weight_decay))
   vocab = model.config.vocab_size if mode == "full" else model.base_model.model.config.vocab_size
+  bf16 = cfg.train.precision == "bf16"
 
   def step(toks: np.ndarray) -> float:
     t = torch.from_numpy(toks.astype(np.int64))
-    logits = model(input_ids=t[:, :-1]).logits
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):   # the forward only, as torch documents
+      logits = model(input_ids=t[:, :-1]).logits
     loss = F.cross_entropy(logits.float().reshape(-1, vocab), t[:, 1:].reshape(-1))
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -212,7 +224,8 @@ def run_torch(mode: str, cfg: Any, args: Any, batches: Sequence[np.ndarray]) -> 
   out = timed(step, batches, args.warmup, args.steps)
   out["trained_params"] = sum(p.numel() for p in params)
   out["config"] = {"library": "peft " + peft.__version__ if mode == "lora" else "transformers",
-                   "attention": "sdpa", "gradient_checkpointing": False, "torch_threads": torch.get_num_threads()}
+                   "attention": "sdpa", "gradient_checkpointing": False, "torch_threads": torch.get_num_threads(),
+                   "autocast": "bfloat16" if bf16 else None}
   return out
 
 
@@ -227,21 +240,25 @@ def mflop_per_token(cfg: Any, args: Any, adapter_params: int, remat: str | None 
   return round(fl["executed"] / (args.batch * args.seq) / 1e6, 3)
 
 
-def matmul_rates(shapes: Sequence[tuple[int, int, int]], reps: int = 5) -> dict[str, Any]:
-  """Each library's best float32 GFLOP/s (2 m k n FLOPs a call, the fastest of `reps` calls after one) on
-  each (m, k, n) product, 2 threads or whatever both were given: XLA's dot, torch.matmul and, where the C++
-  kernels load, their matmul on each BLAS that loads here ('openblas', 'mkl'; runtime.cpu_blas).
+def matmul_rates(shapes: Sequence[tuple[int, int, int]], reps: int = 5, precision: str = "float32") -> dict[str, Any]:
+  """Each library's best GFLOP/s (2 m k n FLOPs a call, the fastest of `reps` calls after one) on each (m, k, n)
+  product, 2 threads or whatever both were given: XLA's dot, torch.matmul and, where the C++ kernels load,
+  their matmul on each BLAS that loads here ('openblas', 'mkl'; runtime.cpu_blas). precision 'bf16':
+  bfloat16 operands (XLA's dot and our kernel accumulating in float32; only MKL has a bfloat16 gemm).
   {'xla': best over the shapes, 'torch': the same, ..., 'ours': the best of xla and the BLASes,
   'by_shape': {'MxKxN': {'xla', 'torch', ...}}}."""
   import torch  # noqa: PLC0415
-  product = jax.jit(lambda a, b: a @ b)
-  blas = [name for name in cpu_kernel.BLAS if cpu_kernel.blas_available(name)[0]]
+  bf16 = precision == "bf16"
+  product = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+  blas = [name for name in cpu_kernel.BLAS if cpu_kernel.blas_available(name)[0] and not (bf16 and name != "mkl")]
   kernel = jax.jit(cpu_kernel.matmul_cpu)
   rng = np.random.default_rng(0)
   by_shape = {}
   for m, k, n in shapes:
     a, b = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
     xa, xb, ta, tb = jax.device_put(a), jax.device_put(b), torch.from_numpy(a), torch.from_numpy(b)
+    if bf16:
+      xa, xb, ta, tb = xa.astype(jnp.bfloat16), xb.astype(jnp.bfloat16), ta.bfloat16(), tb.bfloat16()
     calls = {"xla": functools.partial(lambda x, y: product(x, y).block_until_ready(), xa, xb),
              "torch": functools.partial(torch.matmul, ta, tb)}
     calls |= {name: functools.partial(lambda x, y: kernel(x, y).block_until_ready(), xa, xb) for name in blas}
@@ -296,7 +313,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args.hf = str(pathlib.Path(args.hf).expanduser().resolve())
   # every configuration of ours, the preset's first, resolved and validated before anything loads (a bad override
   # or an invalid combination: one line)
-  configs = {mode: [our_config(mode, args.hf, args.batch, args.seq, v) for v in ({}, *variants)] for mode in args.modes}
+  configs = {mode: [our_config(mode, args.hf, args.batch, args.seq, v, args.precision) for v in ({}, *variants)]
+             for mode in args.modes}
   import torch  # noqa: PLC0415 (after the allocator re-exec)
   import transformers  # noqa: PLC0415
   torch.set_num_threads(args.threads)
@@ -306,12 +324,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   tokens = args.batch * args.seq
   res: dict[str, Any] = {
       "bench": "finetune_vs_peft", "hf": args.hf, "batch": args.batch, "seq": args.seq, "tokens_per_step": tokens,
-      "steps": args.steps, "warmup": args.warmup, "precision": "float32", "torch": torch.__version__,
+      "steps": args.steps, "warmup": args.warmup, "precision": args.precision, "torch": torch.__version__,
       "transformers": transformers.__version__, "jax": jax.__version__, "torch_threads": args.threads,
       "cpu_count": os.cpu_count(), "allocator": host_alloc.loaded_allocator(),
       "machine": cpu_kernel.build.cpu_field("model name") or platform.processor(),
-      # each library's best float32 matmul rate, on a 2048^3 product and the model's FFN products at this batch
-      "matmul_gflops": matmul_rates([(2048, 2048, 2048), (tokens, ffn[0], ffn[1]), (tokens, ffn[1], ffn[0])])}
+      # each library's best matmul rate at this precision, on a 2048^3 product and the model's FFN products
+      "matmul_gflops": matmul_rates([(2048, 2048, 2048), (tokens, ffn[0], ffn[1]), (tokens, ffn[1], ffn[0])],
+                                    precision=args.precision)}
   def contender(run: Any, mode: str, cfg: Any, *a: Any, remat: str | None = None) -> dict[str, Any]:
     """run(mode, cfg, *a) with its own peak RSS (the process's high-water mark reset before it; the previous
     contender's memory handed back first, so each peak is its own plus the process's baseline) and the MFLOP

@@ -4,7 +4,10 @@ kernels on (runtime.cpu_kernels 'on' / 'auto'): the weight gradients, and under 
 the forward and input-gradient products too.
 
 Tolerances: float32 against a float64 product, 1e-5 relative to the largest entry; model gradients
-against the XLA path, 1e-5 (only the summation order differs). Skipped only without a C++ compiler; the
+against the XLA path, 1e-5 (only the summation order differs). bfloat16 (MKL's bf16 gemm): the float32
+output against the float64 product of the same bfloat16 values, 1e-5; the bfloat16 output is that one
+rounded (bit-equal); projections and a bf16 model against XLA's bfloat16 path, 2e-2 of the largest entry
+(a few bfloat16 roundings of 2^-8 apart). Skipped only without a C++ compiler; the
 MKL cases skip where the `mkl` wheel is not installed (`pip install -e ".[mkl]"`; scripts/test.sh has it).
 """
 import contextlib
@@ -86,7 +89,8 @@ def test_gradient_matches_xla_dot():
 
 @pytest.mark.parametrize("a_shape,b_shape,dtype,kw,match", [
     ((4,), (4, 2), jnp.float32, {}, "2-D"),
-    ((3, 4), (4, 2), jnp.bfloat16, {}, "float32 only"),
+    ((3, 4), (4, 2), jnp.float16, {}, "two float32 or two bfloat16"),
+    ((3, 4), (4, 2), jnp.float32, dict(out_dtype=jnp.bfloat16), "out_dtype"),
     ((3, 4), (5, 2), jnp.float32, {}, r"contracting dimensions differ \(4 vs 5\)"),
     ((3, 4), (4, 2), jnp.float32, dict(transpose_a=True), r"contracting dimensions differ \(3 vs 4\)"),
 ])
@@ -199,21 +203,28 @@ def test_auto_blas_and_matmul():
     cpu_kernel.load(blas=before)
 
 
-def test_auto_uses_the_kernels_only_on_one_device_in_float32():
-  """runtime.cpu_kernels 'auto' (backends.resolve_runtime): on for float32 on one CPU device;
-  off in half precision (model dtypes or train.precision) and under a multi-device mesh (a custom
-  call is not partitioned: sharded runs keep XLA's ops)."""
+def test_auto_uses_the_kernels_only_on_one_device_in_float32_or_bf16_on_mkl():
+  """runtime.cpu_kernels 'auto' (backends.resolve_runtime): on for float32 on one CPU device, and for
+  bfloat16 compute over float32 parameters (model.dtype or train.precision 'bf16') where the BLAS is MKL;
+  off in float16, with half-precision parameters and under a multi-device mesh (a custom call is not
+  partitioned: sharded runs keep XLA's ops)."""
   auto = _cfg(position="alibi", num_kv_heads=0)
 
   def resolve(m, precision="float32", mesh_devices=1, **runtime):
     return backends.resolve_runtime(_runtime_cfg(m, precision, **runtime), mesh_devices=mesh_devices,
                                     platform="cpu", quiet=True).backend
 
+  before = cpu_kernel.blas_in_use()
   b = resolve(auto)
   assert type(b) is backends.XlaCpuBackend and b.cpu_kernels and b.attention_impl == "chunked"
-  assert not resolve(dataclasses.replace(auto, dtype="bfloat16")).cpu_kernels
+  # bfloat16 compute over float32 parameters: on where the BLAS has a bfloat16 gemm (MKL), else off
+  bf16_on = b.cpu_blas == "mkl"
+  assert resolve(dataclasses.replace(auto, dtype="bfloat16")).cpu_kernels == bf16_on
+  assert resolve(auto, precision="bf16").cpu_kernels == bf16_on
+  assert not resolve(auto, precision="bf16", cpu_blas="openblas").cpu_kernels
   assert not resolve(dataclasses.replace(auto, param_dtype="bfloat16")).cpu_kernels
-  assert not resolve(auto, precision="bf16").cpu_kernels
+  assert not resolve(auto, precision="fp16").cpu_kernels
+  cpu_kernel.load(blas=before)
   assert not resolve(auto, cpu_kernels="off").cpu_kernels
   two = resolve(auto, mesh_devices=2)
   assert not two.cpu_kernels and two.attention_impl == "chunked"
@@ -225,7 +236,8 @@ def test_auto_uses_the_kernels_only_on_one_device_in_float32():
 
 
 @pytest.mark.parametrize("kw,model_kw,match", [
-    (dict(cpu_kernels="on"), dict(dtype="bfloat16"), "runtime.cpu_kernels"),
+    (dict(cpu_kernels="on"), dict(dtype="float16"), "runtime.cpu_kernels"),
+    (dict(cpu_kernels="on"), dict(param_dtype="bfloat16"), "runtime.cpu_kernels"),
     (dict(cpu_kernels="fast"), {}, "runtime.cpu_kernels"),
     (dict(cpu_kernels="on", backend="reference"), {}, "runtime.cpu_kernels"),
     (dict(cpu_blas="accelerate"), {}, "runtime.cpu_blas"),
@@ -272,3 +284,109 @@ def test_narrow_weights_keep_xlas_dot():
     plain = jax.jit(jax.grad(lambda x, w, spec=spec: jnp.sum(jnp.tanh(jnp.einsum(spec, x, w))), argnums=(0, 1)))
     for g, want in zip(grad(xi, w), plain(xi, w)):
       np.testing.assert_allclose(np.asarray(g), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+MKL_ONLY = pytest.mark.skipif(not MKL[0], reason=f"no MKL (the bfloat16 gemm): {MKL[1]}")
+
+
+@MKL_ONLY
+@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
+def test_bf16_matches_float64_product(m, k, n, ta, tb):
+  """bfloat16 operands on MKL's gemm_bf16bf16f32: the float32 output is the exact products summed in float32;
+  the bfloat16 output (rounded in the kernel, panel by panel) is that output rounded to nearest even."""
+  r = np.random.default_rng(m * 5 + n)
+  a = jnp.asarray(r.standard_normal((k, m) if ta else (m, k)), jnp.bfloat16)
+  b = jnp.asarray(r.standard_normal((n, k) if tb else (k, n)), jnp.bfloat16)
+  a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  ref = (a64.T if ta else a64) @ (b64.T if tb else b64)
+  with blas("mkl"):
+    f32 = jax.jit(lambda a, b: matmul_cpu(a, b, transpose_a=ta, transpose_b=tb))(a, b)
+    bf = jax.jit(lambda a, b: matmul_cpu(a, b, transpose_a=ta, transpose_b=tb, out_dtype=jnp.bfloat16))(a, b)
+  assert (f32.dtype, bf.dtype, f32.shape) == (jnp.float32, jnp.bfloat16, (m, n))
+  np.testing.assert_allclose(np.asarray(f32), ref, rtol=0, atol=1e-5 * max(1.0, np.abs(ref).max()))
+  np.testing.assert_array_equal(np.asarray(bf, np.float32), np.asarray(f32.astype(jnp.bfloat16), np.float32))
+
+
+def test_bf16_without_a_bf16_gemm_is_a_clear_error():
+  a = jnp.ones((4, 3), jnp.bfloat16)
+  with blas("openblas"), pytest.raises(ValueError, match="bfloat16 gemm"):
+    matmul_cpu(a, a, transpose_b=True)
+
+
+def _close(got, want, tol=2e-2):
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  np.testing.assert_allclose(got, want, rtol=0, atol=tol * max(1.0, np.abs(want).max()))
+
+
+@MKL_ONLY
+@pytest.mark.parametrize("spec,x_shape,w_shape", [
+    ("bld,dhk->blhk", (2, 9, 20), (20, 4, 5)),
+    ("bld,df->blf", (3, 7, 20), (20, 40)),
+])
+def test_project_bf16_on_the_kernel(spec, x_shape, w_shape):
+  """bfloat16 x and w with bf16=True (the backend on MKL): y, dx and dw all on the bfloat16 kernel (three calls
+  in the gradient's HLO), bfloat16 results, the values of XLA's bfloat16 einsum and its autodiff."""
+  r = np.random.default_rng(5)
+  x, w = (jnp.asarray(r.standard_normal(s), jnp.bfloat16) for s in (x_shape, w_shape))
+  f = lambda x, w: jnp.sum(jnp.tanh(project(spec, x, w, True, True, bf16=True).astype(jnp.float32)))  # noqa: E731
+  grad = jax.jit(jax.grad(f, argnums=(0, 1)))
+  plain = jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.tanh(jnp.einsum(spec, x, w).astype(jnp.float32))),
+                           argnums=(0, 1)))
+  with blas("mkl"):   # (the kernel checks for the bfloat16 gemm when traced)
+    assert grad.lower(x, w).as_text().count("tfj_matmul_bf16_bf16") == 3
+    y = jax.jit(lambda x, w: project(spec, x, w, True, True, bf16=True))(x, w)
+    assert y.dtype == jnp.bfloat16
+    _close(y, jnp.einsum(spec, x, w))
+    for g, want in zip(grad(x, w), plain(x, w)):
+      assert g.dtype == jnp.bfloat16
+      _close(g, want)
+  # without bf16 (a BLAS with no bfloat16 gemm) the same call stays on XLA's dot
+  assert "tfj_matmul" not in jax.jit(jax.grad(lambda x, w: jnp.sum(
+      project(spec, x, w, True, True).astype(jnp.float32)), argnums=(0, 1))).lower(x, w).as_text()
+
+
+@MKL_ONLY
+def test_bf16_model_on_the_kernels_equals_xlas_bf16():
+  """A GQA/SwiGLU model computing in bfloat16 over float32 parameters: logits and every parameter gradient with
+  the backend's kernels on MKL (projections on the bfloat16 gemm) and off, within bfloat16's tolerance."""
+  ref = _cfg(dtype="bfloat16")
+  params, tokens = _init(_cfg()), _tokens(2)
+  model = Transformer(ref)
+
+  def run(backend):
+    with backends.use(backend):
+      loss = lambda p: jnp.mean(model.apply({"params": p}, tokens).astype(jnp.float32) ** 2)  # noqa: E731
+      return jax.jit(jax.value_and_grad(loss))(params), jax.jit(jax.grad(loss)).lower(params).as_text()
+
+  with blas("mkl"):
+    (l_on, g_on), hlo = run(backends.XlaCpuBackend(attention_impl="reference", cpu_kernels=True, cpu_matmul="all",
+                                                   cpu_blas="mkl"))
+    (l_off, g_off), _ = run(backends.XlaCpuBackend(attention_impl="reference", cpu_kernels=False))
+  assert "tfj_matmul_bf16_bf16" in hlo
+  _close(l_on, l_off)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_on), jax.tree.leaves(g_off)):
+    assert a.dtype == jnp.float32, path
+    _close(a, b, 5e-2)
+
+
+@MKL_ONLY
+def test_bf16_loss_products_on_the_kernel():
+  """The backend's loss_matmul: on MKL, nll_sum's bfloat16 products run on the bfloat16 kernel with the
+  values of XLA's path; float32 ones (and a backend on OpenBLAS) keep XLA's dot."""
+  from tformer_jax.ops import losses  # noqa: PLC0415
+  r = np.random.default_rng(6)
+  h = jnp.asarray(r.standard_normal((2, 19, 24)), jnp.bfloat16)
+  w = jnp.asarray(0.5 * r.standard_normal((24, 70)), jnp.bfloat16)
+  t = jnp.asarray(r.integers(0, 70, (2, 19)))
+  mkl = backends.XlaCpuBackend(cpu_kernels=True, cpu_matmul="all", cpu_blas="mkl")
+  assert backends.XlaCpuBackend(cpu_kernels=True, cpu_blas="openblas").loss_matmul() is None
+  f = lambda mm: jax.jit(jax.value_and_grad(lambda h, w: losses.nll_sum(h, w, t, chunk=10, matmul=mm),  # noqa: E731
+                                            (0, 1)))
+  with blas("mkl"):
+    assert f(mkl.loss_matmul()).lower(h, w).as_text().count("tfj_matmul_bf16") == 3
+    (val, grads), (want, want_grads) = f(mkl.loss_matmul())(h, w), f(None)(h, w)
+    assert "tfj_matmul" not in f(mkl.loss_matmul()).lower(h.astype(jnp.float32), w.astype(jnp.float32)).as_text()
+  np.testing.assert_allclose(float(val), float(want), rtol=1e-5)
+  for g, ref in zip(grads, want_grads):
+    _close(g, ref, 1e-2)

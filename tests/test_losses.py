@@ -222,3 +222,31 @@ def test_bench_compile_memory_reports_the_saving(tmp_path):
   assert (full["loss_chunk"], chunked["loss_chunk"]) == (0, 256)
   assert full["alias"] == full["argument"] - 2 * 4 * 128 * 4   # the state is donated (not the batch)
   assert chunked["temp"] < full["temp"] - res["logits_f32_bytes"], (chunked["temp"], full["temp"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_nll_sum_on_a_given_matmul(dtype):
+  """nll_sum's `matmul=` (a backend's 2-D kernel; here XLA's dot behind the same signature) runs the chunks'
+  three products (logits, dh, dw: the three transposes) and gives the default path's value (1e-5) and
+  gradients (TOL) on odd sizes with a mask."""
+  b, l, d, v = 3, 37, 16, 101
+  k = jax.random.split(jax.random.PRNGKey(1), 4)
+  h = jax.random.normal(k[0], (b, l, d)).astype(dtype)
+  w = (0.5 * jax.random.normal(k[1], (d, v))).astype(dtype)
+  t = jax.random.randint(k[2], (b, l), 0, v)
+  mask = (jax.random.uniform(k[3], (b, l)) > 0.3).astype(jnp.float32)
+  seen = set()
+
+  def matmul(a, b_, ta, tb):
+    assert a.ndim == b_.ndim == 2 and a.dtype == b_.dtype == jnp.dtype(dtype)
+    seen.add((ta, tb))
+    dims = (((0,) if ta else (1,), (1,) if tb else (0,)), ((), ()))
+    return jax.lax.dot_general(a, b_, dims, preferred_element_type=jnp.float32)
+
+  f = lambda mm: jax.jit(jax.value_and_grad(  # noqa: E731
+      lambda h, w, m: 0.3 * losses.nll_sum(h, w, t, m, chunk=7, matmul=mm), (0, 1, 2)))
+  (val, grads), (want, want_grads) = f(matmul)(h, w, mask), f(None)(h, w, mask)
+  assert seen == {(False, False), (False, True), (True, False)}
+  assert rel_err(val, want) < 1e-5
+  for got, ref in zip(grads, want_grads):
+    assert got.dtype == ref.dtype and rel_err(got, ref) < TOL[dtype]

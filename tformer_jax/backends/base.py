@@ -115,6 +115,11 @@ class Backend:
   def dense(self, spec: str, x: Array, w: Array) -> Array:
     return jnp.einsum(spec, x, w)
 
+  def loss_matmul(self) -> Callable[[Array, Array, bool, bool], Array] | None:
+    """The 2-D matmul the fused cross-entropy's products run on (ops.losses.nll_sum's `matmul`); None:
+    XLA's dot."""
+    return None
+
   def norm(self, x: Array, scale: Array, bias: Array | None, *, eps: float, center: bool) -> Array:
     return norm_ops.normalize(x, scale, bias, eps, center)
 

@@ -91,11 +91,16 @@ def resolve_runtime(cfg: Any, *, model: config_lib.ModelConfig | None = None, me
   if backend == "reference":
     chosen: Backend = Backend(**blocks)
   else:
-    use_kernels = _cpu_kernels(rt["cpu_kernels"], m, precision, mesh_devices, reasons)
+    use_kernels, bf16 = _cpu_kernels(rt["cpu_kernels"], m, precision, mesh_devices, reasons)
     matmul, blas = "weight_grads", "openblas"
     if use_kernels:
       blas = _cpu_blas(rt.get("cpu_blas", "auto"), reasons)
-      matmul = _cpu_matmul(rt.get("cpu_matmul", "auto"), blas, m.remat, reasons)
+      if bf16 and blas != "mkl" and rt["cpu_kernels"] == "auto":
+        use_kernels = False
+        reasons[-1] += ("; C++ kernels off after all: bfloat16 compute needs a bfloat16 gemm, which "
+                        "OpenBLAS's wheel lacks (oneMKL's: runtime.cpu_blas 'mkl')")
+      else:
+        matmul = _cpu_matmul(rt.get("cpu_matmul", "auto"), blas, m.remat, reasons)
     chosen = XlaCpuBackend(cpu_kernels=use_kernels, cpu_matmul=matmul, cpu_blas=blas, **blocks)
 
   out = Runtime(chosen, platform, host_alloc.loaded_allocator(), tuple(reasons))
@@ -135,11 +140,15 @@ def _attention(choice: str, m: config_lib.ModelConfig, cfg: Any, platform: str,
 
 
 def _cpu_kernels(kernels: str, m: config_lib.ModelConfig, precision: str, mesh_devices: int,
-                 reasons: list[str]) -> bool:
-  """Whether the xla_cpu backend runs its C++ kernels (runtime.cpu_kernels: auto | on | off)."""
+                 reasons: list[str]) -> tuple[bool, bool]:
+  """(whether the xla_cpu backend runs its C++ kernels (runtime.cpu_kernels: auto | on | off), whether the
+  model computes in bfloat16). 'auto' wants float32 parameters and float32 or bfloat16 compute (once
+  train.precision's policy applies); bfloat16 compute then also wants the BLAS's bfloat16 gemm (oneMKL),
+  checked by the caller once the BLAS is chosen."""
   ok, why = cpu_kernel.available()
-  # float32 compute once train.precision's policy applies (bf16/fp16 compute in half), float32 params
-  f32 = precision == "float32" and m.dtype == "float32" and m.param_dtype == "float32"
+  compute = {"bf16": "bfloat16", "fp16": "float16"}.get(precision, m.dtype)
+  bf16 = compute == "bfloat16"
+  f32 = m.param_dtype == "float32" and compute in ("float32", "bfloat16")
   if kernels == "on":
     if not ok:
       raise config_lib.ConfigError(f"runtime.cpu_kernels: 'on' but the C++ kernels are unavailable: {why}")
@@ -148,10 +157,10 @@ def _cpu_kernels(kernels: str, m: config_lib.ModelConfig, precision: str, mesh_d
     use_kernels = False
   else:
     use_kernels = ok and f32 and mesh_devices <= 1
-    reasons.append("C++ kernels " + ("on: float32, one device, built" if use_kernels else "off: " + (
-        "not float32" if not f32 else f"a {mesh_devices}-device mesh" if mesh_devices > 1
-        else f"unavailable ({why})")))
-  return use_kernels
+    reasons.append("C++ kernels " + (f"on: {compute}, one device, built" if use_kernels else "off: " + (
+        "not float32 parameters with float32 or bfloat16 compute" if not f32
+        else f"a {mesh_devices}-device mesh" if mesh_devices > 1 else f"unavailable ({why})")))
+  return use_kernels, bf16
 
 
 def _cpu_matmul(choice: str, blas: str, remat: str, reasons: list[str]) -> str:

@@ -49,7 +49,12 @@ class XlaCpuBackend(Backend):
     return f"{self.name} (attention {self.attention_impl}, {kernels})"
 
   def dense(self, spec: str, x: Array, w: Array) -> Array:
-    return project(spec, x, w, self.cpu_kernels, self.cpu_matmul == "all")
+    return project(spec, x, w, self.cpu_kernels, self.cpu_matmul == "all", bf16=self.cpu_blas == "mkl")
+
+  def loss_matmul(self):
+    # bfloat16 products on the kernel (oneMKL's bf16 gemm runs ~8x XLA:CPU's bf16 dot here); float32 ones
+    # measured no faster on it than on XLA's dot (docs/runtime.md), so they stay there
+    return _bf16_or_xla_matmul if self.cpu_kernels and self.cpu_blas == "mkl" else None
 
   def norm(self, x: Array, scale: Array, bias: Array | None, *, eps: float, center: bool) -> Array:
     return norm_ops.norm_closed_form_vjp(x, scale, bias, eps, center)
@@ -72,7 +77,8 @@ class XlaCpuBackend(Backend):
 # dense: einsum with a hand-written VJP
 
 
-def project(spec: str, x: Array, w: Array, cpu_kernels: bool = False, blas_all: bool = False) -> Array:
+def project(spec: str, x: Array, w: Array, cpu_kernels: bool = False, blas_all: bool = False,
+            bf16: bool = False) -> Array:
   """jnp.einsum(spec, x, w) for an activation x and a weight w, with a hand-written VJP.
 
   Same values and gradients as autodiff; only the gradient *layouts* differ: autodiff computes the
@@ -83,9 +89,10 @@ def project(spec: str, x: Array, w: Array, cpu_kernels: bool = False, blas_all: 
   times w: every projection of the models here) computes dw = x^T dy with ops.cpu_kernel.matmul_cpu
   (the C++ call on the run's BLAS, faster than XLA:CPU's dot for that transposed product), and with
   blas_all too the forward y = x w and dx = dy w^T (runtime.cpu_matmul 'all'); a weight with a side under
-  MIN_KERNEL_SIDE (a LoRA adapter) keeps XLA's dots, in the same layouts.
+  MIN_KERNEL_SIDE (a LoRA adapter) keeps XLA's dots, in the same layouts. bf16: bfloat16 x and w run on
+  the kernel too (the BLAS has a bfloat16 gemm: oneMKL), float32 accumulation, outputs rounded to bfloat16.
   """
-  return _project(spec, cpu_kernels, cpu_kernels and blas_all, x, w)
+  return _project(spec, cpu_kernels, cpu_kernels and blas_all, cpu_kernels and bf16, x, w)
 
 
 def _as_matmul(spec: str, x: Array, w: Array) -> tuple[int, int, int, tuple[int, ...]] | None:
@@ -106,6 +113,11 @@ def _f32(*arrays: Array) -> bool:
   return all(a.dtype == jnp.float32 for a in arrays)
 
 
+def _kernel_dtype(bf16: bool, *arrays: Array) -> bool:
+  """The kernel's operand dtypes: all float32, or (bf16: the BLAS has a bfloat16 gemm) all bfloat16."""
+  return _f32(*arrays) or (bf16 and all(a.dtype == jnp.bfloat16 for a in arrays))
+
+
 # The kernel splits a product into one block per thread: a weight side narrower than this (a LoRA adapter's
 # rank) leaves each sgemm too little work, and XLA's dot is faster there (measured: rank-8 adapters on the
 # kernel cost ~0.5 s a step more than on XLA's dot; SmolLM2-135M LoRA, 2026-12-04). Only rank 8 was measured;
@@ -117,33 +129,34 @@ def _kernel_size(k: int, n: int) -> bool:
   return min(k, n) >= MIN_KERNEL_SIDE
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _project(spec: str, cpu_kernels: bool, blas_all: bool, x: Array, w: Array) -> Array:
-  return _project_fwd(spec, cpu_kernels, blas_all, x, w)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _project(spec: str, cpu_kernels: bool, blas_all: bool, bf16: bool, x: Array, w: Array) -> Array:
+  return _project_fwd(spec, cpu_kernels, blas_all, bf16, x, w)[0]
 
 
-def _project_fwd(spec: str, cpu_kernels: bool, blas_all: bool, x: Array, w: Array):
+def _project_fwd(spec: str, cpu_kernels: bool, blas_all: bool, bf16: bool, x: Array, w: Array):
   mm = _as_matmul(spec, x, w)
-  if blas_all and mm and _f32(x, w) and _kernel_size(mm[1], mm[2]):
+  if blas_all and mm and _kernel_dtype(bf16, x, w) and _kernel_size(mm[1], mm[2]):
     r, k, n, shape = mm
-    return cpu_kernel.matmul_cpu(x.reshape(r, k), w.reshape(k, n)).reshape(shape), (x, w)
+    y = cpu_kernel.matmul_cpu(x.reshape(r, k), w.reshape(k, n), out_dtype=x.dtype).reshape(shape)
+    return y, (x, w)
   return jnp.einsum(spec, x, w), (x, w)
 
 
-def _project_bwd(spec: str, cpu_kernels: bool, blas_all: bool, res, g: Array):
+def _project_bwd(spec: str, cpu_kernels: bool, blas_all: bool, bf16: bool, res, g: Array):
   x, w = res
   mm = _as_matmul(spec, x, w)
   if mm:
     # 2-D matmuls with one contracting dimension each: XLA then needs no transposed copies.
     r, k, n, _ = mm
     x2, g2, w2 = x.reshape(r, k), g.reshape(r, n), w.reshape(k, n)
-    blas = cpu_kernels and _f32(x2, g2, w2) and _kernel_size(k, n)
+    blas = cpu_kernels and _kernel_dtype(bf16, x2, g2, w2) and _kernel_size(k, n)
     if blas:
-      dw = cpu_kernel.matmul_cpu(x2, g2, transpose_a=True).reshape(w.shape)
+      dw = cpu_kernel.matmul_cpu(x2, g2, transpose_a=True, out_dtype=w.dtype).reshape(w.shape)
     else:
       dw = jax.lax.dot_general(x2, g2, (((0,), (0,)), ((), ()))).reshape(w.shape)
     if blas and blas_all:
-      dx = cpu_kernel.matmul_cpu(g2, w2, transpose_b=True).reshape(x.shape)
+      dx = cpu_kernel.matmul_cpu(g2, w2, transpose_b=True, out_dtype=x.dtype).reshape(x.shape)
     else:
       dx = jax.lax.dot_general(g2, w2, (((1,), (1,)), ((), ()))).reshape(x.shape)
   else:
@@ -155,6 +168,15 @@ def _project_bwd(spec: str, cpu_kernels: bool, blas_all: bool, res, g: Array):
 
 
 _project.defvjp(_project_fwd, _project_bwd)
+
+
+def _bf16_or_xla_matmul(a: Array, b: Array, transpose_a: bool, transpose_b: bool) -> Array:
+  """op(a) @ op(b) in float32: the C++ kernel for bfloat16 operands (the BLAS in use has a bfloat16 gemm),
+  XLA's dot otherwise."""
+  if a.dtype == jnp.bfloat16 and b.dtype == jnp.bfloat16:
+    return cpu_kernel.matmul_cpu(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+  dims = (((0,) if transpose_a else (1,), (1,) if transpose_b else (0,)), ((), ()))
+  return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -324,8 +324,8 @@ def validate_runtime(r: Any, m: ModelConfig, precision: str = "float32") -> None
   if r.cpu_kernels == "on":
     if r.backend == "reference":
       _fail("runtime.cpu_kernels", "'on' needs runtime.backend 'xla_cpu' (or 'auto' on CPU)")
-    half = [f"{k}={v!r}" for k, v in (("model.dtype", m.dtype), ("model.param_dtype", m.param_dtype))
-            if v != "float32"] + ([f"train.precision={precision!r}"] if precision != "float32" else [])
-    if half:
-      _fail("runtime.cpu_kernels", f"'on': the C++ kernels are float32 only, got {', '.join(half)}; "
-            "use 'auto' or 'off'")
+    compute = {"bf16": "bfloat16", "fp16": "float16"}.get(precision, m.dtype)
+    if m.param_dtype != "float32" or compute not in ("float32", "bfloat16"):
+      _fail("runtime.cpu_kernels", f"'on': the C++ kernels take float32 parameters and float32 or bfloat16 "
+            f"compute, got model.param_dtype={m.param_dtype!r}, compute {compute!r} (model.dtype={m.dtype!r}, "
+            f"train.precision={precision!r}); use 'auto' or 'off'")

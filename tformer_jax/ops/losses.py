@@ -20,16 +20,20 @@ extra (tokens x D x V) matmul in the backward (4 instead of 3).
 upstream gradient of a scalar is one number, so its forward computes the gradients with respect to h
 and w while each chunk's logits exist (the "fused" cross-entropy), keeps them (the size of h and of
 w, float32 for w) instead of h, and its backward only scales them. 3 matmuls, as with full logits.
+Its three products (logits, dh, dw) can run on a caller's 2-D matmul, `matmul=` (a CPU kernel; the
+default is XLA's dot): same values, the logits rounded to the inputs' dtype as the model's head rounds them.
 """
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 Array = jax.Array
+# matmul(a, b, transpose_a, transpose_b) -> op(a) @ op(b) in float32, for 2-D a and b of one dtype
+Matmul = Callable[[Array, Array, bool, bool], Array]
 
 
 def logits(h_BxLxD: Array, w_DxV: Array) -> Array:
@@ -67,17 +71,18 @@ def nll_and_correct(h_BxLxD: Array, w_DxV: Array, targets_BxL: Array, *, chunk: 
 
 
 def nll_sum(h_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights_BxL: Array | None = None, *,
-            chunk: int = 0) -> Array:
+            chunk: int = 0, matmul: Matmul | None = None) -> Array:
   """sum(weights * nll) as a float32 scalar (weights default 1; e.g. the loss mask). chunk > 0: about
   `chunk` tokens' logits at a time, the gradients formed in the forward (module docstring); 0: the full
-  logits. Gradients flow to h, w and weights."""
+  logits. Gradients flow to h, w and weights. matmul (chunk > 0): runs the chunks' three products
+  (module docstring); None: XLA's dot."""
   _check(h_BxLxD, w_DxV, targets_BxL, chunk)
   weights_BxL = (jnp.ones(targets_BxL.shape, jnp.float32) if weights_BxL is None
                  else weights_BxL.astype(jnp.float32))
   if chunk == 0:
     return jnp.sum(cross_entropy_logits(logits(h_BxLxD, w_DxV), targets_BxL) * weights_BxL)
   static = _Static(_positions_per_chunk(h_BxLxD.shape, chunk), jnp.dtype(h_BxLxD.dtype).name,
-                   jnp.dtype(w_DxV.dtype).name)
+                   jnp.dtype(w_DxV.dtype).name, matmul)
   return _fused_nll_sum(h_BxLxD, w_DxV, targets_BxL, weights_BxL, static)
 
 
@@ -85,6 +90,21 @@ class _Static(NamedTuple):
   c: int          # positions per chunk
   h_dtype: str    # the dtypes the gradients must have
   w_dtype: str
+  matmul: Matmul | None = None   # the products' 2-D matmul; None: XLA's dot
+
+
+def _product(static: _Static, spec: str, a: Array, b: Array) -> Array:
+  """One of the fused loss's products in float32: 'bcd,dv->bcv' (logits), 'bcv,dv->bcd' (dh) or
+  'bcd,bcv->dv' (dw), on static.matmul when given (as 2-D products), else XLA's dot."""
+  if static.matmul is None:
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+  lead = a.shape[:-1]
+  a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+  if spec == "bcd,dv->bcv":
+    return static.matmul(a2, b2, False, False).reshape(*lead, b.shape[-1])
+  if spec == "bcv,dv->bcd":
+    return static.matmul(a2, b2, False, True).reshape(*lead, b.shape[0])
+  return static.matmul(a2, b2, True, False)   # 'bcd,bcv->dv'
 
 
 def _check(h_BxLxD: Array, w_DxV: Array, targets_BxL: Array, chunk: int) -> None:
@@ -192,7 +212,11 @@ def _fused_nll_sum_fwd(h_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights
 
   def body(dw_DxV, xs):
     h_BxCxD, t_BxC, g_BxC = xs
-    logits_BxCxV = logits(h_BxCxD, w_DxV)
+    if static.matmul is None:
+      logits_BxCxV = logits(h_BxCxD, w_DxV)
+    else:   # rounded to the inputs' dtype as `logits` rounds them
+      logit_dtype = jnp.result_type(h_BxCxD, w_DxV)
+      logits_BxCxV = _product(static, "bcd,dv->bcv", h_BxCxD, w_DxV).astype(logit_dtype).astype(jnp.float32)
     # one exp over the chunk's logits serves both the logsumexp and the softmax (jax.nn.logsumexp, then
     # exp(logits - lse), would take two: each a pass over (chunk x V) at transcendental cost)
     max_BxC = jnp.max(logits_BxCxV, axis=-1)
@@ -203,9 +227,11 @@ def _fused_nll_sum_fwd(h_BxLxD: Array, w_DxV: Array, targets_BxL: Array, weights
     nll_BxC = lse_BxC - jnp.take_along_axis(logits_BxCxV, t_BxC[..., None], axis=-1)[..., 0]
     onehot_BxCxV = jax.nn.one_hot(t_BxC, logits_BxCxV.shape[-1], dtype=jnp.float32)
     dlogits_BxCxV = ((e_BxCxV / sum_BxC[..., None] - onehot_BxCxV) * g_BxC[..., None]).astype(grad_dtype)
-    dh_BxCxD = jnp.einsum("bcv,dv->bcd", dlogits_BxCxV, w_DxV.astype(grad_dtype))
-    dw_DxV = dw_DxV + jnp.einsum("bcd,bcv->dv", h_BxCxD.astype(grad_dtype), dlogits_BxCxV,
-                                 preferred_element_type=jnp.float32)
+    if static.matmul is None:
+      dh_BxCxD = jnp.einsum("bcv,dv->bcd", dlogits_BxCxV, w_DxV.astype(grad_dtype))
+    else:
+      dh_BxCxD = _product(static, "bcv,dv->bcd", dlogits_BxCxV, w_DxV.astype(grad_dtype)).astype(grad_dtype)
+    dw_DxV = dw_DxV + _product(static, "bcd,bcv->dv", h_BxCxD.astype(grad_dtype), dlogits_BxCxV)
     return dw_DxV, (nll_BxC, dh_BxCxD)
 
   dw_DxV, (nll, dh) = jax.lax.scan(body, jnp.zeros(w_DxV.shape, jnp.float32), xs)

@@ -90,7 +90,8 @@ def loss_sum_fn(model: nn.Module, params: Any, batch: dict, rng: jax.Array | Non
   count = jnp.sum(mask)
   if loss_chunk > 0:
     h_BxLxD, unembed_DxV = out
-    nll_sum = losses.nll_sum(h_BxLxD, unembed_DxV, batch["targets"], mask, chunk=loss_chunk)
+    nll_sum = losses.nll_sum(h_BxLxD, unembed_DxV, batch["targets"], mask, chunk=loss_chunk,
+                             matmul=backends.current().loss_matmul())
   else:
     nll_sum = jnp.sum(cross_entropy(out, batch["targets"]) * mask)
   aux_loss = moe_nn.collect_aux_loss(mut)

@@ -32,6 +32,8 @@ HEADERS = ("common.h",)
 TARGETS = {"tfj_chunked_attention_fwd": "TfjChunkedAttentionFwd",
            "tfj_chunked_attention_bwd": "TfjChunkedAttentionBwd",
            "tfj_matmul": "TfjMatmul",
+           "tfj_matmul_bf16": "TfjMatmulBf16",
+           "tfj_matmul_bf16_bf16": "TfjMatmulBf16ToBf16",
            "tfj_adamw": "TfjAdamW"}
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fopenmp-simd",
          "-w")
@@ -171,7 +173,21 @@ def load(blas: str | None = None) -> None:
       except (OSError, AttributeError) as e:   # a library that does not load, or lacks a symbol
         raise KernelUnavailable(f"runtime.cpu_blas {want!r}: cannot load it ({e})") from e
       _state["lib"].tfj_set_sgemm(ctypes.c_void_p(sgemm))
+      _state["lib"].tfj_set_gemm_bf16(ctypes.c_void_p(_gemm_bf16(want)))
       _state["blas"] = want
+
+
+def _gemm_bf16(name: str) -> int | None:
+  """The address of `name`'s bfloat16 x bfloat16 -> float32 gemm: oneMKL's cblas_gemm_bf16bf16f32; None for
+  OpenBLAS (scipy-openblas32 exports no sbgemm)."""
+  lib = _blas(name)[1]
+  fn = getattr(lib, "cblas_gemm_bf16bf16f32", None) if name == "mkl" else None
+  return ctypes.cast(fn, ctypes.c_void_p).value if fn is not None else None
+
+
+def has_bf16_gemm() -> bool:
+  """Whether the BLAS in use has a bfloat16 gemm (`matmul_cpu` on bfloat16 operands): oneMKL does."""
+  return _state.get("blas") is not None and _gemm_bf16(_state["blas"]) is not None
 
 
 def blas_in_use() -> str | None:

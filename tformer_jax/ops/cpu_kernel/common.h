@@ -20,6 +20,11 @@ namespace ffi = xla::ffi;
 using Sgemm = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int,
                        float, float*, int);
 extern Sgemm g_sgemm;  // defined in matmul.cc
+// CBLAS bfloat16 x bfloat16 -> float32 gemm (oneMKL's cblas_gemm_bf16bf16f32; bf16 as its raw 16 bits),
+// set from Python when the BLAS in use has one, else null.
+using GemmBf16 = void (*)(int, int, int, int, int, int, float, const uint16_t*, int, const uint16_t*, int,
+                          float, float*, int);
+extern GemmBf16 g_gemm_bf16;  // defined in matmul.cc
 constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
 
 inline void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
