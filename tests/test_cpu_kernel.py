@@ -4,6 +4,8 @@ gradients on every case of the blockwise suite that it supports (all but segment
 sizes; plus vmap, fully padded rows, argument errors and the build step's errors.
 
 Tolerance: float32, atol = rtol = 1e-5 (the kernel's exp is a polynomial with relative error < 2e-7).
+bfloat16 (on MKL's bfloat16 gemm): against the float32 kernel on the same bfloat16 values, 2e-2 of the
+largest entry (the stored probabilities and outputs are rounded to bfloat16, 2^-8 relative).
 Skipped, with the reason, only where no C++ compiler exists (CI machines have g++).
 """
 import os
@@ -79,8 +81,17 @@ def test_chunk_table_covers_every_query_once():
 
 def test_bad_arguments_are_clear_errors():
   q, k, v, _ = _inputs(1, 8, 8, 2, 1, 4)
-  with pytest.raises(ValueError, match="float32 only"):
+  with pytest.raises(ValueError, match="float32 or bfloat16 q, k and v of one dtype"):
     chunked_attention_cpu(q.astype(jnp.bfloat16), k, v)
+  with pytest.raises(ValueError, match="float32 or bfloat16"):
+    chunked_attention_cpu(*(x.astype(jnp.float16) for x in (q, k, v)))
+  before = build.blas_in_use()
+  build.load(blas="openblas")
+  try:
+    with pytest.raises(ValueError, match="bfloat16 gemm"):
+      chunked_attention_cpu(*(x.astype(jnp.bfloat16) for x in (q, k, v)))
+  finally:
+    build.load(blas=before)
   with pytest.raises(ValueError, match="static"):
     jax.jit(lambda off: chunked_attention_cpu(q, k, v, q_offset=off))(jnp.int32(3))
   with pytest.raises(ValueError, match="bad shapes"):
@@ -118,3 +129,32 @@ def test_fresh_process_builds_into_an_empty_cache(tmp_path):
   second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
   assert second.returncode == 0 and second.stdout.strip().splitlines()[-1] == lib
   assert os.path.getmtime(lib) == mtime and len(list(tmp_path.iterdir())) == 1
+
+
+MKL = build.blas_available("mkl")
+
+
+@pytest.mark.skipif(not MKL[0], reason=f"no MKL (the bfloat16 gemm): {MKL[1]}")
+@pytest.mark.parametrize("name", list(SUPPORTED))
+def test_bf16_matches_the_float32_kernel(name):
+  """bfloat16 q, k, v (the '_bf16' targets): output and q/k/v gradients in bfloat16, equal to the float32
+  kernel's on the same (bfloat16-rounded) values within bfloat16's rounding."""
+  (q, k, v, ct), op_kw, _ = case_and_reference(*SUPPORTED[name])
+  op_kw = _no_segments(op_kw)
+  q, k, v, ct = (x.astype(jnp.bfloat16) for x in (q, k, v, ct))
+
+  def run(dtype):
+    f = lambda q, k, v: chunked_attention_cpu(q, k, v, **op_kw, chunk=16)  # noqa: E731
+    o, vjp = jax.vjp(f, *(x.astype(dtype) for x in (q, k, v)))
+    return (o, *vjp(ct.astype(dtype)))
+
+  before = build.blas_in_use()
+  build.load(blas="mkl")
+  try:
+    got, want = run(jnp.bfloat16), run(jnp.float32)
+  finally:
+    build.load(blas=before)
+  for g, w in zip(got, want):
+    assert g.dtype == jnp.bfloat16
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    np.testing.assert_allclose(g, w, rtol=0, atol=2e-2 * max(1.0, np.abs(w).max()))

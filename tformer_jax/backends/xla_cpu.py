@@ -63,8 +63,8 @@ class XlaCpuBackend(Backend):
     return grad_fusion_barrier(x_BxLxD)
 
   def chunked_attention(self, q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, **kw) -> Array:
-    f32 = all(a.dtype == jnp.float32 for a in (q_BxLxHxD, k_BxSxKxD, v_BxSxKxD))
-    if self.cpu_kernels and f32 and kw.get("q_segment_ids_BxL") is None:
+    if self.cpu_kernels and _kernel_dtype(self.cpu_blas == "mkl", q_BxLxHxD, k_BxSxKxD, v_BxSxKxD) \
+        and kw.get("q_segment_ids_BxL") is None:
       return cpu_kernel.chunked_attention_cpu(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, **kw)
     return super().chunked_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, **kw)
 

@@ -11,18 +11,23 @@
 //     no head-major transposes are materialised;
 //   * mask, ALiBi bias and softmax run on the probabilities while they are in cache.
 // The chunk table (row0, row1, lo, hi) comes from Python (ops/chunked_attention.py owns the
-// key-range rule); this file only walks it. float32 only.
+// key-range rule); this file only walks it. float32, or bfloat16 (`*_bf16` targets, on the BLAS's bfloat16
+// gemm: oneMKL): the products accumulate in float32, the softmax and its gradient run in float32, and
+// what a bfloat16 run stores (probabilities, outputs) is rounded to bfloat16 as XLA's bfloat16 path rounds it.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
 
 namespace {
 
-using tfj::Gemm;
+using tfj::GemmT;
+using tfj::Load;
 using tfj::ParallelFor;
+using tfj::Store;
 namespace ffi = xla::ffi;
 
 // exp(x) for the softmax (x <= 0 after the max is subtracted); Cephes' expf polynomial, relative
@@ -112,9 +117,8 @@ void SoftmaxChunk(const Rules& r, const Geometry& geo, int64_t bi, int64_t hi, i
   }
 }
 
-Geometry GetGeometry(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k,
+Geometry GetGeometry(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
                      ffi::Buffer<ffi::S32>& chunks, std::vector<int64_t>& offsets) {
-  const auto qd = q.dimensions(), kd = k.dimensions();
   Geometry geo{qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], qd[2] / kd[2], chunks.dimensions()[0], 0};
   const int32_t* c = chunks.typed_data();
   offsets.resize(geo.n_chunks);
@@ -125,156 +129,228 @@ Geometry GetGeometry(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k,
   return geo;
 }
 
-ffi::Error Check(const Geometry& geo, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k,
-                 ffi::Buffer<ffi::F32>& v) {
+template <typename T>
+ffi::Error Check(const Geometry& geo, ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
+                 ffi::Span<const int64_t> vd) {
   if (tfj::g_sgemm == nullptr)
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       "tformer_jax cpu attention: sgemm not set (load through ops.cpu_kernel)");
-  if (q.dimensions().size() != 4 || k.dimensions().size() != 4 || geo.kh == 0 || geo.h % geo.kh ||
-      k.dimensions()[3] != geo.d || k.dimensions()[0] != geo.b ||
-      v.dimensions().size() != 4 || v.dimensions()[1] != geo.s || v.dimensions()[2] != geo.kh ||
-      v.dimensions()[3] != geo.d)
+  if (!std::is_same_v<T, float> && tfj::g_gemm_bf16 == nullptr)
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "tformer_jax cpu attention: no bfloat16 gemm in the BLAS in use (oneMKL has one)");
+  if (qd.size() != 4 || kd.size() != 4 || geo.kh == 0 || geo.h % geo.kh || kd[3] != geo.d ||
+      kd[0] != geo.b || vd.size() != 4 || vd[1] != geo.s || vd[2] != geo.kh || vd[3] != geo.d)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "tformer_jax cpu attention: expected q (B,L,H,D), k and v (B,S,K,D), K | H");
   return ffi::Error::Success();
 }
 
-ffi::Error AttnFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                   ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> slopes,
-                   ffi::Buffer<ffi::S32> valid, ffi::Buffer<ffi::S32> chunks,
-                   ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> probs, int64_t causal,
-                   int64_t window, int64_t q_offset, float scale, int64_t use_alibi,
-                   int64_t use_valid) {
-  std::vector<int64_t> offsets;
-  const Geometry geo = GetGeometry(q, k, chunks, offsets);
-  if (ffi::Error err = Check(geo, q, k, v); err.failure()) return err;
-  const Rules rules{causal != 0, window, q_offset, scale,
-                    use_alibi ? slopes.typed_data() : nullptr,
-                    use_valid ? valid.typed_data() : nullptr};
-  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
-  float *op = o->typed_data(), *pp = probs->typed_data();
-  const int32_t* c = chunks.typed_data();
+// T: float, or uint16_t for bfloat16 (its raw bits). In float32 the scores are computed in place in the
+// packed probabilities and the output is written directly; in bfloat16 both go through float32 buffers.
+template <typename T>
+void Forward(ffi::ThreadPool& pool, const Geometry& geo, const Rules& rules, const std::vector<int64_t>& offsets,
+             const int32_t* c, float scale, const T* qp, const T* kp, const T* vp, T* op, T* pp) {
+  constexpr bool f32 = std::is_same_v<T, float>;
   const int64_t ldq = geo.ldq(), ldk = geo.ldk();
   ParallelFor(pool, geo.b * geo.h, [&](int64_t task) {
     const int64_t bi = task / geo.h, hi = task % geo.h, ki = hi / geo.g;
-    const float* qh = qp + bi * geo.l * ldq + hi * geo.d;
-    const float* kh = kp + bi * geo.s * ldk + ki * geo.d;
-    const float* vh = vp + bi * geo.s * ldk + ki * geo.d;
-    float* oh = op + bi * geo.l * ldq + hi * geo.d;
-    float* ph = pp + task * geo.packed;
+    const T* qh = qp + bi * geo.l * ldq + hi * geo.d;
+    const T* kh = kp + bi * geo.s * ldk + ki * geo.d;
+    const T* vh = vp + bi * geo.s * ldk + ki * geo.d;
+    T* oh = op + bi * geo.l * ldq + hi * geo.d;
+    T* ph = pp + task * geo.packed;
+    std::vector<float> scores, out;
     for (int64_t ci = 0; ci < geo.n_chunks; ++ci) {
       const int64_t r0 = c[4 * ci], r1 = c[4 * ci + 1], lo = c[4 * ci + 2], hi_k = c[4 * ci + 3];
       const int64_t rows = r1 - r0, w = hi_k - lo;
       if (w == 0) {
-        for (int64_t i = r0; i < r1; ++i) std::fill(oh + i * ldq, oh + i * ldq + geo.d, 0.0f);
+        for (int64_t i = r0; i < r1; ++i) std::fill(oh + i * ldq, oh + i * ldq + geo.d, T{0});
         continue;
       }
-      float* p = ph + offsets[ci];
-      Gemm(false, true, rows, w, geo.d, scale, qh + r0 * ldq, ldq, kh + lo * ldk, ldk, 0.0f, p, w);
-      SoftmaxChunk(rules, geo, bi, hi, r0, rows, lo, w, p);
-      Gemm(false, false, rows, geo.d, w, 1.0f, p, w, vh + lo * ldk, ldk, 0.0f, oh + r0 * ldq, ldq);
+      T* p = ph + offsets[ci];
+      float* s;
+      if constexpr (f32) {
+        s = p;
+      } else {
+        scores.resize(rows * w);
+        s = scores.data();
+      }
+      GemmT(false, true, rows, w, geo.d, scale, qh + r0 * ldq, ldq, kh + lo * ldk, ldk, 0.0f, s, w);
+      SoftmaxChunk(rules, geo, bi, hi, r0, rows, lo, w, s);
+      if constexpr (f32) {
+        GemmT(false, false, rows, geo.d, w, 1.0f, p, w, vh + lo * ldk, ldk, 0.0f, oh + r0 * ldq, ldq);
+      } else {
+        Store(p, s, rows * w);
+        out.resize(rows * geo.d);
+        GemmT(false, false, rows, geo.d, w, 1.0f, p, w, vh + lo * ldk, ldk, 0.0f, out.data(), geo.d);
+        for (int64_t i = 0; i < rows; ++i) Store(oh + (r0 + i) * ldq, out.data() + i * geo.d, geo.d);
+      }
     }
   });
-  return ffi::Error::Success();
 }
 
-ffi::Error AttnBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                   ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> o, ffi::Buffer<ffi::F32> probs,
-                   ffi::Buffer<ffi::F32> d_o, ffi::Buffer<ffi::S32> chunks,
-                   ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
-                   ffi::ResultBuffer<ffi::F32> dv, float scale) {
-  std::vector<int64_t> offsets;
-  const Geometry geo = GetGeometry(q, k, chunks, offsets);
-  if (ffi::Error err = Check(geo, q, k, v); err.failure()) return err;
-  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
-  const float *op = o.typed_data(), *pp = probs.typed_data(), *dop = d_o.typed_data();
-  float *dqp = dq->typed_data(), *dkp = dk->typed_data(), *dvp = dv->typed_data();
-  const int32_t* c = chunks.typed_data();
+// One task per (batch, kv head): the G query heads of a group accumulate into the same dK, dV (in place
+// in float32; in float32 buffers, rounded once at the end, in bfloat16).
+template <typename T>
+void Backward(ffi::ThreadPool& pool, const Geometry& geo, const std::vector<int64_t>& offsets, const int32_t* c,
+              float scale, const T* qp, const T* kp, const T* vp, const T* op, const T* pp, const T* dop,
+              T* dqp, T* dkp, T* dvp) {
+  constexpr bool f32 = std::is_same_v<T, float>;
   const int64_t ldq = geo.ldq(), ldk = geo.ldk();
   int64_t max_cells = 0;
   for (int64_t ci = 0; ci < geo.n_chunks; ++ci)
     max_cells = std::max(max_cells, int64_t{c[4 * ci + 1] - c[4 * ci]} * (c[4 * ci + 3] - c[4 * ci + 2]));
-  // one task per (batch, kv head): the G query heads of a group accumulate into the same dK, dV
   ParallelFor(pool, geo.b * geo.kh, [&](int64_t task) {
     const int64_t bi = task / geo.kh, ki = task % geo.kh;
-    const float* kh = kp + bi * geo.s * ldk + ki * geo.d;
-    const float* vh = vp + bi * geo.s * ldk + ki * geo.d;
-    float* dkh = dkp + bi * geo.s * ldk + ki * geo.d;
-    float* dvh = dvp + bi * geo.s * ldk + ki * geo.d;
-    for (int64_t j = 0; j < geo.s; ++j) {
-      std::fill(dkh + j * ldk, dkh + j * ldk + geo.d, 0.0f);
-      std::fill(dvh + j * ldk, dvh + j * ldk + geo.d, 0.0f);
+    const T* kh = kp + bi * geo.s * ldk + ki * geo.d;
+    const T* vh = vp + bi * geo.s * ldk + ki * geo.d;
+    std::vector<float> acc(f32 ? 0 : 2 * geo.s * geo.d, 0.0f), dq_rows;
+    std::vector<T> ds_t(f32 ? 0 : std::max<int64_t>(max_cells, 1));
+    float *dkh, *dvh;
+    int64_t ld_acc;
+    if constexpr (f32) {
+      dkh = dkp + bi * geo.s * ldk + ki * geo.d;
+      dvh = dvp + bi * geo.s * ldk + ki * geo.d;
+      ld_acc = ldk;
+      for (int64_t j = 0; j < geo.s; ++j) {
+        std::fill(dkh + j * ldk, dkh + j * ldk + geo.d, 0.0f);
+        std::fill(dvh + j * ldk, dvh + j * ldk + geo.d, 0.0f);
+      }
+    } else {
+      dkh = acc.data();
+      dvh = acc.data() + geo.s * geo.d;
+      ld_acc = geo.d;
     }
     std::vector<float> ds(std::max<int64_t>(max_cells, 1)), delta(geo.l);
     for (int64_t gi = 0; gi < geo.g; ++gi) {
       const int64_t hi = ki * geo.g + gi;
-      const float* qh = qp + bi * geo.l * ldq + hi * geo.d;
-      const float* oh = op + bi * geo.l * ldq + hi * geo.d;
-      const float* doh = dop + bi * geo.l * ldq + hi * geo.d;
-      float* dqh = dqp + bi * geo.l * ldq + hi * geo.d;
-      const float* ph = pp + (bi * geo.h + hi) * geo.packed;
+      const T* qh = qp + bi * geo.l * ldq + hi * geo.d;
+      const T* oh = op + bi * geo.l * ldq + hi * geo.d;
+      const T* doh = dop + bi * geo.l * ldq + hi * geo.d;
+      T* dqh = dqp + bi * geo.l * ldq + hi * geo.d;
+      const T* ph = pp + (bi * geo.h + hi) * geo.packed;
       for (int64_t i = 0; i < geo.l; ++i) {  // delta = rowsum(dO * O), FlashAttention-2
-        float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t x = 0; x < geo.d; ++x) acc += doh[i * ldq + x] * oh[i * ldq + x];
-        delta[i] = acc;
+        float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+        for (int64_t x = 0; x < geo.d; ++x) a += Load(doh[i * ldq + x]) * Load(oh[i * ldq + x]);
+        delta[i] = a;
       }
       for (int64_t ci = 0; ci < geo.n_chunks; ++ci) {
         const int64_t r0 = c[4 * ci], r1 = c[4 * ci + 1], lo = c[4 * ci + 2], hi_k = c[4 * ci + 3];
         const int64_t rows = r1 - r0, w = hi_k - lo;
         if (w == 0) {
-          for (int64_t i = r0; i < r1; ++i) std::fill(dqh + i * ldq, dqh + i * ldq + geo.d, 0.0f);
+          for (int64_t i = r0; i < r1; ++i) std::fill(dqh + i * ldq, dqh + i * ldq + geo.d, T{0});
           continue;
         }
-        const float* p = ph + offsets[ci];
+        const T* p = ph + offsets[ci];
         float* s = ds.data();
-        Gemm(true, false, w, geo.d, rows, 1.0f, p, w, doh + r0 * ldq, ldq, 1.0f, dvh + lo * ldk, ldk);
-        Gemm(false, true, rows, w, geo.d, 1.0f, doh + r0 * ldq, ldq, vh + lo * ldk, ldk, 0.0f, s, w);
+        GemmT(true, false, w, geo.d, rows, 1.0f, p, w, doh + r0 * ldq, ldq, 1.0f, dvh + lo * ld_acc, ld_acc);
+        GemmT(false, true, rows, w, geo.d, 1.0f, doh + r0 * ldq, ldq, vh + lo * ldk, ldk, 0.0f, s, w);
         for (int64_t i = 0; i < rows; ++i) {
           const float di = delta[r0 + i];
           float* srow = s + i * w;
-          const float* prow = p + i * w;
-          for (int64_t j = 0; j < w; ++j) srow[j] = prow[j] * (srow[j] - di);
+          const T* prow = p + i * w;
+          for (int64_t j = 0; j < w; ++j) srow[j] = Load(prow[j]) * (srow[j] - di);
         }
-        Gemm(false, false, rows, geo.d, w, scale, s, w, kh + lo * ldk, ldk, 0.0f, dqh + r0 * ldq, ldq);
-        Gemm(true, false, w, geo.d, rows, scale, s, w, qh + r0 * ldq, ldq, 1.0f, dkh + lo * ldk, ldk);
+        if constexpr (f32) {
+          GemmT(false, false, rows, geo.d, w, scale, s, w, kh + lo * ldk, ldk, 0.0f, dqh + r0 * ldq, ldq);
+          GemmT(true, false, w, geo.d, rows, scale, s, w, qh + r0 * ldq, ldq, 1.0f, dkh + lo * ld_acc, ld_acc);
+        } else {
+          Store(ds_t.data(), s, rows * w);
+          dq_rows.resize(rows * geo.d);
+          GemmT(false, false, rows, geo.d, w, scale, ds_t.data(), w, kh + lo * ldk, ldk, 0.0f, dq_rows.data(),
+                geo.d);
+          for (int64_t i = 0; i < rows; ++i) Store(dqh + (r0 + i) * ldq, dq_rows.data() + i * geo.d, geo.d);
+          GemmT(true, false, w, geo.d, rows, scale, ds_t.data(), w, qh + r0 * ldq, ldq, 1.0f, dkh + lo * ld_acc,
+                ld_acc);
+        }
+      }
+    }
+    if constexpr (!f32) {
+      for (int64_t j = 0; j < geo.s; ++j) {
+        Store(dkp + (bi * geo.s + j) * ldk + ki * geo.d, dkh + j * geo.d, geo.d);
+        Store(dvp + (bi * geo.s + j) * ldk + ki * geo.d, dvh + j * geo.d, geo.d);
       }
     }
   });
+}
+
+// The FFI buffers' element type per T.
+template <typename T> struct Dt;
+template <> struct Dt<float> { static constexpr ffi::DataType kType = ffi::F32; };
+template <> struct Dt<uint16_t> { static constexpr ffi::DataType kType = ffi::BF16; };
+template <typename T> using Buf = ffi::Buffer<Dt<T>::kType>;
+template <typename T> using Res = ffi::ResultBuffer<Dt<T>::kType>;
+template <typename T, typename B> T* Data(B& b) { return reinterpret_cast<T*>(b.untyped_data()); }
+
+template <typename T>
+ffi::Error AttnFwd(ffi::ThreadPool pool, Buf<T> q, Buf<T> k, Buf<T> v, ffi::Buffer<ffi::F32> slopes,
+                   ffi::Buffer<ffi::S32> valid, ffi::Buffer<ffi::S32> chunks, Res<T> o, Res<T> probs,
+                   int64_t causal, int64_t window, int64_t q_offset, float scale, int64_t use_alibi,
+                   int64_t use_valid) {
+  std::vector<int64_t> offsets;
+  const Geometry geo = GetGeometry(q.dimensions(), k.dimensions(), chunks, offsets);
+  if (ffi::Error err = Check<T>(geo, q.dimensions(), k.dimensions(), v.dimensions()); err.failure()) return err;
+  const Rules rules{causal != 0, window, q_offset, scale,
+                    use_alibi ? slopes.typed_data() : nullptr,
+                    use_valid ? valid.typed_data() : nullptr};
+  Forward<T>(pool, geo, rules, offsets, chunks.typed_data(), scale, Data<const T>(q), Data<const T>(k),
+             Data<const T>(v), Data<T>(*o), Data<T>(*probs));
   return ffi::Error::Success();
+}
+
+template <typename T>
+ffi::Error AttnBwd(ffi::ThreadPool pool, Buf<T> q, Buf<T> k, Buf<T> v, Buf<T> o, Buf<T> probs, Buf<T> d_o,
+                   ffi::Buffer<ffi::S32> chunks, Res<T> dq, Res<T> dk, Res<T> dv, float scale) {
+  std::vector<int64_t> offsets;
+  const Geometry geo = GetGeometry(q.dimensions(), k.dimensions(), chunks, offsets);
+  if (ffi::Error err = Check<T>(geo, q.dimensions(), k.dimensions(), v.dimensions()); err.failure()) return err;
+  Backward<T>(pool, geo, offsets, chunks.typed_data(), scale, Data<const T>(q), Data<const T>(k),
+              Data<const T>(v), Data<const T>(o), Data<const T>(probs), Data<const T>(d_o), Data<T>(*dq),
+              Data<T>(*dk), Data<T>(*dv));
+  return ffi::Error::Success();
+}
+
+template <typename T>
+auto FwdBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .template Arg<Buf<T>>()
+      .template Arg<Buf<T>>()
+      .template Arg<Buf<T>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<Buf<T>>()
+      .template Ret<Buf<T>>()
+      .template Attr<int64_t>("causal")
+      .template Attr<int64_t>("window")
+      .template Attr<int64_t>("q_offset")
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("use_alibi")
+      .template Attr<int64_t>("use_valid");
+}
+
+template <typename T>
+auto BwdBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .template Arg<Buf<T>>()
+      .template Arg<Buf<T>>()
+      .template Arg<Buf<T>>()
+      .template Arg<Buf<T>>()
+      .template Arg<Buf<T>>()
+      .template Arg<Buf<T>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<Buf<T>>()
+      .template Ret<Buf<T>>()
+      .template Ret<Buf<T>>()
+      .template Attr<float>("scale");
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TfjChunkedAttentionFwd, AttnFwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("causal")
-                                  .Attr<int64_t>("window")
-                                  .Attr<int64_t>("q_offset")
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("use_alibi")
-                                  .Attr<int64_t>("use_valid"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TfjChunkedAttentionBwd, AttnBwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TfjChunkedAttentionFwd, AttnFwd<float>, FwdBinding<float>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TfjChunkedAttentionBwd, AttnBwd<float>, BwdBinding<float>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TfjChunkedAttentionFwdBf16, AttnFwd<uint16_t>, FwdBinding<uint16_t>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TfjChunkedAttentionBwdBf16, AttnBwd<uint16_t>, BwdBinding<uint16_t>());

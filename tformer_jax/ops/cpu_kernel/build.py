@@ -31,6 +31,8 @@ SOURCES = ("attention.cc", "matmul.cc", "adamw.cc")
 HEADERS = ("common.h",)
 TARGETS = {"tfj_chunked_attention_fwd": "TfjChunkedAttentionFwd",
            "tfj_chunked_attention_bwd": "TfjChunkedAttentionBwd",
+           "tfj_chunked_attention_fwd_bf16": "TfjChunkedAttentionFwdBf16",
+           "tfj_chunked_attention_bwd_bf16": "TfjChunkedAttentionBwdBf16",
            "tfj_matmul": "TfjMatmul",
            "tfj_matmul_bf16": "TfjMatmulBf16",
            "tfj_matmul_bf16_bf16": "TfjMatmulBf16ToBf16",

@@ -33,6 +33,33 @@ inline void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
           a, int(lda), b, int(ldb), beta, c, int(ldc));
 }
 
+// float32 -> bfloat16 (its raw 16 bits), rounding to nearest even (NaN stays a quiet NaN), as XLA's
+// convert rounds; and back.
+inline uint16_t ToBf16(float f) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, f);
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t((u >> 16) | 0x40u) : uint16_t(r);
+}
+inline float FromBf16(uint16_t x) { return __builtin_bit_cast(float, uint32_t{x} << 16); }
+
+// C (float32) = alpha op(A) op(B) + beta C for float32 operands (the sgemm) or bfloat16 ones (the bf16 gemm).
+inline void GemmT(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* a,
+                  int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  g_gemm_bf16(kRowMajor, ta ? kTrans : kNoTrans, tb ? kTrans : kNoTrans, int(m), int(n), int(k), alpha,
+              a, int(lda), b, int(ldb), beta, c, int(ldc));
+}
+inline void GemmT(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                  int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  Gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+inline float Load(float x) { return x; }
+inline float Load(uint16_t x) { return FromBf16(x); }
+inline void Store(float* dst, const float* src, int64_t n) { std::copy(src, src + n, dst); }
+inline void Store(uint16_t* dst, const float* src, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) dst[j] = ToBf16(src[j]);
+}
+
 // Runs f(0..n-1) on the calling thread plus up to (pool threads - 1) helpers. A helper that starts
 // after the work is gone finds nothing to claim and never touches f, so returning early is safe.
 template <typename F>

@@ -59,13 +59,6 @@ ffi::Error MatmulBlocks(ffi::ThreadPool& pool, const T* ap, ffi::Span<const int6
   return ffi::Error::Success();
 }
 
-// float32 -> bfloat16, rounding to nearest even (NaN stays a quiet NaN), as XLA's convert rounds.
-inline uint16_t ToBf16(float f) {
-  const uint32_t u = __builtin_bit_cast(uint32_t, f);
-  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t((u >> 16) | 0x40u) : uint16_t(r);
-}
-
 // As MatmulBlocks, C in bfloat16: each block's product goes through a float32 panel that fits in cache
 // (kPanel rows, or columns when the blocks are columns) and is rounded into C from there, so no float32
 // C is ever written to memory (XLA's separate convert pass over it cost more than the product: 2048 x
@@ -104,7 +97,7 @@ ffi::Error MatmulBlocksBf16Out(ffi::ThreadPool& pool, const T* ap, ffi::Span<con
       const float* src = panel.data() + r * cols;
       uint16_t* dst = out + r * n;
 #pragma omp simd
-      for (int64_t j = 0; j < cols; ++j) dst[j] = ToBf16(src[j]);
+      for (int64_t j = 0; j < cols; ++j) dst[j] = tfj::ToBf16(src[j]);
     }
   });
   return ffi::Error::Success();
