@@ -18,6 +18,9 @@
 namespace tfj {
 Sgemm g_sgemm = nullptr;
 GemmBf16 g_gemm_bf16 = nullptr;
+PackGetSizeBf16 g_pack_get_size_bf16 = nullptr;
+PackBf16 g_pack_bf16 = nullptr;
+ComputeBf16 g_compute_bf16 = nullptr;
 }  // namespace tfj
 
 namespace {
@@ -59,14 +62,14 @@ ffi::Error MatmulBlocks(ffi::ThreadPool& pool, const T* ap, ffi::Span<const int6
   return ffi::Error::Success();
 }
 
-// As MatmulBlocks, C in bfloat16: each block's product goes through a float32 panel that fits in cache
-// (kPanel rows, or columns when the blocks are columns) and is rounded into C from there, so no float32
-// C is ever written to memory (XLA's separate convert pass over it cost more than the product: 2048 x
-// 576 x 1536 at 1,700 GFLOP/s alone, 520 with the convert).
-template <typename T, typename G>
-ffi::Error MatmulBlocksBf16Out(ffi::ThreadPool& pool, const T* ap, ffi::Span<const int64_t> ad, const T* bp,
-                               ffi::Span<const int64_t> bd, uint16_t* cp, ffi::Span<const int64_t> cd,
-                               bool transpose_a, bool transpose_b, const G& gemm) {
+// bfloat16 A and B, C in bfloat16: each product goes through a float32 panel that fits in cache (kPanel rows,
+// or columns when n > m) and is rounded into C from there, so no float32 C is written to memory (XLA's
+// separate convert pass over it cost more than the product: 2048 x 576 x 1536 at 1,700 GFLOP/s alone, 520
+// with the convert). The operand every panel shares (B for row panels, A for column panels) is packed once
+// into MKL's internal layout (gemm_bf16bf16f32_pack): panels of a plain gemm would each re-pack it.
+ffi::Error MatmulBf16Panels(ffi::ThreadPool& pool, const uint16_t* ap, ffi::Span<const int64_t> ad,
+                            const uint16_t* bp, ffi::Span<const int64_t> bd, uint16_t* cp,
+                            ffi::Span<const int64_t> cd, bool transpose_a, bool transpose_b) {
   if (ad.size() != 2 || bd.size() != 2 || cd.size() != 2)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "tformer_jax cpu matmul: 2-D operands only");
   const int64_t m = transpose_a ? ad[1] : ad[0], k = transpose_a ? ad[0] : ad[1];
@@ -75,30 +78,39 @@ ffi::Error MatmulBlocksBf16Out(ffi::ThreadPool& pool, const T* ap, ffi::Span<con
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "tformer_jax cpu matmul: contracting or output dimensions disagree");
   if (m == 0 || n == 0) return ffi::Error::Success();
+  if (k == 0) {
+    std::fill(cp, cp + m * n, uint16_t{0});
+    return ffi::Error::Success();
+  }
   constexpr int64_t kPanel = 256;
   const int64_t lda = ad[1], ldb = bd[1];
   const bool by_rows = m >= n;
   const int64_t extent = by_rows ? m : n;
+  const int ta = transpose_a ? tfj::kTrans : tfj::kNoTrans, tb = transpose_b ? tfj::kTrans : tfj::kNoTrans;
+  const int pm = int(std::min(kPanel, m)), pn = int(std::min(kPanel, n));
+  // the shared operand, packed once (sizes in bytes)
+  const size_t bytes = by_rows ? tfj::g_pack_get_size_bf16(tfj::kBMatrix, pm, int(n), int(k))
+                               : tfj::g_pack_get_size_bf16(tfj::kAMatrix, int(m), pn, int(k));
+  std::vector<uint16_t> packed(bytes / sizeof(uint16_t) + 1);
+  if (by_rows)
+    tfj::g_pack_bf16(tfj::kRowMajor, tfj::kBMatrix, tb, pm, int(n), int(k), bp, int(ldb), packed.data());
+  else
+    tfj::g_pack_bf16(tfj::kRowMajor, tfj::kAMatrix, ta, int(m), pn, int(k), ap, int(lda), packed.data());
   tfj::ParallelFor(pool, (extent + kPanel - 1) / kPanel, [&](int64_t t) {
     const int64_t i0 = t * kPanel, len = std::min(kPanel, extent - i0);
     const int64_t rows = by_rows ? len : m, cols = by_rows ? n : len;
     thread_local std::vector<float> panel;
     panel.resize(size_t(rows * cols));
-    if (k == 0)
-      std::fill(panel.begin(), panel.end(), 0.0f);
-    else if (by_rows)
-      gemm(transpose_a, transpose_b, len, n, k, transpose_a ? ap + i0 : ap + i0 * lda, lda, bp, ldb,
-           panel.data(), cols);
+    if (by_rows)
+      tfj::g_compute_bf16(tfj::kRowMajor, ta, tfj::kPacked, int(len), int(n), int(k), 1.0f,
+                          transpose_a ? ap + i0 : ap + i0 * lda, int(lda), packed.data(), int(ldb), 0.0f,
+                          panel.data(), int(cols));
     else
-      gemm(transpose_a, transpose_b, m, len, k, ap, lda, transpose_b ? bp + i0 * ldb : bp + i0, ldb,
-           panel.data(), cols);
+      tfj::g_compute_bf16(tfj::kRowMajor, tfj::kPacked, tb, int(m), int(len), int(k), 1.0f, packed.data(),
+                          int(lda), transpose_b ? bp + i0 * ldb : bp + i0, int(ldb), 0.0f, panel.data(),
+                          int(cols));
     uint16_t* out = by_rows ? cp + i0 * n : cp + i0;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* src = panel.data() + r * cols;
-      uint16_t* dst = out + r * n;
-#pragma omp simd
-      for (int64_t j = 0; j < cols; ++j) dst[j] = tfj::ToBf16(src[j]);
-    }
+    for (int64_t r = 0; r < rows; ++r) tfj::Store(out + r * n, panel.data() + r * cols, cols);
   });
   return ffi::Error::Success();
 }
@@ -141,20 +153,19 @@ ffi::Error MatmulBf16ToBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ffi:
   const auto* ap = reinterpret_cast<const uint16_t*>(a.untyped_data());
   const auto* bp = reinterpret_cast<const uint16_t*>(b.untyped_data());
   auto* cp = reinterpret_cast<uint16_t*>(c->untyped_data());
-  return MatmulBlocksBf16Out(pool, ap, a.dimensions(), bp, b.dimensions(), cp, c->dimensions(), transpose_a,
-                             transpose_b,
-                             [](bool ta, bool tb, int64_t m, int64_t n, int64_t k, const uint16_t* a,
-                                int64_t lda, const uint16_t* b, int64_t ldb, float* c, int64_t ldc) {
-                               tfj::g_gemm_bf16(tfj::kRowMajor, ta ? tfj::kTrans : tfj::kNoTrans,
-                                                tb ? tfj::kTrans : tfj::kNoTrans, int(m), int(n), int(k),
-                                                1.0f, a, int(lda), b, int(ldb), 0.0f, c, int(ldc));
-                             });
+  return MatmulBf16Panels(pool, ap, a.dimensions(), bp, b.dimensions(), cp, c->dimensions(), transpose_a,
+                          transpose_b);
 }
 
 }  // namespace
 
 extern "C" void tfj_set_sgemm(void* fn) { tfj::g_sgemm = reinterpret_cast<tfj::Sgemm>(fn); }
-extern "C" void tfj_set_gemm_bf16(void* fn) { tfj::g_gemm_bf16 = reinterpret_cast<tfj::GemmBf16>(fn); }
+extern "C" void tfj_set_gemm_bf16(void* gemm, void* pack_get_size, void* pack, void* compute) {
+  tfj::g_gemm_bf16 = reinterpret_cast<tfj::GemmBf16>(gemm);
+  tfj::g_pack_get_size_bf16 = reinterpret_cast<tfj::PackGetSizeBf16>(pack_get_size);
+  tfj::g_pack_bf16 = reinterpret_cast<tfj::PackBf16>(pack);
+  tfj::g_compute_bf16 = reinterpret_cast<tfj::ComputeBf16>(compute);
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TfjMatmul, Matmul,
                               ffi::Ffi::Bind()
