@@ -21,7 +21,7 @@ from test_blockwise import CASES, _inputs, assert_matches_reference, case_and_re
 
 from tformer_jax.ops import masks
 from tformer_jax.ops.attention import dot_product_attention
-from tformer_jax.ops.cpu_kernel import KernelUnavailable, build, chunk_table, chunked_attention_cpu
+from tformer_jax.ops.cpu_kernel import KernelUnavailable, build, chunk_table, chunked_attention_cpu, swiglu_cpu
 
 pytestmark = pytest.mark.skipif(
     not any(shutil.which(c) for c in filter(None, (os.environ.get("CXX"), "g++", "c++", "clang++"))),
@@ -158,3 +158,28 @@ def test_bf16_matches_the_float32_kernel(name):
     assert g.dtype == jnp.bfloat16
     g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
     np.testing.assert_allclose(g, w, rtol=0, atol=2e-2 * max(1.0, np.abs(w).max()))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_swiglu_matches_silu_times_up(dtype):
+  """swiglu_cpu (the xla_cpu backend's glu for 'swiglu'): silu(g) * u and its gradients, against XLA's
+  jax.nn.silu(g) * u in the same dtype; g with large magnitudes (+-100, -88.5: no overflow in exp). float32:
+  1e-6 of the largest entry; bfloat16: 2e-2 (one rounding where XLA's path rounds twice: a few bf16 ulps)."""
+  r = np.random.default_rng(0)
+  g = jnp.asarray(r.standard_normal((3, 37, 50)) * 4, dtype).at[0, 0, :4].set(jnp.asarray([100., -100., 0., -88.5]))
+  u = jnp.asarray(r.standard_normal((3, 37, 50)), dtype)
+  c = jnp.asarray(r.standard_normal((3, 37, 50)), jnp.float32)
+  loss = lambda f: lambda g, u: jnp.sum(f(g, u).astype(jnp.float32) * c)  # noqa: E731
+  ours, ref = (lambda g, u: swiglu_cpu(g, u)), (lambda g, u: jax.nn.silu(g) * u)
+  assert "tfj_swiglu_bwd" in jax.jit(jax.grad(loss(ours), (0, 1))).lower(g, u).as_text()
+  tol = 1e-6 if dtype == "float32" else 2e-2
+  got = [jax.jit(ours)(g, u), *jax.jit(jax.grad(loss(ours), (0, 1)))(g, u)]
+  want = [ref(g, u), *jax.grad(loss(ref), (0, 1))(g, u)]
+  for a, b in zip(got, want):
+    assert a.dtype == jnp.dtype(dtype) and np.all(np.isfinite(np.asarray(a, np.float32)))
+    b = np.asarray(b, np.float32)
+    np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=0, atol=tol * np.abs(b).max())
+  with pytest.raises(ValueError, match="one shape and one dtype"):
+    swiglu_cpu(g, u[:, :3])
+  with pytest.raises(ValueError, match="float32 or bfloat16"):
+    swiglu_cpu(g.astype(jnp.float16), u.astype(jnp.float16))

@@ -115,6 +115,10 @@ class Backend:
   def dense(self, spec: str, x: Array, w: Array) -> Array:
     return jnp.einsum(spec, x, w)
 
+  def glu(self, activation: str, act: Callable[[Array], Array], gate: Array, up: Array) -> Array:
+    """The GLU FFN's gated activation, act(gate) * up; activation: its name (model.activation, e.g. 'swiglu')."""
+    return act(gate) * up
+
   def loss_matmul(self) -> Callable[[Array, Array, bool, bool], Array] | None:
     """The 2-D matmul the fused cross-entropy's products run on (ops.losses.nll_sum's `matmul`); None:
     XLA's dot."""

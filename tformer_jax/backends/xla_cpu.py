@@ -10,6 +10,8 @@ what changes is how XLA:CPU runs them (docs/benchmarks.md has the measurements):
   residual   `grad_fusion_barrier`: identity whose cotangent is materialised, so the residual-stream
              gradient is computed once per block instead of fused into every consumer.
   attention  'chunked' runs as the C++ kernel (ops/cpu_kernel/attention.py) with the kernels on.
+  glu        SwiGLU's silu(g) * u as one C++ pass per direction (ops/cpu_kernel/glu.py), with the kernels on.
+  loss       the fused cross-entropy's bfloat16 products on the bfloat16 gemm, with the kernels on MKL.
   optimizer  AdamW as one in-place C++ pass per parameter array (`FusedAdamW`), with the kernels on.
 The custom VJPs block forward-mode autodiff (`jax.jvp`); use the reference backend for that.
 The C++ kernels are single-device custom calls: runtime.cpu_kernels='auto' leaves them off under a
@@ -50,6 +52,12 @@ class XlaCpuBackend(Backend):
 
   def dense(self, spec: str, x: Array, w: Array) -> Array:
     return project(spec, x, w, self.cpu_kernels, self.cpu_matmul == "all", bf16=self.cpu_blas == "mkl")
+
+  def glu(self, activation: str, act, gate: Array, up: Array) -> Array:
+    if self.cpu_kernels and activation == "swiglu" and gate.shape == up.shape \
+        and _kernel_dtype(True, gate, up) and gate.dtype == up.dtype:
+      return cpu_kernel.swiglu_cpu(gate, up)
+    return super().glu(activation, act, gate, up)
 
   def loss_matmul(self):
     # bfloat16 products on the kernel (oneMKL's bf16 gemm runs ~8x XLA:CPU's bf16 dot here); float32 ones

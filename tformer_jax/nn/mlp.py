@@ -5,6 +5,7 @@ import flax.linen as nn
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
+from tformer_jax import backends
 from tformer_jax.config import GLU_ACTIVATIONS, ModelConfig
 from tformer_jax.nn.common import activation_fn, dtypes, normal, param, project, residual_std
 
@@ -32,7 +33,7 @@ class MLP(nn.Module):
       g_BxLxF = checkpoint_name(project(self, "wg", "bld,df->blf", x, w_gate.astype(dt), 1), "mlp_gate")
       if cfg.mlp_bias:
         g_BxLxF += param(self, "bg", nn.initializers.zeros, (f,), ("mlp",), pdt).astype(dt)
-      h_BxLxF = act(g_BxLxF) * h_BxLxF
+      h_BxLxF = backends.current().glu(cfg.activation, act, g_BxLxF, h_BxLxF)   # act(g) * h
     else:
       h_BxLxF = act(h_BxLxF)
     h_BxLxF = nn.with_logical_constraint(h_BxLxF, ("batch", "length", "mlp"))

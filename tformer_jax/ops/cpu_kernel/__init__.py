@@ -1,7 +1,8 @@
 """C++ CPU kernels as XLA FFI custom calls, built on first use (see build.py).
 
   chunked_attention_cpu   ops.chunked_attention's algorithm, one custom call per direction
-  matmul_cpu              op(a) @ op(b) in float32, one single-threaded sgemm block per thread
+  matmul_cpu              op(a) @ op(b), float32 (sgemm) or bfloat16 (MKL), one block per thread
+  swiglu_cpu              silu(g) * u, one pass per direction (float32 or bfloat16)
   adamw_update_cpu        one AdamW step on one float32 array, in place, in one pass
                           (adamw_apply_cpu: the update, with adamw_scalars computed once per step)
   available()             (True, library path) or (False, why not)
@@ -10,7 +11,8 @@
 from tformer_jax.ops.cpu_kernel.adamw import adamw_apply_cpu, adamw_scalars, adamw_update_cpu
 from tformer_jax.ops.cpu_kernel.attention import chunk_table, chunked_attention_cpu
 from tformer_jax.ops.cpu_kernel.build import BLAS, KernelUnavailable, available, blas_available, blas_in_use, load
+from tformer_jax.ops.cpu_kernel.glu import swiglu_cpu
 from tformer_jax.ops.cpu_kernel.matmul import matmul_cpu
 
-__all__ = ["chunked_attention_cpu", "chunk_table", "matmul_cpu", "adamw_update_cpu", "adamw_apply_cpu",
+__all__ = ["chunked_attention_cpu", "chunk_table", "matmul_cpu", "swiglu_cpu", "adamw_update_cpu", "adamw_apply_cpu",
            "adamw_scalars", "available", "KernelUnavailable", "BLAS", "blas_available", "blas_in_use", "load"]

@@ -24,31 +24,12 @@
 
 namespace {
 
+using tfj::FastExp;
 using tfj::GemmT;
 using tfj::Load;
 using tfj::ParallelFor;
 using tfj::Store;
 namespace ffi = xla::ffi;
-
-// exp(x) for the softmax (x <= 0 after the max is subtracted); Cephes' expf polynomial, relative
-// error below 2e-7, branch-free so that the `omp simd` loops calling it vectorise (-fopenmp-simd:
-// the pragmas only allow reordering the reductions; no OpenMP runtime). x < -87 gives 0.
-#pragma omp declare simd
-inline float FastExp(float x) {
-  const float xc = std::max(x, -87.0f);
-  // n = round(xc / ln 2) by the 1.5 * 2^23 trick: std::floor would keep GCC from vectorising
-  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const float two_n = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
-  return x < -87.0f ? 0.0f : p * two_n;
-}
 
 struct Geometry {
   int64_t b, l, h, d, s, kh, g, n_chunks, packed;

@@ -27,7 +27,7 @@ import threading
 
 import jax
 
-SOURCES = ("attention.cc", "matmul.cc", "adamw.cc")
+SOURCES = ("attention.cc", "matmul.cc", "adamw.cc", "glu.cc")
 HEADERS = ("common.h",)
 TARGETS = {"tfj_chunked_attention_fwd": "TfjChunkedAttentionFwd",
            "tfj_chunked_attention_bwd": "TfjChunkedAttentionBwd",
@@ -36,7 +36,11 @@ TARGETS = {"tfj_chunked_attention_fwd": "TfjChunkedAttentionFwd",
            "tfj_matmul": "TfjMatmul",
            "tfj_matmul_bf16": "TfjMatmulBf16",
            "tfj_matmul_bf16_bf16": "TfjMatmulBf16ToBf16",
-           "tfj_adamw": "TfjAdamW"}
+           "tfj_adamw": "TfjAdamW",
+           "tfj_swiglu_fwd": "TfjSwigluFwd",
+           "tfj_swiglu_bwd": "TfjSwigluBwd",
+           "tfj_swiglu_fwd_bf16": "TfjSwigluFwdBf16",
+           "tfj_swiglu_bwd_bf16": "TfjSwigluBwdBf16"}
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fopenmp-simd",
          "-w")
 
