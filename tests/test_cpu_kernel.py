@@ -166,7 +166,8 @@ def test_swiglu_matches_silu_times_up(dtype):
   jax.nn.silu(g) * u in the same dtype; g with large magnitudes (+-100, -88.5: no overflow in exp). float32:
   1e-6 of the largest entry; bfloat16: 2e-2 (one rounding where XLA's path rounds twice: a few bf16 ulps)."""
   r = np.random.default_rng(0)
-  g = jnp.asarray(r.standard_normal((3, 37, 50)) * 4, dtype).at[0, 0, :4].set(jnp.asarray([100., -100., 0., -88.5]))
+  g = jnp.asarray(r.standard_normal((3, 37, 50)) * 4, dtype)
+  g = g.at[0, 0, :4].set(jnp.asarray([100., -100., 0., -88.5], dtype))
   u = jnp.asarray(r.standard_normal((3, 37, 50)), dtype)
   c = jnp.asarray(r.standard_normal((3, 37, 50)), jnp.float32)
   loss = lambda f: lambda g, u: jnp.sum(f(g, u).astype(jnp.float32) * c)  # noqa: E731
