@@ -179,27 +179,20 @@ def load(blas: str | None = None) -> None:
       except (OSError, AttributeError) as e:   # a library that does not load, or lacks a symbol
         raise KernelUnavailable(f"runtime.cpu_blas {want!r}: cannot load it ({e})") from e
       _state["lib"].tfj_set_sgemm(ctypes.c_void_p(sgemm))
-      _state["lib"].tfj_set_gemm_bf16(*(ctypes.c_void_p(f) for f in _gemm_bf16(want)))
+      _state["lib"].tfj_set_gemm_bf16(ctypes.c_void_p(_gemm_bf16(want)))
       _state["blas"] = want
 
 
-BF16_SYMBOLS = ("cblas_gemm_bf16bf16f32", "cblas_gemm_bf16bf16f32_pack_get_size", "cblas_gemm_bf16bf16f32_pack",
-                "cblas_gemm_bf16bf16f32_compute")
-
-
-def _gemm_bf16(name: str) -> tuple[int | None, ...]:
-  """The addresses of `name`'s bfloat16 x bfloat16 -> float32 gemm and its packed-operand API (oneMKL's
-  BF16_SYMBOLS); Nones for OpenBLAS (scipy-openblas32 exports no sbgemm) or a library without all four."""
-  lib = _blas(name)[1]
-  fns = [getattr(lib, sym, None) if name == "mkl" else None for sym in BF16_SYMBOLS]
-  if any(f is None for f in fns):
-    return (None,) * len(BF16_SYMBOLS)
-  return tuple(ctypes.cast(f, ctypes.c_void_p).value for f in fns)
+def _gemm_bf16(name: str) -> int | None:
+  """The address of `name`'s bfloat16 x bfloat16 -> float32 gemm: oneMKL's cblas_gemm_bf16bf16f32; None for
+  OpenBLAS (scipy-openblas32 exports no sbgemm)."""
+  fn = getattr(_blas(name)[1], "cblas_gemm_bf16bf16f32", None) if name == "mkl" else None
+  return ctypes.cast(fn, ctypes.c_void_p).value if fn is not None else None
 
 
 def has_bf16_gemm() -> bool:
   """Whether the BLAS in use has a bfloat16 gemm (`matmul_cpu` on bfloat16 operands): oneMKL does."""
-  return _state.get("blas") is not None and _gemm_bf16(_state["blas"])[0] is not None
+  return _state.get("blas") is not None and _gemm_bf16(_state["blas"]) is not None
 
 
 def blas_in_use() -> str | None:

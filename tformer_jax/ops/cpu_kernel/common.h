@@ -26,16 +26,6 @@ extern Sgemm g_sgemm;  // defined in matmul.cc
 using GemmBf16 = void (*)(int, int, int, int, int, int, float, const uint16_t*, int, const uint16_t*, int,
                           float, float*, int);
 extern GemmBf16 g_gemm_bf16;  // defined in matmul.cc
-// oneMKL's packed form of one bfloat16 operand, reused over many products (cblas_gemm_bf16bf16f32_pack_get_size,
-// _pack, _compute); set with g_gemm_bf16.
-using PackGetSizeBf16 = size_t (*)(int, int, int, int);
-using PackBf16 = void (*)(int, int, int, int, int, int, const uint16_t*, int, uint16_t*);
-using ComputeBf16 = void (*)(int, int, int, int, int, int, float, const uint16_t*, int, const uint16_t*, int, float,
-                             float*, int);
-extern PackGetSizeBf16 g_pack_get_size_bf16;
-extern PackBf16 g_pack_bf16;
-extern ComputeBf16 g_compute_bf16;
-constexpr int kAMatrix = 161, kBMatrix = 162, kPacked = 151;
 constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
 
 inline void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
