@@ -10,6 +10,10 @@ what changes is how XLA:CPU runs them (docs/benchmarks.md has the measurements):
   residual   `grad_fusion_barrier`: identity whose cotangent is materialised, so the residual-stream
              gradient is computed once per block instead of fused into every consumer.
   attention  'chunked' runs as the C++ kernel (ops/cpu_kernel/attention.py) with the kernels on.
+  glu        SwiGLU's silu(g) * u as one C++ pass per direction (ops/cpu_kernel/glu.py).
+  loss_matmul  the fused cross-entropy's bfloat16 products on the kernels' bf16 gemm (oneMKL).
+The kernels take float32, and bfloat16 where the BLAS has a bf16 gemm (oneMKL's cblas_gemm_bf16bf16f32:
+bf16 operands, float32 accumulation); other dtypes, and bf16 on OpenBLAS, keep XLA's ops.
   glu        SwiGLU's silu(g) * u as one C++ pass per direction (ops/cpu_kernel/glu.py), with the kernels on.
   loss       the fused cross-entropy's bfloat16 products on the bfloat16 gemm, with the kernels on MKL.
   optimizer  AdamW as one in-place C++ pass per parameter array (`FusedAdamW`), with the kernels on.
@@ -37,9 +41,10 @@ PyTree = Any
 
 @dataclasses.dataclass(frozen=True)
 class XlaCpuBackend(Backend):
-  """cpu_kernels: use the C++ kernels (float32 only; others keep XLA's ops). cpu_matmul: which of the
-  projections' products they run, 'weight_grads' (dw) or 'all' (y, dx and dw). cpu_blas: the sgemm they
-  call, 'openblas' | 'mkl' (a process-wide setting: resolve_runtime applies it, see ops/cpu_kernel/build.py)."""
+  """cpu_kernels: use the C++ kernels (float32; bfloat16 with cpu_blas 'mkl'; others keep XLA's ops).
+  cpu_matmul: which of the projections' products they run, 'weight_grads' (dw) or 'all' (y, dx and dw).
+  cpu_blas: the sgemm they call, 'openblas' | 'mkl' (a process-wide setting: resolve_runtime applies it,
+  see ops/cpu_kernel/build.py)."""
   cpu_kernels: bool = True
   cpu_matmul: str = "weight_grads"
   cpu_blas: str = "openblas"
@@ -60,8 +65,8 @@ class XlaCpuBackend(Backend):
     return super().glu(activation, act, gate, up)
 
   def loss_matmul(self):
-    # bfloat16 products on the kernel (oneMKL's bf16 gemm runs ~8x XLA:CPU's bf16 dot here); float32 ones
-    # measured no faster on it than on XLA's dot (docs/runtime.md), so they stay there
+    # bfloat16 products with float32 results, the weight gradient on the kernel (_bf16_or_xla_matmul); float32
+    # ones measured no faster on it than on XLA's dot (docs/runtime.md), so they stay there
     return _bf16_or_xla_matmul if self.cpu_kernels and self.cpu_blas == "mkl" else None
 
   def norm(self, x: Array, scale: Array, bias: Array | None, *, eps: float, center: bool) -> Array:
@@ -179,9 +184,11 @@ _project.defvjp(_project_fwd, _project_bwd)
 
 
 def _bf16_or_xla_matmul(a: Array, b: Array, transpose_a: bool, transpose_b: bool) -> Array:
-  """op(a) @ op(b) in float32: the C++ kernel for bfloat16 operands (the BLAS in use has a bfloat16 gemm),
-  XLA's dot otherwise."""
-  if a.dtype == jnp.bfloat16 and b.dtype == jnp.bfloat16:
+  """op(a) @ op(b) in float32: the C++ kernel for bfloat16 operands with a transposed (the fused loss's
+  weight gradient, h^T dlogits: XLA's dot ran it at 165-225 GFLOP/s, the kernel on MKL at ~560), XLA's dot
+  with float32 results otherwise (the logits and dh products: XLA 1,060 / 1,250 GFLOP/s against the
+  kernel's 790 / 1,290 on the loss's 512 x 576 x 49,152 shapes, 2 Intel vCPUs with AMX, 2026-12-04)."""
+  if a.dtype == jnp.bfloat16 and b.dtype == jnp.bfloat16 and transpose_a:
     return cpu_kernel.matmul_cpu(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
   dims = (((0,) if transpose_a else (1,), (1,) if transpose_b else (0,)), ((), ()))
   return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
