@@ -7,7 +7,8 @@
 
 train.init_from=hf:DIR gives the run the model's architecture and its tokenizer.json (with the bos/eos
 ids of its tokenizer_config.json); this file only sets how to train: a small constant-after-warmup
-learning rate, no weight decay, clipping at 1 (add --config.train.precision=bf16 on a GPU/TPU).
+learning rate, no weight decay, clipping at 1 (add --config.train.precision=bf16 on a GPU/TPU, and on
+an Intel CPU with AMX and `pip install -e ".[mkl]"`, where the C++ kernels run bf16: about 2x float32).
 Without init_from it trains its own small Llama from scratch, which is rarely what you want here.
 Memory (scanned layers, remat 'full', loss_chunk 512, one checkpoint kept; docs/finetune.md): a
 SmolLM2-135M-shaped Llama (134.5M parameters, vocabulary 49,152) at batch 8 x 512 on 2 CPU cores peaks at
@@ -22,7 +23,9 @@ Against transformers (benchmarks/finetune_vs_peft.py, 2026-12-04, 2 Intel vCPUs,
 runtime 'auto' runs every projection on MKL): the preset 290.9 against 321.2 tokens/s (0.91x, at 4.18 GiB against
 its 11.3); faster at more memory in that day's first run, --config.model.remat=none
 --config.model.scan_layers=false --config.optim.grad_accum=2 (no recompute, no copies of the scan's stacked
-activations, the batch in 2 parts) 308.2 against 328.0 tokens/s, 0.94x, at 7.6 GiB. The 1.2x goal is missed;
+activations, the batch in 2 parts) 308.2 against 328.0 tokens/s, 0.94x, at 7.6 GiB. In bf16 on both sides
+(--config.train.precision=bf16 against torch.autocast, that evening, three runs): the preset 514-590 against
+624-652 tokens/s (0.82-0.95x), the faster settings above 678-739 (1.09-1.19x). The 1.2x goal is missed;
 other machines and why: docs/recipe_smollm2.md.
 Measured (tests/test_finetune.py's setting: a 2-layer random transformers Llama with a 320-token
 byte-level BPE, 12 steps of 8 x 32 tokens on Shakespeare at peak_lr 3e-3, 2 CPU cores): train loss

@@ -20,8 +20,10 @@ On 2026-12-04 (2 Intel vCPUs, the kernels on oneMKL: `pip install -e ".[mkl]"`) 
 Against peft (benchmarks/finetune_vs_peft.py, that day, adapters applied unmerged): the preset 363.6 against
 436.8 tokens/s (0.83x, at 2.44 GiB against its 8.0); faster at more memory, --config.model.remat=none
 --config.model.scan_layers=false --config.optim.grad_accum=2 (no recompute, the batch in 2 parts) 438.8 against
-436.8 (1.00x) in the same run, 1.03x in the first. The 1.3x goal is missed; other machines and why:
-docs/recipe_smollm2.md.
+436.8 (1.00x) in the same run, 1.03x in the first. In bf16 on both sides (--config.train.precision=bf16,
+the C++ kernels in bf16 on MKL, against torch.autocast; that evening, three runs): the preset 593-646 against
+813-871 tokens/s (0.73-0.77x), the faster settings 910-986 (1.11-1.13x). The 1.3x goal is missed; other
+machines and why: docs/recipe_smollm2.md.
 """
 from tformer_jax.cli_common import load_config_file
 
