@@ -10,13 +10,13 @@ what changes is how XLA:CPU runs them (docs/benchmarks.md has the measurements):
   residual   `grad_fusion_barrier`: identity whose cotangent is materialised, so the residual-stream
              gradient is computed once per block instead of fused into every consumer.
   attention  'chunked' runs as the C++ kernel (ops/cpu_kernel/attention.py) with the kernels on.
-  glu        SwiGLU's silu(g) * u as one C++ pass per direction (ops/cpu_kernel/glu.py).
-  loss_matmul  the fused cross-entropy's bfloat16 products on the kernels' bf16 gemm (oneMKL).
-The kernels take float32, and bfloat16 where the BLAS has a bf16 gemm (oneMKL's cblas_gemm_bf16bf16f32:
-bf16 operands, float32 accumulation); other dtypes, and bf16 on OpenBLAS, keep XLA's ops.
   glu        SwiGLU's silu(g) * u as one C++ pass per direction (ops/cpu_kernel/glu.py), with the kernels on.
-  loss       the fused cross-entropy's bfloat16 products on the bfloat16 gemm, with the kernels on MKL.
+  loss       the fused cross-entropy's bfloat16 products with float32 results (`loss_matmul`): the weight
+             gradient on the bfloat16 kernel, the logits and dh on XLA's dot, with the kernels on MKL.
   optimizer  AdamW as one in-place C++ pass per parameter array (`FusedAdamW`), with the kernels on.
+The kernels take float32, and bfloat16 where the BLAS has a bf16 gemm (oneMKL's cblas_gemm_bf16bf16f32:
+bf16 operands, float32 accumulation); other dtypes, and bf16 on OpenBLAS (except SwiGLU, which calls no
+BLAS), keep XLA's ops.
 The custom VJPs block forward-mode autodiff (`jax.jvp`); use the reference backend for that.
 The C++ kernels are single-device custom calls: runtime.cpu_kernels='auto' leaves them off under a
 multi-device jit mesh (XLA would gather their operands onto every device); 'on' keeps them there.
