@@ -294,7 +294,7 @@ MKL_ONLY = pytest.mark.skipif(not MKL[0], reason=f"no MKL (the bfloat16 gemm): {
 @pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
 def test_bf16_matches_float64_product(m, k, n, ta, tb):
   """bfloat16 operands on MKL's gemm_bf16bf16f32: the float32 output is the exact products summed in float32;
-  the bfloat16 output (rounded in the kernel, panel by panel) is that output rounded to nearest even."""
+  the bfloat16 output (rounded in the kernel from its float32 block) is that output rounded to nearest even."""
   r = np.random.default_rng(m * 5 + n)
   a = jnp.asarray(r.standard_normal((k, m) if ta else (m, k)), jnp.bfloat16)
   b = jnp.asarray(r.standard_normal((n, k) if tb else (k, n)), jnp.bfloat16)
