@@ -19,11 +19,13 @@ Terms (bytes; T = micro-batch tokens, D = d_model, F = FFN width, V = vocab, E =
   grads           gradient buffers held while the layers run (accumulation's running sum, a scan's stacks)
   update          every gradient in float32 + optax's temporaries (the fused C++ AdamW updates in place)
 Per block (each array counted from XLA's buffer assignment; see "Calibration" below):
-  norms       NORM_KEPT (T, D) float32 arrays for the two norms and the residual stream
+  norms       NORM_KEPT (T, D) float32 arrays for the two norms and the residual stream (in the compute
+              dtype where the C++ kernels take it: bfloat16 on MKL)
   attention   q, k, v and the output (x ATTENTION_KEPT) + the probabilities the implementation keeps:
               dense (B, H, L, S) float32 x3; chunked: the chunk table's rows x visible keys (C++ kernel
               x1, XLA's version x2: p and p transposed); blockwise and cuDNN: none
-  ffn         FFN_KEPT[activation] (T, F) arrays (FFN_KEPT_SCAN under scan_layers)
+  ffn         FFN_KEPT[activation] (T, F) arrays (FFN_KEPT_SCAN under scan_layers; GLU_KERNEL_SAVES fewer
+              with SwiGLU on the C++ kernel)
   moe         router (T, E) float32 x3; dropless: the T*top_k sorted rows through the FFN; off TPU
               jax.lax.ragged_dot lowers to a dense expansion: (E, N, D) and (E, N, F) (+ bool masks) kept,
               3 (E, N, F) more while its backward runs; capacity: CAPACITY_KEPT (T, E, C) float32
@@ -33,7 +35,7 @@ Per block (each array counted from XLA's buffer assignment; see "Calibration" be
   loss        full logits: LOGITS_KEPT (+1 tied) (T, V) float32; loss_chunk: one chunk's logits, two
               (T, D) copies of the hidden states and the (D, V) float32 gradient accumulator
 XLA:CPU specifics (platform 'cpu'): half-precision matmuls run in float32 (their float32 result is kept
-next to the half copy), a scanned half-precision stack keeps float32 residuals, an unrolled
+next to the half copy; not on the C++ matmul, which writes bfloat16 itself), a scanned half-precision stack keeps float32 residuals, an unrolled
 rematerialised graph keeps its activations, ragged_dot expands in float32. GPU and TPU estimates use
 the same arrays without these (ragged_dot native on TPU only). `estimate` is for one device (no sharding).
 

@@ -28,6 +28,10 @@ NORM_KEPT = {"xla_cpu": 8, "reference": 6, "scan": 4}
 # residual of JAX's linearisation (XLA cannot fuse across the loop boundary).
 FFN_KEPT = {"relu": 2, "gelu_tanh": 3, "silu": 3, "gelu": 4, "swiglu": 5, "geglu": 6}
 FFN_KEPT_SCAN = {"relu": 3, "gelu_tanh": 7, "silu": 4, "gelu": 4, "swiglu": 6, "geglu": 6}
+# SwiGLU as the C++ kernel (xla_cpu's Backend.glu): its custom VJP keeps the two matmul outputs, and W_out's
+# input is kept: 2 fewer (T, F) arrays than XLA's fused silu(g) * u (read off XLA's compiled temp of
+# llama_tiny at 8 x 128, unrolled and scanned).
+GLU_KERNEL_SAVES = 2
 # Per attention path: (copies of q + k + v + output, copies of the probabilities); scan_layers adds one
 # query-sized array.
 ATTENTION_KEPT = {"dense": (1.0, 3), "chunked_cpu": (1.0, 1), "chunked": (1.5, 2), "blockwise": (2.0, 0),
@@ -57,6 +61,8 @@ def _matmul_out_bytes(m: ModelConfig, ex: Execution) -> int:
   """Bytes of a kept matmul output element: XLA:CPU computes half-precision matmuls in float32 and keeps
   that result next to the half copy."""
   w = _act_bytes(m, ex)
+  if ex.kernels_take(m) and ex.cpu_matmul == "all":
+    return w   # the C++ matmul writes the compute dtype itself
   return w + F32 if ex.platform == "cpu" and w < F32 else w
 
 
@@ -82,9 +88,11 @@ def attention_kept_bytes(m: ModelConfig, ex: Execution, batch: int, seq: int) ->
   return int(copies * qkvo) + scan + prob_copies * F32 * batch * m.num_heads * _probs_elems(m, ex, path, seq)
 
 
-def ffn_kept_bytes(m: ModelConfig, ex: Execution, batch: int, seq: int, width: int | None = None) -> int:
-  """A dense FFN of `width` (default m.ff): FFN_KEPT[activation] (T, F) arrays, one a matmul output."""
-  arrays = (FFN_KEPT_SCAN if m.scan_layers else FFN_KEPT)[m.activation]
+def ffn_kept_bytes(m: ModelConfig, ex: Execution, batch: int, seq: int, width: int | None = None,
+                   glu_kernel: bool = False) -> int:
+  """A dense FFN of `width` (default m.ff): FFN_KEPT[activation] (T, F) arrays, one a matmul output;
+  glu_kernel: the block's MLP with SwiGLU on the C++ kernel (Execution.glu_kernel)."""
+  arrays = (FFN_KEPT_SCAN if m.scan_layers else FFN_KEPT)[m.activation] - (GLU_KERNEL_SAVES if glu_kernel else 0)
   return batch * seq * (width or m.ff) * ((arrays - 1) * _act_bytes(m, ex) + _matmul_out_bytes(m, ex))
 
 
@@ -112,8 +120,13 @@ def moe_kept_bytes(m: ModelConfig, ex: Execution, batch: int, seq: int) -> tuple
 
 def layer_kept_bytes(m: ModelConfig, ex: Execution, batch: int, seq: int, moe: bool) -> tuple[int, int]:
   """One block without remat: (kept, transient while its backward runs): norms, attention, FFN or MoE."""
-  ffn, transient = moe_kept_bytes(m, ex, batch, seq) if moe else (ffn_kept_bytes(m, ex, batch, seq), 0)
-  norms = NORM_KEPT["scan" if m.scan_layers else ex.backend] * batch * seq * m.d_model * F32
+  ffn, transient = (moe_kept_bytes(m, ex, batch, seq) if moe
+                     else (ffn_kept_bytes(m, ex, batch, seq, glu_kernel=ex.glu_kernel(m)), 0))
+  # float32 (XLA:CPU widens half-precision elementwise work), or the compute dtype where the C++ kernels take
+  # it (calibrated on XLA's compiled temp of llama_tiny at 8 x 128 in bfloat16 on MKL's kernels: the estimate
+  # 1.07x XLA's total this way, 1.24x counting float32)
+  norm_bytes = _act_bytes(m, ex) if ex.kernels_take(m) else F32
+  norms = NORM_KEPT["scan" if m.scan_layers else ex.backend] * batch * seq * m.d_model * norm_bytes
   return norms + attention_kept_bytes(m, ex, batch, seq) + ffn, transient
 
 

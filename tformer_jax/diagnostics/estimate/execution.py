@@ -23,7 +23,9 @@ class Execution:
   attention: str = "reference"      # runtime.attention resolved: reference | chunked | blockwise | xla | cudnn
   block_q: int = 128                # the chunked query chunk / blockwise query tile
   block_k: int = 128                # the blockwise key tile
-  cpu_kernels: bool = False         # xla_cpu: the C++ kernels (chunked attention, fused AdamW)
+  cpu_kernels: bool = False         # xla_cpu: the C++ kernels (chunked attention, SwiGLU, fused AdamW)
+  cpu_blas: str = "openblas"        # xla_cpu: the kernels' BLAS (bfloat16 runs on them with 'mkl' only)
+  cpu_matmul: str = "weight_grads"  # xla_cpu: the projections' products on the kernels ('all': y and dx too)
   platform: str = "cpu"             # cpu | gpu | tpu (XLA lowers ragged_dot, remat and bf16 differently)
   loss_chunk: int = 0               # train.loss_chunk
   grad_accum: int = 1               # optim.grad_accum: micro-batches per step
@@ -38,9 +40,19 @@ class Execution:
     if m.attn_dropout > 0 or m.position == "t5" or m.num_global_tokens:
       return "dense"                       # the tiled paths need a static mask and no dense bias
     if self.attention == "chunked":
-      kernel = self.backend == "xla_cpu" and self.cpu_kernels and m.dtype == "float32"
-      return "chunked_cpu" if kernel else "chunked"
+      return "chunked_cpu" if self.kernels_take(m) else "chunked"
     return {"blockwise": "blockwise", "cudnn": "flash", "splash": "flash"}.get(self.attention, "dense")
+
+  def kernels_take(self, m: ModelConfig) -> bool:
+    """Whether the C++ kernels run the model's compute dtype (backends/xla_cpu._kernel_dtype): float32, or
+    bfloat16 where the BLAS has a bfloat16 gemm (MKL)."""
+    return (self.backend == "xla_cpu" and self.cpu_kernels
+            and (m.dtype == "float32" or (m.dtype == "bfloat16" and self.cpu_blas == "mkl")))
+
+  def glu_kernel(self, m: ModelConfig) -> bool:
+    """Whether a dense FFN's gated activation runs as the C++ SwiGLU (xla_cpu's Backend.glu; no BLAS)."""
+    return (self.backend == "xla_cpu" and self.cpu_kernels and m.activation == "swiglu"
+            and m.dtype in ("float32", "bfloat16"))
 
   def optim_name(self) -> str:
     return str((self.optim if self.optim is not None else default_config().optim).name)
@@ -89,7 +101,8 @@ def execution_of(cfg: Any, *, platform: str | None = None, mesh_devices: int = 1
   arrays = tuple((name, jnp.dtype(dt).itemsize) for name, (_, dt) in setup_lib.batch_spec(cfg.data).items())
   lora = setup_lib.lora_settings(cfg)
   return Execution(backend=b.name, attention=b.attention_impl, block_q=b.block_q, block_k=b.block_k,
-                   cpu_kernels=bool(getattr(b, "cpu_kernels", False)), platform=rt.platform,
+                   cpu_kernels=bool(getattr(b, "cpu_kernels", False)), cpu_blas=str(getattr(b, "cpu_blas", "openblas")),
+                   cpu_matmul=str(getattr(b, "cpu_matmul", "weight_grads")), platform=rt.platform,
                    loss_chunk=int(cfg.train.get("loss_chunk", 0) or 0), grad_accum=int(cfg.optim.grad_accum),
                    optim=cfg.optim, batch_arrays=arrays, moe_exchange=str(getattr(b, "moe_exchange", "global")),
                    lora=lora[:2] if lora else None)
