@@ -35,9 +35,10 @@ Per block (each array counted from XLA's buffer assignment; see "Calibration" be
   loss        full logits: LOGITS_KEPT (+1 tied) (T, V) float32; loss_chunk: one chunk's logits, two
               (T, D) copies of the hidden states and the (D, V) float32 gradient accumulator
 XLA:CPU specifics (platform 'cpu'): half-precision matmuls run in float32 (their float32 result is kept
-next to the half copy; not on the C++ matmul, which writes bfloat16 itself), a scanned half-precision stack keeps float32 residuals, an unrolled
-rematerialised graph keeps its activations, ragged_dot expands in float32. GPU and TPU estimates use
-the same arrays without these (ragged_dot native on TPU only). `estimate` is for one device (no sharding).
+next to the half copy; not on the C++ matmul, which writes bfloat16 itself), a scanned half-precision
+stack keeps float32 residuals, an unrolled rematerialised graph keeps its activations, ragged_dot expands
+in float32. GPU and TPU estimates use the same arrays without these (ragged_dot native on TPU only).
+`estimate` is for one device (no sharding).
 
 Per device on a mesh (`estimate_on_mesh(cfg, devices)`, tformer-estimate --devices, printed by tformer-aot
 next to XLA:TPU's compiled peak): the state exact from the shardings the rules give (`layout_of`), the
