@@ -37,16 +37,22 @@ def tree_rel_err(a, b) -> float:
   return (sq(jax.tree.map(lambda x, y: x.astype(jnp.float32) - y, a, b)) / sq(b)) ** 0.5
 
 
+def _odd_case(dtype, sizes, seed):
+  """h (B, L, D), w (D, V) in dtype, targets and a float32 loss mask (~70% ones), from one seed."""
+  b, l, d, v = sizes
+  k = jax.random.split(jax.random.PRNGKey(seed), 4)
+  h = jax.random.normal(k[0], (b, l, d)).astype(dtype)
+  w = (0.5 * jax.random.normal(k[1], (d, v))).astype(dtype)
+  t = jax.random.randint(k[2], (b, l), 0, v)
+  return h, w, t, (jax.random.uniform(k[3], (b, l)) > 0.3).astype(jnp.float32)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_chunked_losses_match_the_full_logits(dtype):
   """Odd sizes (L=37 is no multiple of any chunk; V=101), a chunk below the batch size (one position
   per chunk), one in between, one above the token count; a loss mask; non-power-of-two scaling."""
   b, l, d, v = 3, 37, 16, 101
-  k = jax.random.split(jax.random.PRNGKey(0), 4)
-  h = jax.random.normal(k[0], (b, l, d)).astype(dtype)
-  w = (0.5 * jax.random.normal(k[1], (d, v))).astype(dtype)
-  t = jax.random.randint(k[2], (b, l), 0, v)
-  mask = (jax.random.uniform(k[3], (b, l)) > 0.3).astype(jnp.float32)
+  h, w, t, mask = _odd_case(dtype, (b, l, d, v), seed=0)
   tol = TOL[dtype]
 
   def per_token(h, w, chunk):
@@ -230,11 +236,7 @@ def test_nll_sum_on_a_given_matmul(dtype):
   three products (logits, dh, dw: the three transposes) and gives the default path's value (1e-5) and
   gradients (TOL) on odd sizes with a mask."""
   b, l, d, v = 3, 37, 16, 101
-  k = jax.random.split(jax.random.PRNGKey(1), 4)
-  h = jax.random.normal(k[0], (b, l, d)).astype(dtype)
-  w = (0.5 * jax.random.normal(k[1], (d, v))).astype(dtype)
-  t = jax.random.randint(k[2], (b, l), 0, v)
-  mask = (jax.random.uniform(k[3], (b, l)) > 0.3).astype(jnp.float32)
+  h, w, t, mask = _odd_case(dtype, (b, l, d, v), seed=1)
   seen = set()
 
   def matmul(a, b_, ta, tb):

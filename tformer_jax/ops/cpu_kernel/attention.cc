@@ -24,10 +24,13 @@
 
 namespace {
 
+using tfj::Buf;
+using tfj::Data;
 using tfj::FastExp;
 using tfj::GemmT;
 using tfj::Load;
 using tfj::ParallelFor;
+using tfj::Res;
 using tfj::Store;
 namespace ffi = xla::ffi;
 
@@ -255,14 +258,6 @@ void Backward(ffi::ThreadPool& pool, const Geometry& geo, const std::vector<int6
     }
   });
 }
-
-// The FFI buffers' element type per T.
-template <typename T> struct Dt;
-template <> struct Dt<float> { static constexpr ffi::DataType kType = ffi::F32; };
-template <> struct Dt<uint16_t> { static constexpr ffi::DataType kType = ffi::BF16; };
-template <typename T> using Buf = ffi::Buffer<Dt<T>::kType>;
-template <typename T> using Res = ffi::ResultBuffer<Dt<T>::kType>;
-template <typename T, typename B> T* Data(B& b) { return reinterpret_cast<T*>(b.untyped_data()); }
 
 template <typename T>
 ffi::Error AttnFwd(ffi::ThreadPool pool, Buf<T> q, Buf<T> k, Buf<T> v, ffi::Buffer<ffi::F32> slopes,

@@ -28,6 +28,14 @@ using GemmBf16 = void (*)(int, int, int, int, int, int, float, const uint16_t*, 
 extern GemmBf16 g_gemm_bf16;  // defined in matmul.cc
 constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
 
+// The kernels' element types as FFI buffers: T float (F32) or uint16_t (BF16, its raw 16 bits).
+template <typename T> struct Dt;
+template <> struct Dt<float> { static constexpr ffi::DataType kType = ffi::F32; };
+template <> struct Dt<uint16_t> { static constexpr ffi::DataType kType = ffi::BF16; };
+template <typename T> using Buf = ffi::Buffer<Dt<T>::kType>;
+template <typename T> using Res = ffi::ResultBuffer<Dt<T>::kType>;
+template <typename T, typename B> T* Data(B& b) { return reinterpret_cast<T*>(b.untyped_data()); }
+
 inline void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
                  int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   g_sgemm(kRowMajor, ta ? kTrans : kNoTrans, tb ? kTrans : kNoTrans, int(m), int(n), int(k), alpha,

@@ -12,8 +12,11 @@
 namespace {
 
 namespace ffi = xla::ffi;
+using tfj::Buf;
+using tfj::Data;
 using tfj::FastExp;
 using tfj::Load;
+using tfj::Res;
 
 constexpr int64_t kBlock = 16384;   // elements per task
 
@@ -53,13 +56,6 @@ void Backward(ffi::ThreadPool& pool, int64_t n, const T* g, const T* u, const T*
     }
   });
 }
-
-template <typename T> struct Dt;
-template <> struct Dt<float> { static constexpr ffi::DataType kType = ffi::F32; };
-template <> struct Dt<uint16_t> { static constexpr ffi::DataType kType = ffi::BF16; };
-template <typename T> using Buf = ffi::Buffer<Dt<T>::kType>;
-template <typename T> using Res = ffi::ResultBuffer<Dt<T>::kType>;
-template <typename T, typename B> T* Data(B& b) { return reinterpret_cast<T*>(b.untyped_data()); }
 
 ffi::Error SameSize(int64_t a, int64_t b) {
   return a == b ? ffi::Error::Success()
