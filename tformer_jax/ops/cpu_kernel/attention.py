@@ -39,15 +39,11 @@ def _table(st: _Static, l: int, s: int) -> tuple[np.ndarray, int]:
   return t, int(np.sum((t[:, 1] - t[:, 0]).astype(np.int64) * (t[:, 3] - t[:, 2])))
 
 
-def _target(name: str, dtype) -> str:
-  return name + ("_bf16" if dtype == jnp.bfloat16 else "")
-
-
 def _forward(st: _Static, q, k, v, slopes, valid):
   b, l, h, _ = q.shape
   table, packed = _table(st, l, k.shape[1])
   call = jax.ffi.ffi_call(
-      _target("tfj_chunked_attention_fwd", q.dtype),
+      build.target("tfj_chunked_attention_fwd", q.dtype),
       (jax.ShapeDtypeStruct(q.shape, q.dtype),
        jax.ShapeDtypeStruct((b, h, packed), q.dtype)),
       vmap_method="sequential")
@@ -71,7 +67,7 @@ def _attention_bwd(st: _Static, res, do):
   q, k, v, slopes, valid, o, probs = res
   table, _ = _table(st, q.shape[1], k.shape[1])
   call = jax.ffi.ffi_call(
-      _target("tfj_chunked_attention_bwd", q.dtype),
+      build.target("tfj_chunked_attention_bwd", q.dtype),
       (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, q.dtype),
        jax.ShapeDtypeStruct(v.shape, q.dtype)),
       vmap_method="sequential")
@@ -107,9 +103,8 @@ def chunked_attention_cpu(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, 
     raise ValueError(f"chunked_attention_cpu is a CPU kernel; the default backend is "
                      f"{jax.default_backend()!r} (use 'chunked', 'xla' or 'cudnn' there)")
   build.load()
-  if q_BxLxHxD.dtype == jnp.bfloat16 and not build.has_bf16_gemm():
-    raise ValueError("chunked_attention_cpu in bfloat16 needs a BLAS with a bfloat16 gemm (oneMKL: runtime.cpu_blas "
-                     f"'mkl'); the one in use is {build.blas_in_use()!r}")
+  if q_BxLxHxD.dtype == jnp.bfloat16:
+    build.require_bf16_gemm("chunked_attention_cpu")
   st = _Static(causal=bool(causal), window=int(window), q_offset=int(q_offset), chunk=int(chunk),
                scale=1.0 / math.sqrt(d) if scale is None else float(scale),
                use_alibi=alibi_slopes_H is not None, use_valid=kv_valid_BxS is not None)

@@ -195,6 +195,18 @@ def has_bf16_gemm() -> bool:
   return _state.get("blas") is not None and _gemm_bf16(_state["blas"]) is not None
 
 
+def require_bf16_gemm(what: str) -> None:
+  """A one-line ValueError unless the BLAS in use has a bfloat16 gemm (`what`: the kernel asked for)."""
+  if not has_bf16_gemm():
+    raise ValueError(f"{what} in bfloat16 needs a BLAS with a bfloat16 gemm (oneMKL: runtime.cpu_blas 'mkl'); "
+                     f"the one in use is {blas_in_use()!r}")
+
+
+def target(name: str, dtype) -> str:
+  """The FFI target of kernel `name` for operands of `dtype`: the '_bf16' variant for bfloat16."""
+  return name + ("_bf16" if jax.numpy.dtype(dtype) == jax.numpy.bfloat16 else "")
+
+
 def blas_in_use() -> str | None:
   """The BLAS the kernels call now ('openblas' | 'mkl'), None before they load."""
   return _state.get("blas")

@@ -14,13 +14,9 @@ from tformer_jax.ops.cpu_kernel import build
 Array = jnp.ndarray
 
 
-def _target(name: str, dtype) -> str:
-  return name + ("_bf16" if dtype == jnp.bfloat16 else "")
-
-
 @jax.custom_vjp
 def _swiglu(g: Array, u: Array) -> Array:
-  call = jax.ffi.ffi_call(_target("tfj_swiglu_fwd", g.dtype), jax.ShapeDtypeStruct(g.shape, g.dtype),
+  call = jax.ffi.ffi_call(build.target("tfj_swiglu_fwd", g.dtype), jax.ShapeDtypeStruct(g.shape, g.dtype),
                           vmap_method="broadcast_all")
   return call(g, u)
 
@@ -32,7 +28,7 @@ def _swiglu_fwd(g, u):
 def _swiglu_bwd(res, dy):
   g, u = res
   out = jax.ShapeDtypeStruct(g.shape, g.dtype)
-  call = jax.ffi.ffi_call(_target("tfj_swiglu_bwd", g.dtype), (out, out), vmap_method="broadcast_all")
+  call = jax.ffi.ffi_call(build.target("tfj_swiglu_bwd", g.dtype), (out, out), vmap_method="broadcast_all")
   return call(g, u, dy.astype(g.dtype))
 
 

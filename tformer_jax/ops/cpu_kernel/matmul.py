@@ -67,7 +67,6 @@ def matmul_cpu(a: Array, b: Array, *, transpose_a: bool = False, transpose_b: bo
     raise ValueError(f"matmul_cpu is a CPU kernel; the default backend is "
                      f"{jax.default_backend()!r}")
   build.load()
-  if a.dtype == jnp.bfloat16 and not build.has_bf16_gemm():
-    raise ValueError(f"matmul_cpu on bfloat16 needs a BLAS with a bfloat16 gemm (oneMKL: runtime.cpu_blas "
-                     f"'mkl'); the one in use is {build.blas_in_use()!r}")
+  if a.dtype == jnp.bfloat16:
+    build.require_bf16_gemm("matmul_cpu")
   return _matmul(a, b, bool(transpose_a), bool(transpose_b), out_dtype.name)
