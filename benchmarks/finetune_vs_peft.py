@@ -28,7 +28,7 @@ contender's own high-water mark of this process (reset before it; the shared bas
 included). Run as a command it re-runs itself under tcmalloc when installed (both
 contenders then share that allocator; `allocator` in the JSON). Measure on an otherwise idle machine.
 What bounds the ratio: `matmul_gflops` holds each library's best matmul rate at --precision (bf16: bfloat16
-operands, float32 accumulation; our kernel on MKL only, the BLAS with a bfloat16 gemm) (a 2048^3 product and
+operands, float32 accumulation; our kernel on MKL and oneDNN, the BLASes with a bfloat16 gemm) (a 2048^3 product and
 the model's FFN products at batch x seq tokens; `by_shape` each: XLA's dot, torch's and our C++ matmul on each
 BLAS installed, `ours` the best of XLA and those), timed before the contenders; each
 contender's `mflop_per_token` is the matmul work its step executes (bench.flops.finetune_flops: theirs at no
@@ -243,14 +243,14 @@ def mflop_per_token(cfg: Any, args: Any, adapter_params: int, remat: str | None 
 def matmul_rates(shapes: Sequence[tuple[int, int, int]], reps: int = 5, precision: str = "float32") -> dict[str, Any]:
   """Each library's best GFLOP/s (2 m k n FLOPs a call, the fastest of `reps` calls after one) on each (m, k, n)
   product, 2 threads or whatever both were given: XLA's dot, torch.matmul and, where the C++ kernels load,
-  their matmul on each BLAS that loads here ('openblas', 'mkl'; runtime.cpu_blas). precision 'bf16':
-  bfloat16 operands (XLA's dot and our kernel accumulating in float32; only MKL has a bfloat16 gemm).
+  their matmul on each BLAS that loads here ('openblas', 'mkl', 'onednn'; runtime.cpu_blas). precision 'bf16':
+  bfloat16 operands (XLA's dot and our kernel accumulating in float32; MKL and oneDNN have a bfloat16 gemm).
   {'xla': best over the shapes, 'torch': the same, ..., 'ours': the best of xla and the BLASes,
   'by_shape': {'MxKxN': {'xla', 'torch', ...}}}."""
   import torch  # noqa: PLC0415
   bf16 = precision == "bf16"
   product = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
-  blas = [name for name in cpu_kernel.BLAS if cpu_kernel.blas_available(name)[0] and not (bf16 and name != "mkl")]
+  blas = [name for name in (cpu_kernel.BF16_BLAS if bf16 else cpu_kernel.BLAS) if cpu_kernel.blas_available(name)[0]]
   kernel = jax.jit(cpu_kernel.matmul_cpu)
   rng = np.random.default_rng(0)
   by_shape = {}

@@ -24,6 +24,9 @@ JAX_VERSION=$("$VENV/bin/python" -c "import jax; print(jax.__version__)")
 # oneMKL for the C++ kernels' sgemm (the mkl extra, ~230 MB; runtime.cpu_blas 'auto' takes it on Intel CPUs, so
 # the suite runs what such a machine runs). Optional: without it the MKL cases of tests/test_cpu_matmul.py skip.
 "$VENV/bin/python" -m pip install -q -e ".[mkl]" || echo "note: mkl not installed (the mkl extra); its tests skip"
+# oneDNN's gemms for the kernels (the onednn extra, ~43 MB; 'auto' takes it for bf16 compute where MKL is not
+# chosen, e.g. on AMD CPUs). Optional: without it the oneDNN cases of tests/test_cpu_matmul.py skip.
+"$VENV/bin/python" -m pip install -q -e ".[onednn]" || echo "note: onednn not installed (the onednn extra); its tests skip"
 # lm-evaluation-harness (tests/test_harness.py): the eval extra, with torch and jax kept at the versions just
 # installed. Optional: without it those tests skip.
 "$VENV/bin/python" -m pip install -q -e ".[eval]" "torch==2.13.0" "jax==$JAX_VERSION" \

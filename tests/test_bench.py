@@ -257,7 +257,7 @@ def test_finetune_vs_peft_runs_and_bounds_the_ratio(tmp_path):
   r = json.loads(out.read_text())
   full, mm = r["full"], r["matmul_gflops"]
   assert mm["xla"] > 0 and mm["torch"] > 0 and mm["openblas"] > 0   # the kernels build wherever the suite runs
-  libs = [lib for lib in ("xla", "openblas", "mkl") if lib in mm]
+  libs = [lib for lib in ("xla", "openblas", "mkl", "onednn") if lib in mm]
   assert mm["ours"] == max(mm[lib] for lib in libs)
   assert all(set(rates) == {"torch", *libs} for rates in mm["by_shape"].values())
   ours, theirs = full["ours"], full["theirs"]
@@ -277,7 +277,7 @@ def test_finetune_vs_peft_runs_and_bounds_the_ratio(tmp_path):
 
 
 def test_finetune_vs_peft_in_bf16(tmp_path):
-  """--precision=bf16: ours at train.precision=bf16 (on the C++ kernels where MKL gives them a bfloat16 gemm),
+  """--precision=bf16: ours at train.precision=bf16 (on the C++ kernels where MKL or oneDNN gives them a bfloat16 gemm),
   theirs under torch.autocast bfloat16, the matmul probe on bfloat16 operands (no OpenBLAS: it has no bfloat16
   gemm), the JSON saying so; losses near the float32 ones of the same batches."""
   pytest.importorskip("transformers")
@@ -292,6 +292,6 @@ def test_finetune_vs_peft_in_bf16(tmp_path):
   assert r["precision"] == "bf16" and "openblas" not in mm and mm["xla"] > 0 and mm["torch"] > 0
   ours, theirs = full["ours"], full["theirs"]
   assert ours["config"]["precision"] == "bf16" and theirs["config"]["autocast"] == "bfloat16"
-  assert ours["config"]["cpu_kernels"] == (ours["config"]["cpu_blas"] == "mkl")
+  assert ours["config"]["cpu_kernels"] == (ours["config"]["cpu_blas"] in ("mkl", "onednn"))
   # a random-weight model on random tokens: both losses near ln(300) = 5.70
   assert abs(ours["final_loss"] - theirs["final_loss"]) < 0.05 and abs(theirs["final_loss"] - 5.70) < 0.3

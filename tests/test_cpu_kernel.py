@@ -131,12 +131,13 @@ def test_fresh_process_builds_into_an_empty_cache(tmp_path):
   assert os.path.getmtime(lib) == mtime and len(list(tmp_path.iterdir())) == 1
 
 
-MKL = build.blas_available("mkl")
+BF16_BLAS = [pytest.param(blas, marks=pytest.mark.skipif(not ok, reason=f"no {blas} (a bfloat16 gemm): {why}"))
+             for blas, (ok, why) in ((b, build.blas_available(b)) for b in build.BF16_BLAS)]
 
 
-@pytest.mark.skipif(not MKL[0], reason=f"no MKL (the bfloat16 gemm): {MKL[1]}")
+@pytest.mark.parametrize("blas", BF16_BLAS)
 @pytest.mark.parametrize("name", list(SUPPORTED))
-def test_bf16_matches_the_float32_kernel(name):
+def test_bf16_matches_the_float32_kernel(name, blas):
   """bfloat16 q, k, v (the '_bf16' targets): output and q/k/v gradients in bfloat16, equal to the float32
   kernel's on the same (bfloat16-rounded) values within bfloat16's rounding."""
   (q, k, v, ct), op_kw, _ = case_and_reference(*SUPPORTED[name])
@@ -149,7 +150,7 @@ def test_bf16_matches_the_float32_kernel(name):
     return (o, *vjp(ct.astype(dtype)))
 
   before = build.blas_in_use()
-  build.load(blas="mkl")
+  build.load(blas=blas)
   try:
     got, want = run(jnp.bfloat16), run(jnp.float32)
   finally:

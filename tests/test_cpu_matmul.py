@@ -1,14 +1,14 @@
-"""The C++ CPU matmul (ops.cpu_kernel.matmul_cpu) on each BLAS (runtime.cpu_blas: OpenBLAS, and oneMKL
-where the `mkl` wheel is installed) and its use in backends.xla_cpu.project with the xla_cpu backend's C++
-kernels on (runtime.cpu_kernels 'on' / 'auto'): the weight gradients, and under runtime.cpu_matmul 'all'
-the forward and input-gradient products too.
+"""The C++ CPU matmul (ops.cpu_kernel.matmul_cpu) on each BLAS (runtime.cpu_blas: OpenBLAS, oneMKL where the
+`mkl` wheel is installed, oneDNN where the `onednn-cpu-gomp` wheel is) and its use in backends.xla_cpu.project
+with the xla_cpu backend's C++ kernels on (runtime.cpu_kernels 'on' / 'auto'): the weight gradients, and under
+runtime.cpu_matmul 'all' the forward and input-gradient products too.
 
 Tolerances: float32 against a float64 product, 1e-5 relative to the largest entry; model gradients
-against the XLA path, 1e-5 (only the summation order differs). bfloat16 (MKL's bf16 gemm): the float32
+against the XLA path, 1e-5 (only the summation order differs). bfloat16 (MKL's or oneDNN's bf16 gemm): the float32
 output against the float64 product of the same bfloat16 values, 1e-5; the bfloat16 output is that one
 rounded (bit-equal); projections and a bf16 model against XLA's bfloat16 path, 2e-2 of the largest entry
-(a few bfloat16 roundings of 2^-8 apart). Skipped only without a C++ compiler; the
-MKL cases skip where the `mkl` wheel is not installed (`pip install -e ".[mkl]"`; scripts/test.sh has it).
+(a few bfloat16 roundings of 2^-8 apart). Skipped only without a C++ compiler; the MKL and oneDNN cases
+skip where their wheel is not installed (`pip install -e ".[mkl,onednn]"`; scripts/test.sh has both).
 """
 import contextlib
 import dataclasses
@@ -28,7 +28,13 @@ from tformer_jax.ops import cpu_kernel
 from tformer_jax.ops.cpu_kernel import matmul_cpu
 
 MKL = cpu_kernel.blas_available("mkl")
-BLAS = ["openblas", pytest.param("mkl", marks=pytest.mark.skipif(not MKL[0], reason=f"no MKL: {MKL[1]}"))]
+ONEDNN = cpu_kernel.blas_available("onednn")
+LOADS = {"openblas": (True, ""), "mkl": MKL, "onednn": ONEDNN}
+BLAS = [pytest.param(name, marks=pytest.mark.skipif(not ok, reason=f"no {name}: {why}"))
+        for name, (ok, why) in LOADS.items()]
+# the BLASes with a bfloat16 gemm
+BF16 = [pytest.param(name, marks=pytest.mark.skipif(not LOADS[name][0], reason=f"no {name}: {LOADS[name][1]}"))
+        for name in cpu_kernel.BF16_BLAS]
 
 
 @contextlib.contextmanager
@@ -61,19 +67,19 @@ def test_matches_float64_product(m, k, n, ta, tb, name):
 
 
 def test_a_compiled_call_follows_the_blas_switch():
-  """The BLAS is read when the kernel runs: one compiled executable gives the product on either, and a
-  different summation order (MKL's and OpenBLAS's blockings differ) where both load."""
+  """The BLAS is read when the kernel runs: one compiled executable gives the product on each, and a
+  different summation order (the libraries' blockings differ) where several load."""
   r = np.random.default_rng(3)
   a, b = r.standard_normal((256, 2000)).astype(np.float32), r.standard_normal((2000, 130)).astype(np.float32)
   f = jax.jit(matmul_cpu)
   ref = a.astype(np.float64) @ b.astype(np.float64)
   got = {}
-  for name in ("openblas", "mkl") if MKL[0] else ("openblas",):
+  for name in (name for name, (ok, _) in LOADS.items() if ok):
     with blas(name):
       got[name] = np.asarray(f(a, b))
     np.testing.assert_allclose(got[name], ref, rtol=0, atol=1e-5 * np.abs(ref).max())
-  if MKL[0]:
-    assert not np.array_equal(got["openblas"], got["mkl"])   # two libraries really ran
+  for name in set(got) - {"openblas"}:
+    assert not np.array_equal(got["openblas"], got[name]), name   # two libraries really ran
 
 
 def test_gradient_matches_xla_dot():
@@ -174,38 +180,46 @@ def test_model_gradients_equal_with_the_kernel(matmul):
 
 
 def test_auto_blas_and_matmul():
-  """runtime.cpu_blas 'auto': MKL on an Intel CPU where the wheel loads, else OpenBLAS; explicit choices
-  kept. runtime.cpu_matmul 'auto': every projection product on MKL, except under the remat policies that
-  keep dots by primitive (the custom call is not one), and only the weight gradients on OpenBLAS."""
+  """runtime.cpu_blas 'auto': MKL on an Intel CPU where the wheel loads; else, for bfloat16 compute, oneDNN
+  where its wheel loads; else OpenBLAS; explicit choices kept. runtime.cpu_matmul 'auto': every projection
+  product on MKL or oneDNN, except under the remat policies that keep dots by primitive (the custom call is
+  not one), and only the weight gradients on OpenBLAS."""
   from tformer_jax.backends.runtime import cpu_vendor  # noqa: PLC0415
   before = cpu_kernel.blas_in_use()
 
-  def resolve(remat="none", **runtime):
-    c = _runtime_cfg(_cfg(), **runtime)
+  def resolve(remat="none", precision="float32", **runtime):
+    c = _runtime_cfg(_cfg(), precision, **runtime)
     c.model.remat = remat
     return backends.resolve_runtime(c, platform="cpu", quiet=True).backend
 
   try:
-    want = "mkl" if cpu_vendor() == "GenuineIntel" and MKL[0] else "openblas"
+    intel_mkl = cpu_vendor() == "GenuineIntel" and MKL[0]
+    want = "mkl" if intel_mkl else "openblas"
     b = resolve()
     assert (b.cpu_blas, cpu_kernel.blas_in_use()) == (want, want)
     assert b.cpu_matmul == ("all" if want == "mkl" else "weight_grads")
+    want = "mkl" if intel_mkl else "onednn" if ONEDNN[0] else "openblas"
+    b = resolve(precision="bf16")
+    assert (b.cpu_blas, cpu_kernel.blas_in_use(), b.cpu_kernels) == (want, want, want != "openblas")
+    if b.cpu_kernels:
+      assert b.cpu_matmul == "all"
     b = resolve(cpu_blas="openblas")
     assert (b.cpu_blas, b.cpu_matmul, cpu_kernel.blas_in_use()) == ("openblas", "weight_grads", "openblas")
     assert resolve(cpu_blas="openblas", cpu_matmul="all").cpu_matmul == "all"
-    if MKL[0]:
+    for name in (name for name in cpu_kernel.BF16_BLAS if LOADS[name][0]):
       for remat, matmul in (("none", "all"), ("full", "all"), ("save_qkvo", "all"), ("dots", "weight_grads"),
                             ("dots_no_batch", "weight_grads")):
-        b = resolve(remat, cpu_blas="mkl")
-        assert (b.cpu_blas, b.cpu_matmul, cpu_kernel.blas_in_use()) == ("mkl", matmul, "mkl"), remat
-      assert resolve("dots", cpu_blas="mkl", cpu_matmul="all").cpu_matmul == "all"
+        b = resolve(remat, cpu_blas=name)
+        assert (b.cpu_blas, b.cpu_matmul, cpu_kernel.blas_in_use()) == (name, matmul, name), remat
+      assert resolve("dots", cpu_blas=name, cpu_matmul="all").cpu_matmul == "all"
   finally:
     cpu_kernel.load(blas=before)
 
 
-def test_auto_uses_the_kernels_only_on_one_device_in_float32_or_bf16_on_mkl():
+def test_auto_uses_the_kernels_only_on_one_device_in_float32_or_bf16_with_a_bf16_gemm():
   """runtime.cpu_kernels 'auto' (backends.resolve_runtime): on for float32 on one CPU device, and for
-  bfloat16 compute over float32 parameters (model.dtype or train.precision 'bf16') where the BLAS is MKL;
+  bfloat16 compute over float32 parameters (model.dtype or train.precision 'bf16') where the BLAS 'auto'
+  picks for it has a bfloat16 gemm (MKL on Intel, else oneDNN, where installed);
   off in float16, with half-precision parameters and under a multi-device mesh (a custom call is not
   partitioned: sharded runs keep XLA's ops)."""
   auto = _cfg(position="alibi", num_kv_heads=0)
@@ -217,8 +231,9 @@ def test_auto_uses_the_kernels_only_on_one_device_in_float32_or_bf16_on_mkl():
   before = cpu_kernel.blas_in_use()
   b = resolve(auto)
   assert type(b) is backends.XlaCpuBackend and b.cpu_kernels and b.attention_impl == "chunked"
-  # bfloat16 compute over float32 parameters: on where the BLAS has a bfloat16 gemm (MKL), else off
-  bf16_on = b.cpu_blas == "mkl"
+  # bfloat16 compute over float32 parameters: on where the BLAS has a bfloat16 gemm (MKL, oneDNN), else off
+  from tformer_jax.backends.runtime import cpu_vendor  # noqa: PLC0415
+  bf16_on = (cpu_vendor() == "GenuineIntel" and MKL[0]) or ONEDNN[0]
   assert resolve(dataclasses.replace(auto, dtype="bfloat16")).cpu_kernels == bf16_on
   assert resolve(auto, precision="bf16").cpu_kernels == bf16_on
   assert not resolve(auto, precision="bf16", cpu_blas="openblas").cpu_kernels
@@ -258,14 +273,15 @@ def test_resolve_rejects_what_this_platform_cannot_run():
     backends.resolve_runtime(_runtime_cfg(_cfg(), backend="xla_cpu"), platform="gpu", quiet=True)
 
 
-def test_mkl_missing_is_a_clear_error(monkeypatch, tmp_path):
-  """Where no libmkl_rt is installed, asking for MKL names the wheel to install (resolve_runtime turns it
-  into `runtime.cpu_blas: 'mkl' is unavailable: ...`)."""
+@pytest.mark.parametrize("name,wheel", [("mkl", "mkl"), ("onednn", "onednn-cpu-gomp")])
+def test_a_missing_blas_is_a_clear_error(monkeypatch, tmp_path, name, wheel):
+  """Where the library is not installed, asking for MKL or oneDNN names the wheel to install (resolve_runtime
+  turns it into `runtime.cpu_blas: 'mkl' is unavailable: ...`)."""
   from tformer_jax.ops.cpu_kernel import build  # noqa: PLC0415
   monkeypatch.setattr("sys.prefix", str(tmp_path))
   monkeypatch.setattr("sysconfig.get_config_var", lambda name: str(tmp_path))
-  with pytest.raises(cpu_kernel.KernelUnavailable, match=r"pip install mkl"):
-    build._mkl()
+  with pytest.raises(cpu_kernel.KernelUnavailable, match=rf"runtime.cpu_blas '{name}'.*pip install {wheel}`"):
+    getattr(build, f"_{name}")()
 
 
 def test_narrow_weights_keep_xlas_dot():
@@ -286,21 +302,19 @@ def test_narrow_weights_keep_xlas_dot():
       np.testing.assert_allclose(np.asarray(g), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
-MKL_ONLY = pytest.mark.skipif(not MKL[0], reason=f"no MKL (the bfloat16 gemm): {MKL[1]}")
-
-
-@MKL_ONLY
+@pytest.mark.parametrize("name", BF16)
 @pytest.mark.parametrize("m,k,n", SHAPES)
 @pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
-def test_bf16_matches_float64_product(m, k, n, ta, tb):
-  """bfloat16 operands on MKL's gemm_bf16bf16f32: the float32 output is the exact products summed in float32;
-  the bfloat16 output (rounded in the kernel from its float32 block) is that output rounded to nearest even."""
+def test_bf16_matches_float64_product(m, k, n, ta, tb, name):
+  """bfloat16 operands on MKL's or oneDNN's gemm_bf16bf16f32: the float32 output is the exact products summed in
+  float32; the bfloat16 output (rounded in the kernel from its float32 block) is that output rounded to nearest
+  even."""
   r = np.random.default_rng(m * 5 + n)
   a = jnp.asarray(r.standard_normal((k, m) if ta else (m, k)), jnp.bfloat16)
   b = jnp.asarray(r.standard_normal((n, k) if tb else (k, n)), jnp.bfloat16)
   a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
   ref = (a64.T if ta else a64) @ (b64.T if tb else b64)
-  with blas("mkl"):
+  with blas(name):
     f32 = jax.jit(lambda a, b: matmul_cpu(a, b, transpose_a=ta, transpose_b=tb))(a, b)
     bf = jax.jit(lambda a, b: matmul_cpu(a, b, transpose_a=ta, transpose_b=tb, out_dtype=jnp.bfloat16))(a, b)
   assert (f32.dtype, bf.dtype, f32.shape) == (jnp.float32, jnp.bfloat16, (m, n))
@@ -319,21 +333,21 @@ def _close(got, want, tol=2e-2):
   np.testing.assert_allclose(got, want, rtol=0, atol=tol * max(1.0, np.abs(want).max()))
 
 
-@MKL_ONLY
+@pytest.mark.parametrize("name", BF16)
 @pytest.mark.parametrize("spec,x_shape,w_shape", [
     ("bld,dhk->blhk", (2, 9, 20), (20, 4, 5)),
     ("bld,df->blf", (3, 7, 20), (20, 40)),
 ])
-def test_project_bf16_on_the_kernel(spec, x_shape, w_shape):
-  """bfloat16 x and w with bf16=True (the backend on MKL): y, dx and dw all on the bfloat16 kernel (three calls
-  in the gradient's HLO), bfloat16 results, the values of XLA's bfloat16 einsum and its autodiff."""
+def test_project_bf16_on_the_kernel(spec, x_shape, w_shape, name):
+  """bfloat16 x and w with bf16=True (the backend on MKL or oneDNN): y, dx and dw all on the bfloat16 kernel (three
+  calls in the gradient's HLO), bfloat16 results, the values of XLA's bfloat16 einsum and its autodiff."""
   r = np.random.default_rng(5)
   x, w = (jnp.asarray(r.standard_normal(s), jnp.bfloat16) for s in (x_shape, w_shape))
   f = lambda x, w: jnp.sum(jnp.tanh(project(spec, x, w, True, True, bf16=True).astype(jnp.float32)))  # noqa: E731
   grad = jax.jit(jax.grad(f, argnums=(0, 1)))
   plain = jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.tanh(jnp.einsum(spec, x, w).astype(jnp.float32))),
                            argnums=(0, 1)))
-  with blas("mkl"):   # (the kernel checks for the bfloat16 gemm when traced)
+  with blas(name):   # (the kernel checks for the bfloat16 gemm when traced)
     assert grad.lower(x, w).as_text().count("tfj_matmul_bf16_bf16") == 3
     y = jax.jit(lambda x, w: project(spec, x, w, True, True, bf16=True))(x, w)
     assert y.dtype == jnp.bfloat16
@@ -346,10 +360,11 @@ def test_project_bf16_on_the_kernel(spec, x_shape, w_shape):
       project(spec, x, w, True, True).astype(jnp.float32)), argnums=(0, 1))).lower(x, w).as_text()
 
 
-@MKL_ONLY
-def test_bf16_model_on_the_kernels_equals_xlas_bf16():
+@pytest.mark.parametrize("name", BF16)
+def test_bf16_model_on_the_kernels_equals_xlas_bf16(name):
   """A GQA/SwiGLU model computing in bfloat16 over float32 parameters: logits and every parameter gradient with
-  the backend's kernels on MKL (projections on the bfloat16 gemm) and off, within bfloat16's tolerance."""
+  the backend's kernels on MKL or oneDNN (projections on the bfloat16 gemm) and off, within bfloat16's
+  tolerance."""
   ref = _cfg(dtype="bfloat16")
   params, tokens = _init(_cfg()), _tokens(2)
   model = Transformer(ref)
@@ -359,9 +374,9 @@ def test_bf16_model_on_the_kernels_equals_xlas_bf16():
       loss = lambda p: jnp.mean(model.apply({"params": p}, tokens).astype(jnp.float32) ** 2)  # noqa: E731
       return jax.jit(jax.value_and_grad(loss))(params), jax.jit(jax.grad(loss)).lower(params).as_text()
 
-  with blas("mkl"):
+  with blas(name):
     (l_on, g_on), hlo = run(backends.XlaCpuBackend(attention_impl="reference", cpu_kernels=True, cpu_matmul="all",
-                                                   cpu_blas="mkl"))
+                                                   cpu_blas=name))
     (l_off, g_off), _ = run(backends.XlaCpuBackend(attention_impl="reference", cpu_kernels=False))
   assert "tfj_matmul_bf16_bf16" in hlo
   _close(l_on, l_off)
@@ -370,9 +385,9 @@ def test_bf16_model_on_the_kernels_equals_xlas_bf16():
     _close(a, b, 5e-2)
 
 
-@MKL_ONLY
-def test_bf16_loss_products_on_the_kernel():
-  """The backend's loss_matmul: on MKL, nll_sum's bfloat16 weight-gradient product runs on the bfloat16 kernel
+@pytest.mark.parametrize("name", BF16)
+def test_bf16_loss_products_on_the_kernel(name):
+  """The backend's loss_matmul: on MKL or oneDNN, nll_sum's bfloat16 weight-gradient product runs on the kernel
   and its other two on XLA's dot with float32 results, with the values of XLA's path; float32 products (and a
   backend on OpenBLAS) keep XLA's dot."""
   from tformer_jax.ops import losses  # noqa: PLC0415
@@ -380,14 +395,35 @@ def test_bf16_loss_products_on_the_kernel():
   h = jnp.asarray(r.standard_normal((2, 19, 24)), jnp.bfloat16)
   w = jnp.asarray(0.5 * r.standard_normal((24, 70)), jnp.bfloat16)
   t = jnp.asarray(r.integers(0, 70, (2, 19)))
-  mkl = backends.XlaCpuBackend(cpu_kernels=True, cpu_matmul="all", cpu_blas="mkl")
+  on = backends.XlaCpuBackend(cpu_kernels=True, cpu_matmul="all", cpu_blas=name)
   assert backends.XlaCpuBackend(cpu_kernels=True, cpu_blas="openblas").loss_matmul() is None
   f = lambda mm: jax.jit(jax.value_and_grad(lambda h, w: losses.nll_sum(h, w, t, chunk=10, matmul=mm),  # noqa: E731
                                             (0, 1)))
-  with blas("mkl"):
-    assert f(mkl.loss_matmul()).lower(h, w).as_text().count("tfj_matmul_bf16") == 1
-    (val, grads), (want, want_grads) = f(mkl.loss_matmul())(h, w), f(None)(h, w)
-    assert "tfj_matmul" not in f(mkl.loss_matmul()).lower(h.astype(jnp.float32), w.astype(jnp.float32)).as_text()
+  with blas(name):
+    assert f(on.loss_matmul()).lower(h, w).as_text().count("tfj_matmul_bf16") == 1
+    (val, grads), (want, want_grads) = f(on.loss_matmul())(h, w), f(None)(h, w)
+    assert "tfj_matmul" not in f(on.loss_matmul()).lower(h.astype(jnp.float32), w.astype(jnp.float32)).as_text()
   np.testing.assert_allclose(float(val), float(want), rtol=1e-5)
   for g, ref in zip(grads, want_grads):
     _close(g, ref, 1e-2)
+
+
+@pytest.mark.skipif(not ONEDNN[0], reason=f"no onednn: {ONEDNN[1]}")
+def test_onednn_leaves_the_callers_openmp_threads_as_they_were():
+  """oneDNN's gemms run on OpenMP; the kernel holds each call to one OpenMP thread and puts the calling thread's
+  setting back after it. XLA:CPU runs a small product on the Python thread itself, whose setting a library
+  sharing the process's libgomp (torch: torch.set_num_threads) reads: left at 1, torch's next matmul ran on one
+  thread (its bf16 rate halved, measured)."""
+  import ctypes  # noqa: PLC0415
+  omp = ctypes.CDLL("libgomp.so.1")   # the runtime libdnnl links (by soname)
+  before = omp.omp_get_max_threads()
+  omp.omp_set_num_threads(3)
+  try:
+    a = jnp.asarray(np.random.default_rng(7).standard_normal((64, 48)), jnp.bfloat16)
+    with blas("onednn"):
+      for dtype in (jnp.bfloat16, jnp.float32):
+        got = jax.jit(lambda a: matmul_cpu(a, a, transpose_b=True))(a.astype(dtype))
+        _close(got, jnp.dot(a.astype(jnp.float32), a.astype(jnp.float32).T), 1e-5)
+        assert omp.omp_get_max_threads() == 3, dtype
+  finally:
+    omp.omp_set_num_threads(before)

@@ -283,8 +283,8 @@ def test_auto_picks_an_exact_impl_for_the_config():
   assert (b.block_q, b.block_k) == (8, 4)
   assert b.cpu_kernels == cpu_kernel.available()[0]       # the C++ kernel where it builds
   bf16 = resolve(dataclasses.replace(auto, dtype="bfloat16"))
-  # bfloat16: the kernels (attention included) only on a BLAS with a bfloat16 gemm (MKL)
-  assert bf16.attention_impl == "chunked" and bf16.cpu_kernels == (b.cpu_kernels and b.cpu_blas == "mkl")
+  # bfloat16: the kernels (attention included) only on a BLAS with a bfloat16 gemm (MKL, oneDNN)
+  assert bf16.attention_impl == "chunked" and bf16.cpu_kernels == (b.cpu_kernels and bf16.cpu_blas in ("mkl", "onednn"))
   assert resolve(dataclasses.replace(auto, attn_dropout=0.1)).attention_impl == "reference"
   assert resolve(dataclasses.replace(auto, position="t5")).attention_impl == "reference"
   assert resolve(dataclasses.replace(auto, window=4, num_global_tokens=2)).attention_impl == "reference"

@@ -94,11 +94,11 @@ def resolve_runtime(cfg: Any, *, model: config_lib.ModelConfig | None = None, me
     use_kernels, bf16 = _cpu_kernels(rt["cpu_kernels"], m, precision, mesh_devices, reasons)
     matmul, blas = "weight_grads", "openblas"
     if use_kernels:
-      blas = _cpu_blas(rt.get("cpu_blas", "auto"), reasons)
-      if bf16 and blas != "mkl" and rt["cpu_kernels"] == "auto":
+      blas = _cpu_blas(rt.get("cpu_blas", "auto"), bf16, reasons)
+      if bf16 and blas not in cpu_kernel.BF16_BLAS and rt["cpu_kernels"] == "auto":
         use_kernels = False
         reasons[-1] += ("; C++ kernels off after all: bfloat16 compute needs a bfloat16 gemm, which "
-                        "OpenBLAS's wheel lacks (oneMKL's: runtime.cpu_blas 'mkl')")
+                        "OpenBLAS's wheel lacks (oneMKL's or oneDNN's: runtime.cpu_blas 'mkl' or 'onednn')")
       else:
         matmul = _cpu_matmul(rt.get("cpu_matmul", "auto"), blas, m.remat, reasons)
     chosen = XlaCpuBackend(cpu_kernels=use_kernels, cpu_matmul=matmul, cpu_blas=blas, **blocks)
@@ -166,19 +166,20 @@ def _cpu_kernels(kernels: str, m: config_lib.ModelConfig, precision: str, mesh_d
 def _cpu_matmul(choice: str, blas: str, remat: str, reasons: list[str]) -> str:
   """Which projection products the C++ kernels run (runtime.cpu_matmul), from the figures measured
   (docs/runtime.md; docs/recipe_smollm2.md, 2026-12-04): 'all' pays with MKL (SmolLM2-135M LoRA at remat
-  'full', Intel: +8% over 'weight_grads'; gpt2_cpu +4%), not with OpenBLAS (-1%). The remat policies that
+  'full', Intel: +8% over 'weight_grads'; gpt2_cpu +4%) and with oneDNN (the same model's LoRA in bf16 on an
+  AMD EPYC, no remat: 525 against 321 tokens/s), not with OpenBLAS (-1%). The remat policies that
   keep dots by primitive ('dots', 'dots_no_batch') do not see the custom call as one and would recompute
   it: 'weight_grads' there (the named policies, 'save_qkvo' and 'save_mlp_in', keep its output by name)."""
   if choice != "auto":
     return choice
-  if blas != "mkl":
+  if blas not in ("mkl", "onednn"):
     reasons.append("matmuls weight_grads: XLA's dot for the forward and input gradients ('all' on OpenBLAS "
                    "measured no faster)")
     return "weight_grads"
   if remat in ("dots", "dots_no_batch"):
     reasons.append(f"matmuls weight_grads: remat {remat!r} keeps dots by primitive, which the C++ call is not")
     return "weight_grads"
-  reasons.append("matmuls all: the projections' forward and input gradients on MKL too (faster than XLA's dot)")
+  reasons.append(f"matmuls all: the projections' forward and input gradients on {blas} too (faster than XLA's dot)")
   return "all"
 
 
@@ -187,17 +188,23 @@ def cpu_vendor() -> str:
   return cpu_kernel.build.cpu_field("vendor_id")
 
 
-def _cpu_blas(choice: str, reasons: list[str]) -> str:
-  """The sgemm the C++ kernels call (runtime.cpu_blas), applied to the process (ops/cpu_kernel/build.py)."""
+def _cpu_blas(choice: str, bf16: bool, reasons: list[str]) -> str:
+  """The gemms the C++ kernels call (runtime.cpu_blas), applied to the process (ops/cpu_kernel/build.py).
+  'auto', from the figures measured (docs/runtime.md): oneMKL on an Intel CPU where the `mkl` wheel is
+  installed; else, for bfloat16 compute, oneDNN where the `onednn-cpu-gomp` wheel is (a bfloat16 gemm, which
+  OpenBLAS's wheel lacks: on a 2-core AMD EPYC (Zen 4) 200-217 GFLOP/s a thread, twice its float32 rate, where
+  MKL's bf16 gemm ran at 95); else OpenBLAS."""
   if choice == "auto":
     vendor = cpu_vendor()
-    ok, why = cpu_kernel.blas_available("mkl") if vendor == "GenuineIntel" else (False, "")
-    choice = "mkl" if ok else "openblas"
-    reasons.append("BLAS " + ("mkl: an Intel CPU and the `mkl` wheel installed" if ok else
-                              "openblas: " + ("`pip install mkl` would give MKL on this Intel CPU"
-                                              if vendor == "GenuineIntel" else
-                                              f"not an Intel CPU ({vendor or 'unknown'}; on an AMD EPYC MKL "
-                                              "ran slower than OpenBLAS)")))
+    mkl = vendor == "GenuineIntel" and cpu_kernel.blas_available("mkl")[0]
+    dnnl = bf16 and not mkl and cpu_kernel.blas_available("onednn")[0]
+    choice = "mkl" if mkl else "onednn" if dnnl else "openblas"
+    reasons.append("BLAS " + (
+        "mkl: an Intel CPU and the `mkl` wheel installed" if mkl else
+        "onednn: bfloat16 compute and the `onednn-cpu-gomp` wheel installed (its bfloat16 gemm)" if dnnl else
+        "openblas: " + ("`pip install mkl` would give MKL on this Intel CPU" if vendor == "GenuineIntel" else
+                        f"not an Intel CPU ({vendor or 'unknown'}; on an AMD EPYC MKL ran slower than OpenBLAS)")
+        + ("; `pip install onednn-cpu-gomp` would give the kernels a bfloat16 gemm" if bf16 else "")))
   else:
     ok, why = cpu_kernel.blas_available(choice)
     if not ok:

@@ -41,10 +41,10 @@ PyTree = Any
 
 @dataclasses.dataclass(frozen=True)
 class XlaCpuBackend(Backend):
-  """cpu_kernels: use the C++ kernels (float32; bfloat16 with cpu_blas 'mkl'; others keep XLA's ops).
-  cpu_matmul: which of the projections' products they run, 'weight_grads' (dw) or 'all' (y, dx and dw).
-  cpu_blas: the sgemm they call, 'openblas' | 'mkl' (a process-wide setting: resolve_runtime applies it,
-  see ops/cpu_kernel/build.py)."""
+  """cpu_kernels: use the C++ kernels (float32; bfloat16 with cpu_blas 'mkl' or 'onednn'; others keep XLA's
+  ops). cpu_matmul: which of the projections' products they run, 'weight_grads' (dw) or 'all' (y, dx and dw).
+  cpu_blas: the sgemm they call, 'openblas' | 'mkl' | 'onednn' (a process-wide setting: resolve_runtime
+  applies it, see ops/cpu_kernel/build.py)."""
   cpu_kernels: bool = True
   cpu_matmul: str = "weight_grads"
   cpu_blas: str = "openblas"
@@ -55,8 +55,13 @@ class XlaCpuBackend(Backend):
                else "C++ kernels off")
     return f"{self.name} (attention {self.attention_impl}, {kernels})"
 
+  @property
+  def bf16_gemm(self) -> bool:
+    """Whether the kernels' BLAS has a bfloat16 gemm (their bfloat16 variants run on it)."""
+    return self.cpu_blas in cpu_kernel.BF16_BLAS
+
   def dense(self, spec: str, x: Array, w: Array) -> Array:
-    return project(spec, x, w, self.cpu_kernels, self.cpu_matmul == "all", bf16=self.cpu_blas == "mkl")
+    return project(spec, x, w, self.cpu_kernels, self.cpu_matmul == "all", bf16=self.bf16_gemm)
 
   def glu(self, activation: str, act, gate: Array, up: Array) -> Array:
     if self.cpu_kernels and activation == "swiglu" and gate.shape == up.shape \
@@ -67,7 +72,7 @@ class XlaCpuBackend(Backend):
   def loss_matmul(self):
     # bfloat16 products with float32 results, the weight gradient on the kernel (_bf16_or_xla_matmul); float32
     # ones measured no faster on it than on XLA's dot (docs/runtime.md), so they stay there
-    return _bf16_or_xla_matmul if self.cpu_kernels and self.cpu_blas == "mkl" else None
+    return _bf16_or_xla_matmul if self.cpu_kernels and self.bf16_gemm else None
 
   def norm(self, x: Array, scale: Array, bias: Array | None, *, eps: float, center: bool) -> Array:
     return norm_ops.norm_closed_form_vjp(x, scale, bias, eps, center)
@@ -76,7 +81,7 @@ class XlaCpuBackend(Backend):
     return grad_fusion_barrier(x_BxLxD)
 
   def chunked_attention(self, q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, **kw) -> Array:
-    if self.cpu_kernels and _kernel_dtype(self.cpu_blas == "mkl", q_BxLxHxD, k_BxSxKxD, v_BxSxKxD) \
+    if self.cpu_kernels and _kernel_dtype(self.bf16_gemm, q_BxLxHxD, k_BxSxKxD, v_BxSxKxD) \
         and kw.get("q_segment_ids_BxL") is None:
       return cpu_kernel.chunked_attention_cpu(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, **kw)
     return super().chunked_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, **kw)

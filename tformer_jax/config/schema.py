@@ -273,9 +273,10 @@ def default_config() -> ml_collections.ConfigDict:
       attention_block_k=128,         # blockwise key tile
       splash_block_q=512,            # splash query tile (clipped to the sequence)
       splash_block_kv=512,           # splash key tile
-      cpu_kernels="auto",            # auto | on | off: the xla_cpu backend's C++ kernels (float32; bf16 on MKL)
+      cpu_kernels="auto",            # auto | on | off: the xla_cpu backend's C++ kernels (float32; bf16: MKL/oneDNN)
       cpu_matmul="auto",             # auto | weight_grads | all: the projections' products on the kernels' BLAS
-      cpu_blas="auto",               # auto | openblas | mkl: the kernels' sgemm (auto: mkl on Intel, if installed)
+      cpu_blas="auto",               # auto | openblas | mkl | onednn: the kernels' gemms (auto: mkl on Intel if
+                                     # installed, else onednn for bf16 if installed, else openblas)
       decode_layout="auto",          # auto | scanned | unrolled: the layers when decoding (CPU: unrolled)
       moe_exchange="auto",           # auto | global | all_to_all | ragged: MoE token exchange over 'expert'
       moe_gmm="auto",                # auto | ragged_dot | megablox: the experts' grouped matmul

@@ -24,7 +24,7 @@ class Execution:
   block_q: int = 128                # the chunked query chunk / blockwise query tile
   block_k: int = 128                # the blockwise key tile
   cpu_kernels: bool = False         # xla_cpu: the C++ kernels (chunked attention, SwiGLU, fused AdamW)
-  cpu_blas: str = "openblas"        # xla_cpu: the kernels' BLAS (bfloat16 runs on them with 'mkl' only)
+  cpu_blas: str = "openblas"        # xla_cpu: the kernels' BLAS (bfloat16 runs on them with 'mkl' or 'onednn')
   cpu_matmul: str = "weight_grads"  # xla_cpu: the projections' products on the kernels ('all': y and dx too)
   platform: str = "cpu"             # cpu | gpu | tpu (XLA lowers ragged_dot, remat and bf16 differently)
   loss_chunk: int = 0               # train.loss_chunk
@@ -47,7 +47,7 @@ class Execution:
     """Whether the C++ kernels run the model's compute dtype (backends/xla_cpu._kernel_dtype): float32, or
     bfloat16 where the BLAS has a bfloat16 gemm (MKL)."""
     return (self.backend == "xla_cpu" and self.cpu_kernels
-            and (m.dtype == "float32" or (m.dtype == "bfloat16" and self.cpu_blas == "mkl")))
+            and (m.dtype == "float32" or (m.dtype == "bfloat16" and self.cpu_blas in ("mkl", "onednn"))))
 
   def glu_kernel(self, m: ModelConfig) -> bool:
     """Whether a dense FFN's gated activation runs as the C++ SwiGLU (xla_cpu's Backend.glu; no BLAS)."""

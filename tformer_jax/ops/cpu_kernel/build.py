@@ -7,9 +7,11 @@ jaxlib ships, caches the shared library under `$TFORMER_JAX_KERNEL_CACHE` (defau
 'cpu' platform. Any missing piece raises `KernelUnavailable` naming it.
 
 The sgemm (`use_blas`, chosen per run by runtime.cpu_blas): OpenBLAS from the `scipy-openblas32`
-wheel (a dependency), or Intel's oneMKL from the `mkl` wheel when it is installed (its sequential
-layer, LP64). Either is forced single-threaded: the kernels split the work over XLA's threads
-themselves. MKL is the faster of the two on Intel CPUs and the slower on AMD ones (docs/benchmarks.md).
+wheel (a dependency), Intel's oneMKL from the `mkl` wheel (its sequential layer, LP64), or oneDNN's gemm
+API from the `onednn-cpu-gomp` wheel, each when installed. Each is forced single-threaded: the kernels
+split the work over XLA's threads themselves. MKL is the fastest on Intel CPUs and the slowest on AMD ones
+(docs/benchmarks.md). The bfloat16 kernels need a bfloat16 gemm: MKL's (fast on Intel only) or oneDNN's
+(AVX512-BF16 on AMD Zen 4 too); OpenBLAS's wheel has none.
 """
 from __future__ import annotations
 
@@ -117,7 +119,8 @@ def _build(cxx: str) -> pathlib.Path:
   return out
 
 
-BLAS = ("openblas", "mkl")
+BLAS = ("openblas", "mkl", "onednn")
+BF16_BLAS = ("mkl", "onednn")   # the BLASes with a bfloat16 x bfloat16 -> float32 gemm
 
 
 def _openblas() -> tuple[int, ctypes.CDLL]:
@@ -132,25 +135,39 @@ def _openblas() -> tuple[int, ctypes.CDLL]:
   return ctypes.cast(lib.scipy_cblas_sgemm, ctypes.c_void_p).value, lib
 
 
-def _mkl() -> tuple[int, ctypes.CDLL]:
-  """oneMKL's cblas_sgemm from the `mkl` wheel's libmkl_rt (installed under the environment's lib/)."""
-  names = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
+def _env_lib(blas: str, names: tuple[str, ...], wheel: str) -> ctypes.CDLL:
+  """The first of `names` in the environment's lib/ (where the `mkl` and `onednn-*` wheels install theirs)."""
   dirs = dict.fromkeys(pathlib.Path(d) / "lib" for d in (sys.prefix, sysconfig.get_config_var("prefix") or sys.prefix))
   found = [d / n for d in dirs for n in names if (d / n).is_file()]
   if not found:
-    raise KernelUnavailable(f"runtime.cpu_blas 'mkl': no libmkl_rt in {', '.join(map(str, dirs))}: "
-                            "`pip install mkl`")
-  lib = ctypes.CDLL(str(found[0]))
+    raise KernelUnavailable(f"runtime.cpu_blas {blas!r}: no {names[-1]} in {', '.join(map(str, dirs))}: "
+                            f"`pip install {wheel}`")
+  return ctypes.CDLL(str(found[0]))
+
+
+def _mkl() -> tuple[int, ctypes.CDLL]:
+  """oneMKL's cblas_sgemm from the `mkl` wheel's libmkl_rt (installed under the environment's lib/)."""
+  lib = _env_lib("mkl", ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so"), "mkl")
   lib.MKL_Set_Threading_Layer(1)   # MKL_THREADING_SEQUENTIAL: no OpenMP runtime, the caller's thread
   lib.MKL_Set_Interface_Layer(0)   # MKL_INTERFACE_LP64: 32-bit integers, as tfj::Sgemm declares
   return ctypes.cast(lib.cblas_sgemm, ctypes.c_void_p).value, lib
+
+
+def _onednn() -> tuple[int, ctypes.CDLL]:
+  """oneDNN's dnnl_sgemm from the `onednn-cpu-gomp` wheel's libdnnl (the environment's lib/); the kernels call
+  it, and its dnnl_gemm_bf16bf16f32, through tfj_set_dnnl (matmul.cc), one OpenMP thread a call, with
+  omp_set_num_threads / omp_get_max_threads from the libgomp it links (by soname: torch's copy where torch
+  was imported first)."""
+  lib = _env_lib("onednn", ("libdnnl.so.3", "libdnnl.so"), "onednn-cpu-gomp")
+  lib.omp = ctypes.CDLL("libgomp.so.1")   # the soname libdnnl resolved: the same runtime
+  return ctypes.cast(lib.dnnl_sgemm, ctypes.c_void_p).value, lib
 
 
 def _blas(name: str) -> tuple[int, ctypes.CDLL]:
   if name not in BLAS:
     raise ValueError(f"cpu_blas: {name!r} is not one of {BLAS}")
   if name not in _state.setdefault("blas_libs", {}):
-    _state["blas_libs"][name] = _openblas() if name == "openblas" else _mkl()
+    _state["blas_libs"][name] = {"openblas": _openblas, "mkl": _mkl, "onednn": _onednn}[name]()
   return _state["blas_libs"][name]
 
 
@@ -178,28 +195,35 @@ def load(blas: str | None = None) -> None:
         sgemm, _ = _blas(want)
       except (OSError, AttributeError) as e:   # a library that does not load, or lacks a symbol
         raise KernelUnavailable(f"runtime.cpu_blas {want!r}: cannot load it ({e})") from e
-      _state["lib"].tfj_set_sgemm(ctypes.c_void_p(sgemm))
-      _state["lib"].tfj_set_gemm_bf16(ctypes.c_void_p(_gemm_bf16(want)))
+      if want == "onednn":
+        lib = _blas(want)[1]
+        _state["lib"].tfj_set_dnnl(ctypes.c_void_p(sgemm), ctypes.c_void_p(_gemm_bf16(want)),
+                                   ctypes.cast(lib.omp.omp_set_num_threads, ctypes.c_void_p),
+                                   ctypes.cast(lib.omp.omp_get_max_threads, ctypes.c_void_p))
+      else:
+        _state["lib"].tfj_set_sgemm(ctypes.c_void_p(sgemm))
+        _state["lib"].tfj_set_gemm_bf16(ctypes.c_void_p(_gemm_bf16(want)))
       _state["blas"] = want
 
 
 def _gemm_bf16(name: str) -> int | None:
-  """The address of `name`'s bfloat16 x bfloat16 -> float32 gemm: oneMKL's cblas_gemm_bf16bf16f32; None for
-  OpenBLAS (scipy-openblas32 exports no sbgemm)."""
-  fn = getattr(_blas(name)[1], "cblas_gemm_bf16bf16f32", None) if name == "mkl" else None
+  """The address of `name`'s bfloat16 x bfloat16 -> float32 gemm: oneMKL's cblas_gemm_bf16bf16f32, oneDNN's
+  dnnl_gemm_bf16bf16f32; None for OpenBLAS (scipy-openblas32 exports no sbgemm)."""
+  symbol = {"mkl": "cblas_gemm_bf16bf16f32", "onednn": "dnnl_gemm_bf16bf16f32"}.get(name)
+  fn = getattr(_blas(name)[1], symbol, None) if symbol else None
   return ctypes.cast(fn, ctypes.c_void_p).value if fn is not None else None
 
 
 def has_bf16_gemm() -> bool:
-  """Whether the BLAS in use has a bfloat16 gemm (`matmul_cpu` on bfloat16 operands): oneMKL does."""
+  """Whether the BLAS in use has a bfloat16 gemm (`matmul_cpu` on bfloat16 operands): oneMKL and oneDNN do."""
   return _state.get("blas") is not None and _gemm_bf16(_state["blas"]) is not None
 
 
 def require_bf16_gemm(what: str) -> None:
   """A one-line ValueError unless the BLAS in use has a bfloat16 gemm (`what`: the kernel asked for)."""
   if not has_bf16_gemm():
-    raise ValueError(f"{what} in bfloat16 needs a BLAS with a bfloat16 gemm (oneMKL: runtime.cpu_blas 'mkl'); "
-                     f"the one in use is {blas_in_use()!r}")
+    raise ValueError(f"{what} in bfloat16 needs a BLAS with a bfloat16 gemm (runtime.cpu_blas 'mkl' or "
+                     f"'onednn'); the one in use is {blas_in_use()!r}")
 
 
 def target(name: str, dtype) -> str:
@@ -208,7 +232,7 @@ def target(name: str, dtype) -> str:
 
 
 def blas_in_use() -> str | None:
-  """The BLAS the kernels call now ('openblas' | 'mkl'), None before they load."""
+  """The BLAS the kernels call now ('openblas' | 'mkl' | 'onednn'), None before they load."""
   return _state.get("blas")
 
 

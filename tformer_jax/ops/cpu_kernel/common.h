@@ -1,4 +1,4 @@
-// Shared by the CPU kernels: OpenBLAS's sgemm (set from Python) and a parallel-for on XLA's
+// Shared by the CPU kernels: the BLAS's sgemm (set from Python) and a parallel-for on XLA's
 // intra-op thread pool. Every kernel runs single-threaded sgemm calls as tasks on that pool, so
 // that no second set of BLAS threads competes with XLA's own.
 #pragma once
@@ -17,12 +17,14 @@ namespace tfj {
 
 namespace ffi = xla::ffi;
 
-// CBLAS sgemm with 32-bit integers (scipy-openblas32's scipy_cblas_sgemm), set from Python.
+// CBLAS sgemm with 32-bit integers (scipy-openblas32's scipy_cblas_sgemm, oneMKL's cblas_sgemm, or oneDNN's
+// dnnl_sgemm behind that signature: matmul.cc), set from Python.
 using Sgemm = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int,
                        float, float*, int);
 extern Sgemm g_sgemm;  // defined in matmul.cc
-// CBLAS bfloat16 x bfloat16 -> float32 gemm (oneMKL's cblas_gemm_bf16bf16f32; bf16 as its raw 16 bits),
-// set from Python when the BLAS in use has one, else null.
+// CBLAS bfloat16 x bfloat16 -> float32 gemm (oneMKL's cblas_gemm_bf16bf16f32, or oneDNN's
+// dnnl_gemm_bf16bf16f32 behind that signature; bf16 as its raw 16 bits), set from Python when the BLAS in use
+// has one, else null.
 using GemmBf16 = void (*)(int, int, int, int, int, int, float, const uint16_t*, int, const uint16_t*, int,
                           float, float*, int);
 extern GemmBf16 g_gemm_bf16;  // defined in matmul.cc

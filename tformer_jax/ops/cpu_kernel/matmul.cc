@@ -1,6 +1,7 @@
 // A matmul as XLA FFI custom calls: C (m x n, float32) = op(A) @ op(B), row-major, op = optional
 // transpose; A and B float32 (`tfj_matmul`, the BLAS's sgemm) or bfloat16 (`tfj_matmul_bf16`,
-// oneMKL's cblas_gemm_bf16bf16f32: float32 accumulation, AMX/AVX512-BF16 where the CPU has them).
+// oneMKL's cblas_gemm_bf16bf16f32 or oneDNN's dnnl_gemm_bf16bf16f32: float32 accumulation,
+// AMX/AVX512-BF16 where the CPU has them).
 // The output is cut into one block of rows (or of columns, when n > m) per thread of XLA's
 // intra-op pool and each block is one single-threaded gemm.
 //
@@ -20,6 +21,31 @@ namespace tfj {
 Sgemm g_sgemm = nullptr;
 GemmBf16 g_gemm_bf16 = nullptr;
 }  // namespace tfj
+
+// oneDNN's gemm API (dnnl_sgemm, dnnl_gemm_bf16bf16f32: row-major, 'N'/'T', 64-bit sizes) behind the CBLAS
+// signatures above. The `onednn` wheels run it on OpenMP (libgomp): each call is held to one OpenMP thread, as
+// the other BLASes are forced single-threaded, so that the kernels' one-block-per-thread split holds. The
+// setting is per thread and is put back after the call: XLA may run a kernel on the caller's own thread (the
+// Python thread), whose OpenMP setting other libraries read (torch.set_num_threads sets it; a process with
+// torch shares its libgomp, by soname).
+namespace {
+template <typename T>
+using DnnlGemm = int (*)(char, char, int64_t, int64_t, int64_t, float, const T*, int64_t, const T*, int64_t, float,
+                         float*, int64_t);
+DnnlGemm<float> g_dnnl_sgemm = nullptr;
+DnnlGemm<uint16_t> g_dnnl_gemm_bf16 = nullptr;
+void (*g_omp_set_num_threads)(int) = nullptr;
+int (*g_omp_get_max_threads)() = nullptr;
+
+template <typename T, DnnlGemm<T>* fn>
+void DnnlAsCblas(int, int ta, int tb, int m, int n, int k, float alpha, const T* a, int lda, const T* b, int ldb,
+                 float beta, float* c, int ldc) {
+  const int before = g_omp_get_max_threads();
+  g_omp_set_num_threads(1);
+  (*fn)(ta == tfj::kTrans ? 'T' : 'N', tb == tfj::kTrans ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  g_omp_set_num_threads(before);
+}
+}  // namespace
 
 namespace {
 
@@ -123,6 +149,16 @@ ffi::Error MatmulBf16ToBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ffi:
 
 extern "C" void tfj_set_sgemm(void* fn) { tfj::g_sgemm = reinterpret_cast<tfj::Sgemm>(fn); }
 extern "C" void tfj_set_gemm_bf16(void* fn) { tfj::g_gemm_bf16 = reinterpret_cast<tfj::GemmBf16>(fn); }
+// oneDNN for both gemms: its dnnl_sgemm, dnnl_gemm_bf16bf16f32 and its OpenMP runtime's omp_set_num_threads and
+// omp_get_max_threads.
+extern "C" void tfj_set_dnnl(void* sgemm, void* gemm_bf16, void* omp_set_num_threads, void* omp_get_max_threads) {
+  g_dnnl_sgemm = reinterpret_cast<DnnlGemm<float>>(sgemm);
+  g_dnnl_gemm_bf16 = reinterpret_cast<DnnlGemm<uint16_t>>(gemm_bf16);
+  g_omp_set_num_threads = reinterpret_cast<void (*)(int)>(omp_set_num_threads);
+  g_omp_get_max_threads = reinterpret_cast<int (*)()>(omp_get_max_threads);
+  tfj::g_sgemm = DnnlAsCblas<float, &g_dnnl_sgemm>;
+  tfj::g_gemm_bf16 = DnnlAsCblas<uint16_t, &g_dnnl_gemm_bf16>;
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TfjMatmul, Matmul,
                               ffi::Ffi::Bind()
