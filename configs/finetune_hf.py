@@ -8,7 +8,8 @@
 train.init_from=hf:DIR gives the run the model's architecture and its tokenizer.json (with the bos/eos
 ids of its tokenizer_config.json); this file only sets how to train: a small constant-after-warmup
 learning rate, no weight decay, clipping at 1 (add --config.train.precision=bf16 on a GPU/TPU, and on
-an Intel CPU with AMX and `pip install -e ".[mkl]"`, where the C++ kernels run bf16: about 2x float32).
+a CPU with a bf16 gemm for the C++ kernels: an Intel CPU with AMX and `pip install -e ".[mkl]"`, or an AMD
+Zen 4 with `pip install -e ".[onednn]"`: about 2x float32).
 Without init_from it trains its own small Llama from scratch, which is rarely what you want here.
 Memory (scanned layers, remat 'full', loss_chunk 512, one checkpoint kept; docs/finetune.md): a
 SmolLM2-135M-shaped Llama (134.5M parameters, vocabulary 49,152) at batch 8 x 512 on 2 CPU cores peaks at
@@ -25,8 +26,10 @@ its 11.3); faster at more memory in that day's first run, --config.model.remat=n
 --config.model.scan_layers=false --config.optim.grad_accum=2 (no recompute, no copies of the scan's stacked
 activations, the batch in 2 parts) 308.2 against 328.0 tokens/s, 0.94x, at 7.6 GiB. In bf16 on both sides
 (--config.train.precision=bf16 against torch.autocast, that evening, three runs): the preset 514-590 against
-624-652 tokens/s (0.82-0.95x), the faster settings above 678-739 (1.09-1.19x). The 1.2x goal is missed;
-other machines and why: docs/recipe_smollm2.md.
+624-652 tokens/s (0.82-0.95x), the faster settings above 678-739 (1.09-1.19x). On 2026-12-06 (2 AMD EPYC
+Zen 4 vCPUs, the kernels in bf16 on oneDNN: `pip install -e ".[onednn]"`), one run: the preset 315.8 against
+300.9 (1.05x), the faster settings 386.9 (1.29x, at 6.0 GiB against transformers' 10.2): the 1.2x goal met
+there; other machines and why: docs/recipe_smollm2.md.
 Measured (tests/test_finetune.py's setting: a 2-layer random transformers Llama with a 320-token
 byte-level BPE, 12 steps of 8 x 32 tokens on Shakespeare at peak_lr 3e-3, 2 CPU cores): train loss
 5.77 -> 5.13, val 5.06; the export reloads in transformers with our logits (1e-4).

@@ -22,7 +22,9 @@ Against peft (benchmarks/finetune_vs_peft.py, that day, adapters applied unmerge
 --config.model.scan_layers=false --config.optim.grad_accum=2 (no recompute, the batch in 2 parts) 438.8 against
 436.8 (1.00x) in the same run, 1.03x in the first. In bf16 on both sides (--config.train.precision=bf16,
 the C++ kernels in bf16 on MKL, against torch.autocast; that evening, three runs): the preset 593-646 against
-813-871 tokens/s (0.73-0.77x), the faster settings 910-986 (1.11-1.13x). The 1.3x goal is missed; other
+813-871 tokens/s (0.73-0.77x), the faster settings 910-986 (1.11-1.13x). On 2026-12-06 (2 AMD EPYC Zen 4
+vCPUs, the kernels in bf16 on oneDNN: `pip install -e ".[onednn]"`), one run: the preset 388.2 against 373.8
+(1.04x), the faster settings 525.5 (1.41x, at 5.8 GiB against peft's 8.3): the 1.3x goal met there; other
 machines and why: docs/recipe_smollm2.md.
 """
 from tformer_jax.cli_common import load_config_file

@@ -143,7 +143,7 @@ def _cpu_kernels(kernels: str, m: config_lib.ModelConfig, precision: str, mesh_d
                  reasons: list[str]) -> tuple[bool, bool]:
   """(whether the xla_cpu backend runs its C++ kernels (runtime.cpu_kernels: auto | on | off), whether the
   model computes in bfloat16). 'auto' wants float32 parameters and float32 or bfloat16 compute (once
-  train.precision's policy applies); bfloat16 compute then also wants the BLAS's bfloat16 gemm (oneMKL),
+  train.precision's policy applies); bfloat16 compute then also wants the BLAS's bfloat16 gemm (oneMKL, oneDNN),
   checked by the caller once the BLAS is chosen."""
   ok, why = cpu_kernel.available()
   compute = {"bf16": "bfloat16", "fp16": "float16"}.get(precision, m.dtype)

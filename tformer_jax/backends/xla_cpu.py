@@ -12,11 +12,11 @@ what changes is how XLA:CPU runs them (docs/benchmarks.md has the measurements):
   attention  'chunked' runs as the C++ kernel (ops/cpu_kernel/attention.py) with the kernels on.
   glu        SwiGLU's silu(g) * u as one C++ pass per direction (ops/cpu_kernel/glu.py), with the kernels on.
   loss       the fused cross-entropy's bfloat16 products with float32 results (`loss_matmul`): the weight
-             gradient on the bfloat16 kernel, the logits and dh on XLA's dot, with the kernels on MKL.
+             gradient on the bfloat16 kernel, the logits and dh on XLA's dot, with the kernels on MKL or oneDNN.
   optimizer  AdamW as one in-place C++ pass per parameter array (`FusedAdamW`), with the kernels on.
-The kernels take float32, and bfloat16 where the BLAS has a bf16 gemm (oneMKL's cblas_gemm_bf16bf16f32:
-bf16 operands, float32 accumulation); other dtypes, and bf16 on OpenBLAS (except SwiGLU, which calls no
-BLAS), keep XLA's ops.
+The kernels take float32, and bfloat16 where the BLAS has a bf16 gemm (oneMKL's cblas_gemm_bf16bf16f32,
+oneDNN's dnnl_gemm_bf16bf16f32: bf16 operands, float32 accumulation); other dtypes, and bf16 on OpenBLAS
+(except SwiGLU, which calls no BLAS), keep XLA's ops.
 The custom VJPs block forward-mode autodiff (`jax.jvp`); use the reference backend for that.
 The C++ kernels are single-device custom calls: runtime.cpu_kernels='auto' leaves them off under a
 multi-device jit mesh (XLA would gather their operands onto every device); 'on' keeps them there.
@@ -108,7 +108,7 @@ def project(spec: str, x: Array, w: Array, cpu_kernels: bool = False, blas_all: 
   (the C++ call on the run's BLAS, faster than XLA:CPU's dot for that transposed product), and with
   blas_all too the forward y = x w and dx = dy w^T (runtime.cpu_matmul 'all'); a weight with a side under
   MIN_KERNEL_SIDE (a LoRA adapter) keeps XLA's dots, in the same layouts. bf16: bfloat16 x and w run on
-  the kernel too (the BLAS has a bfloat16 gemm: oneMKL), float32 accumulation, outputs rounded to bfloat16.
+  the kernel too (the BLAS has a bfloat16 gemm: oneMKL, oneDNN), float32 accumulation, outputs rounded to bfloat16.
   """
   return _project(spec, cpu_kernels, cpu_kernels and blas_all, cpu_kernels and bf16, x, w)
 

@@ -12,7 +12,7 @@
 //   * mask, ALiBi bias and softmax run on the probabilities while they are in cache.
 // The chunk table (row0, row1, lo, hi) comes from Python (ops/chunked_attention.py owns the
 // key-range rule); this file only walks it. float32, or bfloat16 (`*_bf16` targets, on the BLAS's bfloat16
-// gemm: oneMKL): the products accumulate in float32, the softmax and its gradient run in float32, and
+// gemm: oneMKL, oneDNN): the products accumulate in float32, the softmax and its gradient run in float32, and
 // what a bfloat16 run stores (probabilities, outputs) is rounded to bfloat16 as XLA's bfloat16 path rounds it.
 #include <algorithm>
 #include <cmath>
@@ -121,7 +121,7 @@ ffi::Error Check(const Geometry& geo, ffi::Span<const int64_t> qd, ffi::Span<con
                       "tformer_jax cpu attention: sgemm not set (load through ops.cpu_kernel)");
   if (!std::is_same_v<T, float> && tfj::g_gemm_bf16 == nullptr)
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "tformer_jax cpu attention: no bfloat16 gemm in the BLAS in use (oneMKL has one)");
+                      "tformer_jax cpu attention: no bfloat16 gemm in the BLAS in use (oneMKL and oneDNN have one)");
   if (qd.size() != 4 || kd.size() != 4 || geo.kh == 0 || geo.h % geo.kh || kd[3] != geo.d ||
       kd[0] != geo.b || vd.size() != 4 || vd[1] != geo.s || vd[2] != geo.kh || vd[3] != geo.d)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,

@@ -2,7 +2,7 @@
 
 Same semantics and chunking as `ops.chunked_attention.chunked_attention` (causal, sliding window,
 static q_offset, ALiBi, padding via kv_valid, GQA/MQA), float32 or bfloat16 (the latter on a BLAS with a
-bfloat16 gemm, oneMKL: float32 accumulation and softmax), CPU backend only; segment ids
+bfloat16 gemm, oneMKL or oneDNN: float32 accumulation and softmax), CPU backend only; segment ids
 are not supported here (use 'chunked'). The forward returns the output and the packed per-chunk
 probabilities, which the backward reuses (no recompute). See attention.cc for why it is faster
 than the XLA lowering on CPU.
@@ -85,7 +85,7 @@ def chunked_attention_cpu(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, 
                           scale: float | None = None, chunk: int = 64) -> Array:
   """Exact attention, (B, L, H, D) float32 or bfloat16 -> the same, by the C++ CPU kernel. GQA/MQA: K
   divides H. `q_offset` must be a Python int. No gradient flows to ALiBi slopes. bfloat16 needs a BLAS with
-  a bfloat16 gemm (`build.has_bf16_gemm()`: oneMKL)."""
+  a bfloat16 gemm (`build.has_bf16_gemm()`: oneMKL, oneDNN)."""
   b, l, h, d = q_BxLxHxD.shape
   s, kh = k_BxSxKxD.shape[1], k_BxSxKxD.shape[2]
   if k_BxSxKxD.shape != v_BxSxKxD.shape or k_BxSxKxD.shape[-1] != d or k_BxSxKxD.shape[0] != b \

@@ -1,5 +1,5 @@
 """`matmul_cpu`: a 2-D matmul as one C++ custom call (the run's BLAS, one block per thread): float32
-operands (sgemm), or bfloat16 ones with float32 accumulation and output (oneMKL's gemm_bf16bf16f32).
+operands (sgemm), or bfloat16 ones with float32 accumulation and output (oneMKL's or oneDNN's gemm_bf16bf16f32).
 
 Used for the weight gradients of `nn.common.project` on CPU (`model.weight_grad_impl`), where XLA's
 Eigen contraction is slowest: dW = X^T dY contracted over the batch * length rows. Same values as
@@ -47,7 +47,7 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 def matmul_cpu(a: Array, b: Array, *, transpose_a: bool = False, transpose_b: bool = False,
                out_dtype: jnp.dtype | str = jnp.float32) -> Array:
   """op(a) @ op(b) for 2-D arrays, both float32 or both bfloat16 (the latter needs a BLAS with a bfloat16
-  gemm, `build.has_bf16_gemm()`: oneMKL), on the CPU backend; op transposes when asked. Accumulated in
+  gemm, `build.has_bf16_gemm()`: oneMKL, oneDNN), on the CPU backend; op transposes when asked. Accumulated in
   float32; out_dtype float32, or bfloat16 for bfloat16 operands (rounded in the kernel, to nearest even)."""
   out_dtype = jnp.dtype(out_dtype)
   if out_dtype not in (jnp.float32, jnp.bfloat16) or (out_dtype == jnp.bfloat16 and a.dtype != jnp.bfloat16):
