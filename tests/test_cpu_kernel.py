@@ -151,8 +151,8 @@ def test_bf16_matches_the_float32_kernel(name, blas):
 
   before = build.blas_in_use()
   build.load(blas=blas)
-  try:
-    got, want = run(jnp.bfloat16), run(jnp.float32)
+  try:   # (computed before the BLAS switches back: the kernels read it when they run, and dispatch is async)
+    got, want = jax.block_until_ready((run(jnp.bfloat16), run(jnp.float32)))
   finally:
     build.load(blas=before)
   for g, w in zip(got, want):

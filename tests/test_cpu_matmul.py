@@ -34,12 +34,14 @@ BLAS = [pytest.param(name, marks=pytest.mark.skipif(not ok, reason=f"no {name}: 
         for name, (ok, why) in LOADS.items()]
 # the BLASes with a bfloat16 gemm
 BF16 = [pytest.param(name, marks=pytest.mark.skipif(not LOADS[name][0], reason=f"no {name}: {LOADS[name][1]}"))
-        for name in cpu_kernel.BF16_BLAS]
+        for name in cpu_kernel.build.BF16_BLAS]
 
 
 @contextlib.contextmanager
 def blas(name):
-  """The kernels on `name`'s sgemm inside, the BLAS in use before restored after (a process-wide setting)."""
+  """The kernels on `name`'s sgemm inside, the BLAS in use before restored after (a process-wide setting, read
+  when a kernel runs: dispatch is async, so what is computed inside must be waited for inside; a bf16 kernel
+  still running after the switch to OpenBLAS would find no bf16 gemm)."""
   before = cpu_kernel.blas_in_use()
   cpu_kernel.load(blas=name)
   try:
@@ -206,7 +208,7 @@ def test_auto_blas_and_matmul():
     b = resolve(cpu_blas="openblas")
     assert (b.cpu_blas, b.cpu_matmul, cpu_kernel.blas_in_use()) == ("openblas", "weight_grads", "openblas")
     assert resolve(cpu_blas="openblas", cpu_matmul="all").cpu_matmul == "all"
-    for name in (name for name in cpu_kernel.BF16_BLAS if LOADS[name][0]):
+    for name in (name for name in cpu_kernel.build.BF16_BLAS if LOADS[name][0]):
       for remat, matmul in (("none", "all"), ("full", "all"), ("save_qkvo", "all"), ("dots", "weight_grads"),
                             ("dots_no_batch", "weight_grads")):
         b = resolve(remat, cpu_blas=name)
@@ -317,6 +319,7 @@ def test_bf16_matches_float64_product(m, k, n, ta, tb, name):
   with blas(name):
     f32 = jax.jit(lambda a, b: matmul_cpu(a, b, transpose_a=ta, transpose_b=tb))(a, b)
     bf = jax.jit(lambda a, b: matmul_cpu(a, b, transpose_a=ta, transpose_b=tb, out_dtype=jnp.bfloat16))(a, b)
+    f32, bf = jax.block_until_ready((f32, bf))
   assert (f32.dtype, bf.dtype, f32.shape) == (jnp.float32, jnp.bfloat16, (m, n))
   np.testing.assert_allclose(np.asarray(f32), ref, rtol=0, atol=1e-5 * max(1.0, np.abs(ref).max()))
   np.testing.assert_array_equal(np.asarray(bf, np.float32), np.asarray(f32.astype(jnp.bfloat16), np.float32))
@@ -378,6 +381,7 @@ def test_bf16_model_on_the_kernels_equals_xlas_bf16(name):
     (l_on, g_on), hlo = run(backends.XlaCpuBackend(attention_impl="reference", cpu_kernels=True, cpu_matmul="all",
                                                    cpu_blas=name))
     (l_off, g_off), _ = run(backends.XlaCpuBackend(attention_impl="reference", cpu_kernels=False))
+    l_on, g_on = jax.block_until_ready((l_on, g_on))
   assert "tfj_matmul_bf16_bf16" in hlo
   _close(l_on, l_off)
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_on), jax.tree.leaves(g_off)):
@@ -401,7 +405,7 @@ def test_bf16_loss_products_on_the_kernel(name):
                                             (0, 1)))
   with blas(name):
     assert f(on.loss_matmul()).lower(h, w).as_text().count("tfj_matmul_bf16") == 1
-    (val, grads), (want, want_grads) = f(on.loss_matmul())(h, w), f(None)(h, w)
+    (val, grads), (want, want_grads) = jax.block_until_ready((f(on.loss_matmul())(h, w), f(None)(h, w)))
     assert "tfj_matmul" not in f(on.loss_matmul()).lower(h.astype(jnp.float32), w.astype(jnp.float32)).as_text()
   np.testing.assert_allclose(float(val), float(want), rtol=1e-5)
   for g, ref in zip(grads, want_grads):

@@ -95,7 +95,7 @@ def resolve_runtime(cfg: Any, *, model: config_lib.ModelConfig | None = None, me
     matmul, blas = "weight_grads", "openblas"
     if use_kernels:
       blas = _cpu_blas(rt.get("cpu_blas", "auto"), bf16, reasons)
-      if bf16 and blas not in cpu_kernel.BF16_BLAS and rt["cpu_kernels"] == "auto":
+      if bf16 and blas not in cpu_kernel.build.BF16_BLAS and rt["cpu_kernels"] == "auto":
         use_kernels = False
         reasons[-1] += ("; C++ kernels off after all: bfloat16 compute needs a bfloat16 gemm, which "
                         "OpenBLAS's wheel lacks (oneMKL's or oneDNN's: runtime.cpu_blas 'mkl' or 'onednn')")

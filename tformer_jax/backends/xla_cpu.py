@@ -58,7 +58,7 @@ class XlaCpuBackend(Backend):
   @property
   def bf16_gemm(self) -> bool:
     """Whether the kernels' BLAS has a bfloat16 gemm (their bfloat16 variants run on it)."""
-    return self.cpu_blas in cpu_kernel.BF16_BLAS
+    return self.cpu_blas in cpu_kernel.build.BF16_BLAS
 
   def dense(self, spec: str, x: Array, w: Array) -> Array:
     return project(spec, x, w, self.cpu_kernels, self.cpu_matmul == "all", bf16=self.bf16_gemm)

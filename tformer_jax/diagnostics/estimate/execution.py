@@ -45,7 +45,7 @@ class Execution:
 
   def kernels_take(self, m: ModelConfig) -> bool:
     """Whether the C++ kernels run the model's compute dtype (backends/xla_cpu._kernel_dtype): float32, or
-    bfloat16 where the BLAS has a bfloat16 gemm (MKL)."""
+    bfloat16 where the BLAS has a bfloat16 gemm (MKL, oneDNN)."""
     return (self.backend == "xla_cpu" and self.cpu_kernels
             and (m.dtype == "float32" or (m.dtype == "bfloat16" and self.cpu_blas in ("mkl", "onednn"))))
 

@@ -10,18 +10,9 @@
 """
 from tformer_jax.ops.cpu_kernel.adamw import adamw_apply_cpu, adamw_scalars, adamw_update_cpu
 from tformer_jax.ops.cpu_kernel.attention import chunk_table, chunked_attention_cpu
-from tformer_jax.ops.cpu_kernel.build import (
-                                              BF16_BLAS,
-                                              BLAS,
-                                              KernelUnavailable,
-                                              available,
-                                              blas_available,
-                                              blas_in_use,
-                                              load,
-)
+from tformer_jax.ops.cpu_kernel.build import BLAS, KernelUnavailable, available, blas_available, blas_in_use, load
 from tformer_jax.ops.cpu_kernel.glu import swiglu_cpu
 from tformer_jax.ops.cpu_kernel.matmul import matmul_cpu
 
 __all__ = ["chunked_attention_cpu", "chunk_table", "matmul_cpu", "swiglu_cpu", "adamw_update_cpu", "adamw_apply_cpu",
-           "adamw_scalars", "available", "KernelUnavailable", "BLAS", "BF16_BLAS", "blas_available", "blas_in_use",
-           "load"]
+           "adamw_scalars", "available", "KernelUnavailable", "BLAS", "blas_available", "blas_in_use", "load"]

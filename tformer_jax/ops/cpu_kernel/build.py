@@ -174,7 +174,9 @@ def _blas(name: str) -> tuple[int, ctypes.CDLL]:
 def load(blas: str | None = None) -> None:
   """Build (or reuse), load and register the kernels, with `blas`'s sgemm (default: the one in use, at
   first OpenBLAS); idempotent and thread-safe. Switching the BLAS applies to every later call of the
-  kernels, compiled executables included."""
+  kernels, compiled executables included, and to calls still running: switch only while none is in flight
+  (dispatch is async: block on earlier results first; a bf16 kernel left running across a switch to
+  OpenBLAS finds no bf16 gemm)."""
   with _lock:
     if "error" in _state:
       raise KernelUnavailable(_state["error"])
