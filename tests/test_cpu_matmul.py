@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_cpu_kernel import pytestmark  # noqa: F401  (skip without a C++ compiler)
+from test_cpu_kernel import BF16_BLAS, pytestmark  # noqa: F401  (pytestmark: skip without a C++ compiler)
 from test_long_context import _assert_same, _cfg, _init, _logits_and_grads, _runtime_cfg, _tokens
 
 from tformer_jax import backends
@@ -32,9 +32,6 @@ ONEDNN = cpu_kernel.blas_available("onednn")
 LOADS = {"openblas": (True, ""), "mkl": MKL, "onednn": ONEDNN}
 BLAS = [pytest.param(name, marks=pytest.mark.skipif(not ok, reason=f"no {name}: {why}"))
         for name, (ok, why) in LOADS.items()]
-# the BLASes with a bfloat16 gemm
-BF16 = [pytest.param(name, marks=pytest.mark.skipif(not LOADS[name][0], reason=f"no {name}: {LOADS[name][1]}"))
-        for name in cpu_kernel.build.BF16_BLAS]
 
 
 @contextlib.contextmanager
@@ -304,7 +301,7 @@ def test_narrow_weights_keep_xlas_dot():
       np.testing.assert_allclose(np.asarray(g), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", BF16)
+@pytest.mark.parametrize("name", BF16_BLAS)
 @pytest.mark.parametrize("m,k,n", SHAPES)
 @pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
 def test_bf16_matches_float64_product(m, k, n, ta, tb, name):
@@ -336,7 +333,7 @@ def _close(got, want, tol=2e-2):
   np.testing.assert_allclose(got, want, rtol=0, atol=tol * max(1.0, np.abs(want).max()))
 
 
-@pytest.mark.parametrize("name", BF16)
+@pytest.mark.parametrize("name", BF16_BLAS)
 @pytest.mark.parametrize("spec,x_shape,w_shape", [
     ("bld,dhk->blhk", (2, 9, 20), (20, 4, 5)),
     ("bld,df->blf", (3, 7, 20), (20, 40)),
@@ -363,7 +360,7 @@ def test_project_bf16_on_the_kernel(spec, x_shape, w_shape, name):
       project(spec, x, w, True, True).astype(jnp.float32)), argnums=(0, 1))).lower(x, w).as_text()
 
 
-@pytest.mark.parametrize("name", BF16)
+@pytest.mark.parametrize("name", BF16_BLAS)
 def test_bf16_model_on_the_kernels_equals_xlas_bf16(name):
   """A GQA/SwiGLU model computing in bfloat16 over float32 parameters: logits and every parameter gradient with
   the backend's kernels on MKL or oneDNN (projections on the bfloat16 gemm) and off, within bfloat16's
@@ -389,7 +386,7 @@ def test_bf16_model_on_the_kernels_equals_xlas_bf16(name):
     _close(a, b, 5e-2)
 
 
-@pytest.mark.parametrize("name", BF16)
+@pytest.mark.parametrize("name", BF16_BLAS)
 def test_bf16_loss_products_on_the_kernel(name):
   """The backend's loss_matmul: on MKL or oneDNN, nll_sum's bfloat16 weight-gradient product runs on the kernel
   and its other two on XLA's dot with float32 results, with the values of XLA's path; float32 products (and a

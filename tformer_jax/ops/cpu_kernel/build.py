@@ -194,11 +194,10 @@ def load(blas: str | None = None) -> None:
     want = blas or _state["blas"] or "openblas"
     if want != _state["blas"]:
       try:
-        sgemm, _ = _blas(want)
+        sgemm, lib = _blas(want)
       except (OSError, AttributeError) as e:   # a library that does not load, or lacks a symbol
         raise KernelUnavailable(f"runtime.cpu_blas {want!r}: cannot load it ({e})") from e
       if want == "onednn":
-        lib = _blas(want)[1]
         _state["lib"].tfj_set_dnnl(ctypes.c_void_p(sgemm), ctypes.c_void_p(_gemm_bf16(want)),
                                    ctypes.cast(lib.omp.omp_set_num_threads, ctypes.c_void_p),
                                    ctypes.cast(lib.omp.omp_get_max_threads, ctypes.c_void_p))

@@ -45,9 +45,6 @@ void DnnlAsCblas(int, int ta, int tb, int m, int n, int k, float alpha, const T*
   (*fn)(ta == tfj::kTrans ? 'T' : 'N', tb == tfj::kTrans ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   g_omp_set_num_threads(before);
 }
-}  // namespace
-
-namespace {
 
 namespace ffi = xla::ffi;
 
