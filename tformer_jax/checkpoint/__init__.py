@@ -4,7 +4,8 @@ Layout: `<workdir>/checkpoints/<step>/` with four Orbax items
 
   state     the whole train-state pytree (StandardSave: params, opt_state, loss scale, rng, step); a
             LoRA run (train.lora) saves its adapters as params and their optimizer state, not the
-            frozen base (`merge_lora` rebuilds the model from the train.init_from it points to)
+            frozen base (`merge_lora` rebuilds the model from the train.init_from it points to, at the
+            step and with the weights' sha256 recorded in <workdir>/lora_base.json when the run started)
   data      the data iterator's state dict (JSON; absent when the loop passed None)
   meta      {"step": step, **meta} (JSON: the resolved config, anything else), plus the reserved key
             "_checkpoint": {"format": 1, "items": [...]} naming the items saved with the step
@@ -67,10 +68,18 @@ from tformer_jax.checkpoint.manager import (
     _wait,
 )
 from tformer_jax.checkpoint.params import (
+    BASE_FILE,
     CONFIG_FILE,
+    base_identity,
+    check_base,
     lora_of,
     merge_lora,
+    params_digest,
+    pinned_step,
+    read_base,
+    read_base_record,
     restore_params,
+    write_base_record,
 )
 
 __all__ = [
@@ -88,8 +97,16 @@ __all__ = [
     "shape_mismatches",
     "_wait",
     "Checkpointer",
+    "BASE_FILE",
     "CONFIG_FILE",
+    "base_identity",
+    "check_base",
     "lora_of",
     "merge_lora",
+    "params_digest",
+    "pinned_step",
+    "read_base",
+    "read_base_record",
     "restore_params",
+    "write_base_record",
 ]

@@ -1,7 +1,13 @@
 """`restore_params`: a workdir's parameters for inference (a LoRA run's adapters merged into the base they were
-trained on)."""
+trained on).
+
+A LoRA run records its base when it starts, in WORKDIR/lora_base.json: the source (train.init_from), the step
+read from a workdir base, and a sha256 of the base's weights (`params_digest`). Every reader (generate, eval,
+serve, convert, a resumed run) reads that step, not the base's latest, and refuses a base whose weights changed
+since (an HF directory exported again, a workdir base that was replaced) in one line naming both digests."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Any
@@ -12,12 +18,22 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from tformer_jax.checkpoint.common import CHECKPOINT_DIR, MANIFEST, META, STATE, CheckpointError, PyTree, _path
+from tformer_jax.checkpoint.common import (
+  CHECKPOINT_DIR,
+  MANIFEST,
+  META,
+  STATE,
+  CheckpointError,
+  PyTree,
+  _is_local,
+  _path,
+)
 from tformer_jax.checkpoint.integrity import _check_items, _verify_arrays
 from tformer_jax.checkpoint.logs import _NOISE, _debug_log_path, _short
 from tformer_jax.checkpoint.manager import _first_good, _registry, _state_tree
 
 CONFIG_FILE = "config.json"
+BASE_FILE = "lora_base.json"     # a LoRA run's base: {"source", "step", "sha256"}
 
 
 def _read_config(path: epath.Path) -> ml_collections.ConfigDict:
@@ -34,24 +50,101 @@ def lora_of(config: Any) -> tuple[int, float] | None:
   return (rank, float(lo.get("alpha", rank)) / rank) if rank > 0 else None
 
 
-def merge_lora(config: Any, adapters: PyTree) -> PyTree:
+def params_digest(params: PyTree) -> str:
+  """sha256 of a parameter tree: every leaf's path, dtype, shape and bytes, in path order."""
+  h = hashlib.sha256()
+  flat = sorted((jax.tree_util.keystr(k), v) for k, v in jax.tree_util.tree_flatten_with_path(params)[0])
+  for path, x in flat:
+    a = np.ascontiguousarray(np.asarray(x))
+    h.update(f"{path}|{a.dtype}|{a.shape}\n".encode())
+    h.update(a.tobytes())
+  return h.hexdigest()
+
+
+def read_base(source: str, step: int | None = None) -> tuple[PyTree, int | None]:
+  """(the parameters of a LoRA base, the step read: None for hf:DIR) as host numpy arrays, as the source
+  holds them (an HF directory's unstacked layers); a workdir base at `step` (default its latest)."""
+  if source.startswith("hf:"):
+    from tformer_jax.interop import hf  # noqa: PLC0415 (interop imports this package)
+    _, base = hf.load_hf(os.path.expanduser(source[3:]))
+    used = None
+  else:
+    _, base, used = restore_params(source, step, with_step=True)
+  return jax.tree.map(np.asarray, base), used
+
+
+def base_identity(source: str, params: PyTree, step: int | None) -> dict[str, Any]:
+  """What a LoRA run records of its base (WORKDIR/lora_base.json)."""
+  return {"source": source, "step": step, "sha256": params_digest(params)}
+
+
+def read_base_record(workdir: str | os.PathLike) -> dict[str, Any] | None:
+  """WORKDIR/lora_base.json, None when the run has none (a run from before it was recorded)."""
+  path = _path(workdir) / BASE_FILE
+  if not path.exists():
+    return None
+  try:
+    record = json.loads(path.read_text())
+  except (OSError, ValueError) as e:
+    raise CheckpointError(f"cannot read the LoRA base record {path}: {e}; move it away to read the base's "
+                          "latest step unchecked") from None
+  if not isinstance(record, dict) or not isinstance(record.get("sha256"), str):
+    raise CheckpointError(f"the LoRA base record {path} is not one this code wrote (no sha256); move it away "
+                          "to read the base's latest step unchecked")
+  return record
+
+
+def write_base_record(workdir: str | os.PathLike, record: dict[str, Any]) -> None:
+  path, text = _path(workdir) / BASE_FILE, json.dumps(record, indent=1) + "\n"
+  if not _is_local(path):
+    path.write_text(text)
+    return
+  tmp = path.parent / f".{BASE_FILE}.tmp"
+  tmp.write_text(text)
+  os.replace(os.fspath(tmp), os.fspath(path))
+
+
+def _at(source: str, step: int | None) -> str:
+  return source if step is None else f"{source} (step {step})"
+
+
+def check_base(workdir: str | os.PathLike, record: dict[str, Any], source: str, params: PyTree,
+               step: int | None) -> None:
+  """CheckpointError unless `params` (the base read now) are the weights `record` says the run trained on."""
+  now = params_digest(params)
+  if now != record["sha256"]:
+    was = _at(str(record.get("source", source)), record.get("step"))
+    raise CheckpointError(
+        f"the LoRA base of {workdir} changed: {_at(source, step)} has weights sha256 {now[:12]} now, the run "
+        f"trained on {was} with sha256 {record['sha256'][:12]} ({_path(workdir) / BASE_FILE}); put that base "
+        "back, or train new adapters on this one in another workdir")
+
+
+def pinned_step(record: dict[str, Any] | None) -> int | None:
+  step = record.get("step") if record else None
+  return int(step) if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def merge_lora(config: Any, adapters: PyTree, workdir: str | os.PathLike | None = None) -> PyTree:
   """A LoRA run's model: its adapters merged into the frozen base its train.init_from names (read
-  again: an HF directory, or a workdir, itself merged when it is a LoRA run), as host numpy arrays."""
+  again: an HF directory, or a workdir, itself merged when it is a LoRA run), as host numpy arrays.
+  With the run's `workdir`, its base record (lora_base.json) pins a workdir base's step and checks the
+  base's weights (`check_base`)."""
   from tformer_jax import decode  # noqa: PLC0415 (these import this module: imported when used)
-  from tformer_jax.interop import hf  # noqa: PLC0415
   from tformer_jax.ops import lora as lora_ops  # noqa: PLC0415
   _, scale = lora_of(config)
   source = str(config.train.get("init_from", "") or "")
   if not source:
     raise CheckpointError("a LoRA run's config.json has no train.init_from: its base model is unknown")
+  record = read_base_record(workdir) if workdir is not None else None
+  step = pinned_step(record)
   try:
-    if source.startswith("hf:"):
-      _, base = hf.load_hf(os.path.expanduser(source[3:]))
-    else:
-      _, base = restore_params(source)
+    base, used = read_base(source, step)
   except (OSError, CheckpointError, ValueError) as e:
-    raise CheckpointError(f"the LoRA base train.init_from={source} cannot be read: {_short(e)}") from None
-  base = jax.tree.map(np.asarray, base)
+    pinned = f" at step {step}, the step the run trained on," if step is not None else ""
+    raise CheckpointError(f"the LoRA base train.init_from={source}{pinned} cannot be read: {_short(e)}") from None
+  if record is not None:
+    check_base(workdir, record, source, base, used)
   if "layers" in adapters and "layers" not in base and "layers_0" in base:
     base = decode.stack_layers(base, int(config.model.num_layers))   # an unscanned base, a scanned run
   try:
@@ -120,5 +213,5 @@ def restore_params(workdir: str | os.PathLike, step: int | None = None, *,
   finally:
     manager.close()
   if merge and lora_of(config) is not None:
-    params = merge_lora(config, params)
+    params = merge_lora(config, params, work)
   return (config, params, used) if with_step else (config, params)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import pathlib
 from typing import Any, Mapping
 
@@ -22,7 +23,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from tformer_jax import config as config_lib, decode
+from tformer_jax import checkpoint, config as config_lib, decode
 from tformer_jax.checkpoint import CheckpointError, restore_params
 from tformer_jax.data import pipeline, prepared
 from tformer_jax.interop import hf
@@ -176,7 +177,30 @@ def load_params(source: str, abstract_params: Any, num_layers: int) -> Any:
     _, params = hf.load_hf(pathlib.Path(source[len(HF_PREFIX):]).expanduser())
   else:
     _, params = restore_params(source)
-  params = jax.tree.map(np.asarray, params)
+  return fit_params(source, jax.tree.map(np.asarray, params), abstract_params, num_layers)
+
+
+def load_lora_base(source: str, abstract_params: Any, num_layers: int, workdir: str | os.PathLike,
+                   resuming: bool) -> tuple[Any, dict[str, Any]]:
+  """(a LoRA run's frozen base in the layout of `abstract_params`, the record of it for WORKDIR/lora_base.json).
+  A resumed run reads the step its record pins and refuses a base whose weights changed since the run started
+  (`checkpoint.check_base`: one line naming both); a new run records the base's latest step and sha256."""
+  record = checkpoint.read_base_record(workdir) if resuming else None
+  step = checkpoint.pinned_step(record)
+  try:
+    params, used = checkpoint.read_base(source, step)
+  except CheckpointError as e:
+    if step is None:
+      raise
+    raise CheckpointError(f"the LoRA base train.init_from={source} at step {step}, the step this run trained "
+                          f"on, cannot be read: {e}") from None
+  if record is not None:
+    checkpoint.check_base(workdir, record, source, params, used)
+  return fit_params(source, params, abstract_params, num_layers), checkpoint.base_identity(source, params, used)
+
+
+def fit_params(source: str, params: Any, abstract_params: Any, num_layers: int) -> Any:
+  """Host `params` of train.init_from in the layout and shardings of `abstract_params`, checked shape by shape."""
   if "layers" in abstract_params and "layers" not in params and "layers_0" in params:
     params = decode.stack_layers(params, num_layers)            # an unscanned source, a scanned run
   flat = lambda t: {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(t)[0]}  # noqa: E731

@@ -22,7 +22,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from tformer_jax import backends, config as config_lib, decode, host_alloc
+from tformer_jax import backends, checkpoint, config as config_lib, decode, host_alloc
 from tformer_jax.checkpoint import Checkpointer
 from tformer_jax.data import pipeline, prepared as prepared_lib
 from tformer_jax.parallel import mesh as mesh_lib, pmap as pmap_lib
@@ -174,6 +174,7 @@ class _Run:
                                            cache_dir=cfg.data.get("cache_dir") or None)
     self.it = pipeline.train_iterator(self.ds, cfg.data, process_index=jax.process_index(),
                                       process_count=jax.process_count())
+    self.base_record: dict[str, Any] | None = None   # a LoRA run's base (load_lora_base)
     self.state, self.start = self._restore_or_init()
     host_alloc.release_free_memory()   # the loading's transients (host_alloc: kept mapped otherwise)
     self.heap = host_alloc.ReleaseOnGrowth()
@@ -186,6 +187,8 @@ class _Run:
       (self.work / "config.json").write_text(cfg.to_json_best_effort(indent=2))
       (self.work / "runtime.json").write_text(json.dumps(runtime.as_dict(), indent=2))
       prepared_lib.write_run_data(self.work, run_data)
+      if self.base_record is not None:
+        checkpoint.write_base_record(self.work, self.base_record)
     self.eval_set = [self.to_global(b) for b in pipeline.eval_batches(
         self.ds, cfg.data, cfg.train.eval_batches, process_index=jax.process_index(),
         process_count=jax.process_count())]
@@ -214,15 +217,20 @@ class _Run:
     if restored is not None:
       start, state, data_state, _ = restored
       if lora:
-        state = state.replace(frozen=init_from.load_params(cfg.train.init_from, abstract.frozen, model.cfg.num_layers))
+        frozen, self.base_record = init_from.load_lora_base(cfg.train.init_from, abstract.frozen,
+                                                            model.cfg.num_layers, self.work, resuming=True)
+        state = state.replace(frozen=frozen)
       if data_state:
         self.it.set_state(data_state)
       log.info("resumed from step %d", start)
     else:
       given = {}
       if cfg.train.init_from:
-        field = "frozen" if lora else "params"
-        given[field] = init_from.load_params(cfg.train.init_from, getattr(abstract, field), model.cfg.num_layers)
+        if lora:   # the base's step and weights, recorded (WORKDIR/lora_base.json): every reader checks them
+          given["frozen"], self.base_record = init_from.load_lora_base(cfg.train.init_from, abstract.frozen,
+                                                                       model.cfg.num_layers, self.work, resuming=False)
+        else:
+          given["params"] = init_from.load_params(cfg.train.init_from, abstract.params, model.cfg.num_layers)
       with jax.set_mesh(self.mesh), nn.logical_axis_rules(program.rules):
         state = state_lib.create_state(program.init, jax.random.PRNGKey(cfg.train.seed), program.shardings, **given)
       start = 0
