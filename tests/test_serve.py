@@ -183,3 +183,28 @@ def test_chat_template_from_tokenizer_config(tmp_path):
   assert api.render_chat(msgs, tok, None) == "System: Be brief.\nUser: Hi\nAssistant:"
   with pytest.raises(api.RequestError, match="refused"):
     api.render_chat(msgs, tok, "{{ raise_exception('no system role') }}")
+
+
+def test_a_body_over_the_limit_is_413_and_a_rejected_stop_list_is_not_echoed(server):
+  """A 10 MB body is aiohttp's 413 as JSON (was a 500: the handler's catch-all took aiohttp's own error); a 1 MB
+  `stop` list that is refused is quoted in at most a line, not sent back whole."""
+  from tformer_jax.serve.http import MAX_BODY_BYTES
+  url = server["url"]
+  big = json.dumps(dict(model=NAME, prompt="x" * (10 * 1024 * 1024), max_tokens=1)).encode()
+  host, port = url[len("http://"):].split(":")
+  conn = http.client.HTTPConnection(host, int(port), timeout=60)
+  try:
+    conn.request("POST", "/v1/completions", big, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    status, err = resp.status, json.loads(resp.read())["error"]
+  except (BrokenPipeError, ConnectionResetError):
+    pytest.fail("the server closed the connection instead of answering 413")
+  finally:
+    conn.close()
+  assert status == 413 and err["type"] == "invalid_request_error", (status, err)
+  assert len(big) > MAX_BODY_BYTES
+  stops = ["ab" * 1000] * 500                                    # 1 MB of stop strings, over the limit of 4
+  code, err = _post(url, json.dumps(dict(model=NAME, prompt="x", max_tokens=1, stop=stops)).encode())
+  assert code == 400 and err["param"] == "stop" and len(err["message"]) < 300, len(err["message"])
+  assert "stop must be a non-empty string or a list of at most 4" in err["message"]
+  assert json.loads(urllib.request.urlopen(url + "/health").read())["busy"] == 0   # still serving

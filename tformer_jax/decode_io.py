@@ -34,6 +34,18 @@ def tokenizer_from_config(cfg: Any) -> Any:
   return pipeline.tokenizer_for(data)
 
 
+def check_max_len(cfg: Any, max_len: int, flag: str = "--max_len") -> None:
+  """ConfigError unless the model of `cfg` (a config with a 'model' entry) can represent `max_len` tokens: a
+  learned position table has model.max_len rows and cannot extrapolate (0: the model's own max_len)."""
+  model = cfg["model"] if "model" in cfg else None
+  if model is None or not max_len:
+    return
+  if str(model.get("position", "")) == "learned" and int(max_len) > int(model.get("max_len", 0)):
+    raise config_lib.ConfigError(
+        f"{flag}={max_len} exceeds this model's max_len={int(model['max_len'])} (learned positions: its table "
+        f"has {int(model['max_len'])} rows and cannot extrapolate); pass {flag}={int(model['max_len'])} or less")
+
+
 def random_init(cfg: Any, seed: int = 0) -> tuple[Transformer, Any, Any]:
   """(model, randomly initialised params, tokenizer) of a config: for smoke tests and benchmarks."""
   model = model_from_config(cfg)

@@ -71,6 +71,13 @@ def parse_args(argv: Sequence[str] | None) -> Any:
     if getattr(args, name) is None:
       setattr(args, name, decode_cfg[name])
   _check_sampling(args)
+  if args.max_len < 0:
+    cli_common.fail(f"--max_len: must be >= 0 (0: the model's max_len), got {args.max_len}")
+  if args.config is not None:      # --chat's conversation: no position past a learned table
+    try:
+      decode_io.check_max_len(args.config, args.max_len)
+    except config_lib.ConfigError as e:
+      cli_common.fail(str(e))
   return args
 
 

@@ -11,6 +11,8 @@ server answers 429.
 """
 from __future__ import annotations
 
+import errno
+import socket
 import sys
 from typing import Any, Sequence
 
@@ -47,7 +49,32 @@ def parse_args(argv: Sequence[str] | None) -> Any:
     cli_common.fail("--slots must be >= 1, --max_queue and --max_len >= 0")
   if args.cache_dtype is not None and args.cache_dtype not in kv_quant.CACHE_DTYPES:
     cli_common.fail(f"--cache_dtype: one of {kv_quant.CACHE_DTYPES[1:]} or '', got {args.cache_dtype!r}")
+  if args.config is not None:      # before any weights are read: a table the model does not have
+    try:
+      decode_io.check_max_len(args.config, args.max_len)
+    except config_lib.ConfigError as e:
+      cli_common.fail(str(e))
   return args
+
+
+def check_address(host: str, port: int) -> None:
+  """A usage error (one line) unless `host`:`port` can be listened on now: a port out of range, a host that
+  does not resolve to a local interface, a port in use. Checked before the model is loaded."""
+  if not 0 <= port <= 65535:
+    cli_common.fail(f"--port={port}: must be in 0..65535 (0: any free port)")
+  try:
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+  except (OSError, UnicodeError) as e:
+    cli_common.fail(f"--host={host}: cannot be resolved ({getattr(e, 'strerror', None) or e})")
+  family, kind, proto, _, address = infos[0]
+  try:
+    with socket.socket(family, kind, proto) as s:
+      s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as aiohttp binds: a TIME_WAIT port is free
+      s.bind(address)
+  except OSError as e:
+    what = "is in use (another server listens there)" if e.errno == errno.EADDRINUSE else "cannot be listened on"
+    cli_common.fail(f"--host={host} --port={port}: {what} ({e.strerror or e}); pass another --port (0: any free "
+                    "one) or --host")
 
 
 def load(args: Any) -> tuple[Any, Any, Any]:
@@ -63,6 +90,7 @@ def load(args: Any) -> tuple[Any, Any, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   cli_common.require_extra("tformer-serve", "serve")     # aiohttp, before any model is loaded
+  check_address(args.host, args.port)
   try:
     model, params, tok = load(args)
   except (CheckpointError, config_lib.ConfigError) as e:
@@ -79,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine.start()
     try:
       http.serve_forever(http.Service(engine, tok, args.model_name), args.host, args.port)
+    except OSError as e:      # the address taken while the model loaded
+      cli_common.fail(f"--host={args.host} --port={args.port}: cannot be listened on ({e.strerror or e})")
     finally:
       engine.close()
   return 0

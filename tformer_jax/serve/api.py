@@ -16,6 +16,15 @@ CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "re
 DEFAULT_MAX_TOKENS = 16   # /v1/completions without max_tokens (OpenAI's default); chat: the rest of max_len
 
 
+SHOWN_CHARS = 80   # a rejected value is quoted in the error up to this many characters
+
+
+def shown(value: Any) -> str:
+  """repr(value) for an error message, cut to SHOWN_CHARS (a rejected 1 MB field is not echoed back)."""
+  text = repr(value)
+  return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text):,} characters)"
+
+
 class RequestError(ValueError):
   """A bad request: `status` (4xx), OpenAI error `type`, and `param` (the field), if any."""
 
@@ -32,7 +41,7 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float) -> floa
   v = body.get(name, default)
   v = default if v is None else v
   if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-    raise RequestError(f"{name} must be a number in [{lo}, {hi}], got {v!r}", name)
+    raise RequestError(f"{name} must be a number in [{lo}, {hi}], got {shown(v)}", name)
   return float(v)
 
 
@@ -40,33 +49,33 @@ def parse_sampling(body: dict, known: set[str], served_model: str) -> dict[str, 
   """The settings shared by both endpoints (checked, with OpenAI's defaults)."""
   unknown = sorted(set(body) - known)
   if unknown:
-    raise RequestError(f"unknown field {unknown[0]!r} (this server accepts {sorted(known)})", unknown[0])
+    raise RequestError(f"unknown field {shown(unknown[0])} (this server accepts {sorted(known)})", unknown[0])
   model = body.get("model")
   if not isinstance(model, str):
     raise RequestError("model is required: a string (GET /v1/models lists the served one)", "model")
   if model != served_model:
-    raise RequestError(f"the model {model!r} does not exist; this server serves {served_model!r}", "model",
+    raise RequestError(f"the model {shown(model)} does not exist; this server serves {served_model!r}", "model",
                        status=404, kind="not_found_error")
   if body.get("n", 1) not in (1, None):
-    raise RequestError(f"n must be 1 (one choice per request), got {body['n']!r}", "n")
+    raise RequestError(f"n must be 1 (one choice per request), got {shown(body['n'])}", "n")
   for name in ("presence_penalty", "frequency_penalty"):
     if body.get(name) not in (None, 0, 0.0):
       raise RequestError(f"{name} is not supported (only 0)", name)
   max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))   # None: the endpoint's default
   if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                  or max_tokens < 1):
-    raise RequestError(f"max_tokens must be an integer >= 1, got {max_tokens!r}", "max_tokens")
+    raise RequestError(f"max_tokens must be an integer >= 1, got {shown(max_tokens)}", "max_tokens")
   stop = body.get("stop")
   stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
   if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-    raise RequestError(f"stop must be a non-empty string or a list of at most 4, got {body.get('stop')!r}",
+    raise RequestError(f"stop must be a non-empty string or a list of at most 4, got {shown(body.get('stop'))}",
                        "stop")
   seed = body.get("seed")
   if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-    raise RequestError(f"seed must be an integer, got {seed!r}", "seed")
+    raise RequestError(f"seed must be an integer, got {shown(seed)}", "seed")
   stream = body.get("stream", False)
   if not isinstance(stream, bool):
-    raise RequestError(f"stream must be a boolean, got {stream!r}", "stream")
+    raise RequestError(f"stream must be a boolean, got {shown(stream)}", "stream")
   opts = body.get("stream_options") or {}
   if not isinstance(opts, dict):
     raise RequestError("stream_options must be an object", "stream_options")

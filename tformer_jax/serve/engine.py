@@ -57,6 +57,9 @@ class Engine:
     self.max_len = int(max_len or cfg.max_len)
     if num_slots < 1 or self.max_len < 2:
       raise ValueError(f"need num_slots >= 1 and max_len >= 2, got {num_slots}, {self.max_len}")
+    if cfg.position == "learned" and self.max_len > cfg.max_len:   # no step may read past the table
+      raise ValueError(f"max_len={self.max_len} exceeds the model's max_len={cfg.max_len} (learned positions "
+                       "cannot extrapolate)")
     self.model, self.params = decode.decode_layout(decode.with_cache_dtype(model, cache_dtype),
                                                    nn.unbox(params), scan_layers)
     self.vocab_size, self.num_slots, self.max_queue = cfg.vocab_size, int(num_slots), int(max_queue)

@@ -89,6 +89,8 @@ class Service:
       return _error(api.RequestError(str(e), "prompt" if status == 400 else None, status=status))
     except api.RequestError as e:
       return _error(e)
+    except web.HTTPException:   # aiohttp's own (a body over MAX_BODY_BYTES: 413), as JSON by the middleware
+      raise
     except Exception as e:   # e.g. a chat template that fails to render
       return _error(api.RequestError(f"{type(e).__name__}: {e}", status=500, kind="server_error"))
     try:
