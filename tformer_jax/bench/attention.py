@@ -248,26 +248,28 @@ def _targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("seq", "1024,2048,4096,8192,16384", "comma-separated sequence lengths", flag_values=fv)
-  flags.DEFINE_integer("heads", 8, "query heads", flag_values=fv)
-  flags.DEFINE_integer("kv-heads", 0, "key/value heads; 0 = --heads (MHA)", flag_values=fv)
-  flags.DEFINE_integer("head-dim", 64, "head dimension", flag_values=fv)
-  flags.DEFINE_integer("batch", 1, "batch size", flag_values=fv)
+  flags.DEFINE_integer("heads", 8, "query heads", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("kv-heads", 0, "key/value heads; 0 = --heads (MHA)", lower_bound=0, flag_values=fv)
+  flags.DEFINE_integer("head-dim", 64, "head dimension", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("batch", 1, "batch size", lower_bound=1, flag_values=fv)
   flags.DEFINE_string("impls", "reference,blockwise", f"comma-separated, from {', '.join(IMPLS)}",
                       flag_values=fv)
   flags.DEFINE_integer("block", 256, "blockwise tile size (queries and keys); 256 was fastest on CPU for "
-                       "L = 2k..4k", flag_values=fv)
-  flags.DEFINE_integer("block-q", 0, "override --block for queries", flag_values=fv)
-  flags.DEFINE_integer("block-k", 0, "override --block for keys", flag_values=fv)
+                       "L = 2k..4k", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("block-q", 0, "override --block for queries", lower_bound=0, flag_values=fv)
+  flags.DEFINE_integer("block-k", 0, "override --block for keys", lower_bound=0, flag_values=fv)
   flags.DEFINE_string("dtype", "float32", "q, k, v dtype", flag_values=fv)
-  flags.DEFINE_integer("repeats", 3, "timed runs after the warm-up (median reported)", flag_values=fv)
+  flags.DEFINE_integer("repeats", 3, "timed runs after the warm-up (median reported)", lower_bound=1, flag_values=fv)
   flags.DEFINE_float("time-budget-s", 60.0, "fewer repeats (at least 1) when warm-up time x repeats would "
-                     "exceed this", flag_values=fv)
+                     "exceed this", lower_bound=0.0, flag_values=fv)
   flags.DEFINE_float("max-timed-temp-gb", 6.0, "do not run dense impls whose compiled temporaries exceed "
-                     "this", flag_values=fv)
+                     "this", lower_bound=0.0, flag_values=fv)
   flags.DEFINE_bool("accuracy", False, "compare each impl in --dtype with the float32 reference (output and "
                     "gradients) instead of timing", flag_values=fv)
-  flags.DEFINE_float("tolerance", 2e-2, "--accuracy: largest relative error of the output", flag_values=fv)
-  flags.DEFINE_float("grad-tolerance", 5e-2, "--accuracy: largest relative error of dq, dk, dv", flag_values=fv)
+  flags.DEFINE_float("tolerance", 2e-2, "--accuracy: largest relative error of the output", lower_bound=0.0,
+                     flag_values=fv)
+  flags.DEFINE_float("grad-tolerance", 5e-2, "--accuracy: largest relative error of dq, dk, dv",
+                     lower_bound=0.0, flag_values=fv)
   flags.DEFINE_string("json", "", "also write the result dict to this file", flag_values=fv)
 
 
@@ -281,6 +283,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     seqs = [int(s) for s in args.seq.split(",") if s.strip()]
   except ValueError:
     cli_common.fail(f"--seq takes comma-separated integers, not {args.seq!r}")
+  if not seqs or min(seqs) < 1:
+    cli_common.fail(f"--seq takes comma-separated lengths >= 1, not {args.seq!r}")
   impls = cli_common.choices(args.impls, IMPLS, "impl")
   try:
     jnp.dtype(args.dtype)

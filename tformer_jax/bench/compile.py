@@ -44,7 +44,7 @@ from tformer_jax.train import loop, optim, precision, state as state_lib, step a
 def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("layers", "2,24", "comma-separated depths", flag_values=fv)
   flags.DEFINE_string("modes", "scan,unrolled", "scan, unrolled or both (comma-separated)", flag_values=fv)
-  flags.DEFINE_integer("repeats", 1, "time each case this many times, keep the fastest", flag_values=fv)
+  flags.DEFINE_integer("repeats", 1, "time each case this many times, keep the fastest", lower_bound=1, flag_values=fv)
   flags.DEFINE_string("json", None, "also write the result dict to this file", flag_values=fv)
   flags.DEFINE_bool("memory", False, "compiled memory analysis instead of compile time", flag_values=fv)
   flags.DEFINE_string("loss_chunks", "", "--memory: train.loss_chunk values (comma-separated)", flag_values=fv)
@@ -192,8 +192,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   except ValueError:
     depths = []
   modes = [x for x in args.modes.split(",") if x]
-  if any(x not in ("scan", "unrolled") for x in modes) or not depths:
-    cli_common.fail("--modes takes scan and/or unrolled; --layers at least one depth")
+  if any(x not in ("scan", "unrolled") for x in modes) or not depths or min(depths) < 1:
+    cli_common.fail("--modes takes scan and/or unrolled; --layers at least one depth, each >= 1")
   info = train_bench.machine_info()
   print(f"machine: {info['nproc']} cpus ({info['cpu']}), load {info['loadavg']}, backend {info['backend']}, "
         f"jax {info['jax']}; model d_model={cfg.model.d_model}, remat={cfg.model.remat}")

@@ -200,15 +200,15 @@ def train_peak_rss(args: Any, corpus: str, workdir: pathlib.Path) -> dict[str, A
 def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("stages", ",".join(STAGES), f"comma-separated, from {', '.join(STAGES)}", flag_values=fv)
   flags.DEFINE_string("config", "shakespeare_char", "the main config (a path or a shipped name)", flag_values=fv)
-  flags.DEFINE_float("prepare-mb", 20.0, "prepare stage: MB of text", flag_values=fv)
+  flags.DEFINE_float("prepare-mb", 20.0, "prepare stage: MB of text", lower_bound=0.0, flag_values=fv)
   flags.DEFINE_string("tokenizers", "bpe,byte", "prepare stage: tokenizers (bpe = trained on Shakespeare)",
                       flag_values=fv)
-  flags.DEFINE_integer("bpe-vocab", 8192, "prepare stage: the BPE's vocabulary", flag_values=fv)
-  flags.DEFINE_float("big-gb", 2.0, "size of the big prepared corpus on disk (GB)", flag_values=fv)
-  flags.DEFINE_integer("train-steps", 100, "rss stage: training steps per run", flag_values=fv)
-  flags.DEFINE_integer("loader-batches", 1000, "loader stage: timed batches", flag_values=fv)
+  flags.DEFINE_integer("bpe-vocab", 8192, "prepare stage: the BPE's vocabulary", lower_bound=1, flag_values=fv)
+  flags.DEFINE_float("big-gb", 2.0, "size of the big prepared corpus on disk (GB)", lower_bound=0.0, flag_values=fv)
+  flags.DEFINE_integer("train-steps", 100, "rss stage: training steps per run", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("loader-batches", 1000, "loader stage: timed batches", lower_bound=1, flag_values=fv)
   flags.DEFINE_float("step-tokens-s", 0.0, "loader stage without the rss stage: the train step's tokens/s",
-                     flag_values=fv)
+                     lower_bound=0.0, flag_values=fv)
   flags.DEFINE_string("tmp", "/tmp", "where the big corpus is written (and deleted)", flag_values=fv)
   flags.DEFINE_string("json", "", "also write the result dict to this file", flag_values=fv)
 

@@ -40,20 +40,20 @@ from tformer_jax.config import default_config
 
 
 def define_flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_integer("d-model", 256, "model width (without --config)", flag_values=fv)
-  flags.DEFINE_integer("layers", 4, "layers (without --config)", flag_values=fv)
-  flags.DEFINE_integer("heads", 4, "query heads (without --config)", flag_values=fv)
-  flags.DEFINE_integer("kv-heads", 0, "key/value heads, 0 = --heads (without --config)", flag_values=fv)
-  flags.DEFINE_integer("vocab", 256, "vocabulary size (without --config)", flag_values=fv)
+  flags.DEFINE_integer("d-model", 256, "model width (without --config)", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("layers", 4, "layers (without --config)", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("heads", 4, "query heads (without --config)", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("kv-heads", 0, "key/value heads, 0 = --heads (without --config)", lower_bound=0, flag_values=fv)
+  flags.DEFINE_integer("vocab", 256, "vocabulary size (without --config)", lower_bound=1, flag_values=fv)
   flags.DEFINE_string("position", "rope", "position scheme (without --config)", flag_values=fv)
-  flags.DEFINE_integer("max-len", 0, "model max_len (0: 1024, or the config's)", flag_values=fv)
-  flags.DEFINE_integer("batch", 1, "rows decoded together", flag_values=fv)
-  flags.DEFINE_integer("prompt-len", 64, "prompt tokens per row", flag_values=fv)
-  flags.DEFINE_integer("new-tokens", 512, "tokens generated per row", flag_values=fv)
-  flags.DEFINE_integer("runs", 3, "timed runs of the cached path", flag_values=fv)
-  flags.DEFINE_integer("recompute-runs", 2, "timed runs of the recompute path", flag_values=fv)
+  flags.DEFINE_integer("max-len", 0, "model max_len (0: 1024, or the config's)", lower_bound=0, flag_values=fv)
+  flags.DEFINE_integer("batch", 1, "rows decoded together", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("prompt-len", 64, "prompt tokens per row", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("new-tokens", 512, "tokens generated per row", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("runs", 3, "timed runs of the cached path", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("recompute-runs", 2, "timed runs of the recompute path", lower_bound=1, flag_values=fv)
   flags.DEFINE_bool("no-recompute", False, "skip the (slow) recompute baseline", flag_values=fv)
-  flags.DEFINE_integer("seed", 0, "weights and prompts seed", flag_values=fv)
+  flags.DEFINE_integer("seed", 0, "weights and prompts seed", lower_bound=0, flag_values=fv)
   flags.DEFINE_bool("scan", None, "decode with scanned layers (decode.decode_layout); --noscan: unrolled; "
                     "default: the runtime's choice (runtime.decode_layout)", flag_values=fv)
   flags.DEFINE_string("dtype", None, "compute and weight dtype for inference (e.g. bfloat16; default: the "

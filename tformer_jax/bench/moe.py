@@ -176,22 +176,22 @@ def expert_parallel_rows(args: Any) -> list[dict[str, Any]]:
 
 
 def define_flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_integer("tokens", 4096, "tokens per step (one row)", flag_values=fv)
-  flags.DEFINE_integer("d-model", 256, "model width", flag_values=fv)
-  flags.DEFINE_integer("experts", 8, "number of experts", flag_values=fv)
-  flags.DEFINE_integer("top-k", 2, "experts per token", flag_values=fv)
-  flags.DEFINE_integer("d-ff", 0, "expert hidden size; 0 = ModelConfig.ff", flag_values=fv)
+  flags.DEFINE_integer("tokens", 4096, "tokens per step (one row)", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("d-model", 256, "model width", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("experts", 8, "number of experts", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("top-k", 2, "experts per token", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("d-ff", 0, "expert hidden size; 0 = ModelConfig.ff", lower_bound=0, flag_values=fv)
   flags.DEFINE_string("activation", "swiglu", "FFN activation", flag_values=fv)
   flags.DEFINE_float("capacity-factor", 1.25, "capacity dispatch: slots per expert over the even share",
-                     flag_values=fv)
+                     lower_bound=0.0, flag_values=fv)
   flags.DEFINE_string("dtype", "float32", "compute dtype", flag_values=fv)
-  flags.DEFINE_integer("repeats", 5, "timed runs after the warm-up (median)", flag_values=fv)
+  flags.DEFINE_integer("repeats", 5, "timed runs after the warm-up (median)", lower_bound=1, flag_values=fv)
   flags.DEFINE_string("cases", ",".join(CASES), f"comma-separated, from {', '.join(ALL_CASES)}", flag_values=fv)
   flags.DEFINE_string("ep-experts", "8,16,64", "expert_parallel: expert counts (same active parameters)",
                       flag_values=fv)
-  flags.DEFINE_integer("ep-devices", 8, "expert_parallel: devices of the expert axis", flag_values=fv)
+  flags.DEFINE_integer("ep-devices", 8, "expert_parallel: devices of the expert axis", lower_bound=1, flag_values=fv)
   flags.DEFINE_float("ep-buffer-factor", 1.25, "expert_parallel: model.moe.ep_buffer_factor (0 = worst case)",
-                     flag_values=fv)
+                     lower_bound=0.0, flag_values=fv)
   flags.DEFINE_string("json", "", "also write the result dict to this file", flag_values=fv)
 
 

@@ -27,14 +27,14 @@ from tformer_jax.config import default_config
 
 
 def define_flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_integer("d-model", 256, "model width (without --config)", flag_values=fv)
-  flags.DEFINE_integer("layers", 4, "layers (without --config)", flag_values=fv)
-  flags.DEFINE_integer("requests", 32, "requests per measurement", flag_values=fv)
-  flags.DEFINE_integer("max-tokens", 64, "completion tokens per request", flag_values=fv)
-  flags.DEFINE_integer("prompt-min", 8, "shortest prompt (tokens)", flag_values=fv)
-  flags.DEFINE_integer("prompt-max", 64, "longest prompt (tokens)", flag_values=fv)
-  flags.DEFINE_integer("slots", 16, "server cache slots", flag_values=fv)
-  flags.DEFINE_integer("max-len", 256, "tokens per slot", flag_values=fv)
+  flags.DEFINE_integer("d-model", 256, "model width (without --config)", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("layers", 4, "layers (without --config)", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("requests", 32, "requests per measurement", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("max-tokens", 64, "completion tokens per request", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("prompt-min", 8, "shortest prompt (tokens)", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("prompt-max", 64, "longest prompt (tokens)", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("slots", 16, "server cache slots", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("max-len", 256, "tokens per slot", lower_bound=2, flag_values=fv)
   flags.DEFINE_list("clients", ["1", "4", "16"], "concurrent client counts", flag_values=fv)
   flags.DEFINE_string("json", None, "also write the result dict to this file", flag_values=fv)
 
@@ -51,7 +51,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
   from tformer_jax.serve import Engine  # noqa: PLC0415 (aiohttp: the serve extra)
   from tformer_jax.serve.http import BackgroundServer, Service  # noqa: PLC0415
-  clients = [int(c) for c in args.clients]
+  try:
+    clients = [int(c) for c in args.clients]
+  except ValueError:
+    clients = []
   if not clients or min(clients) < 1:
     raise cli_common.UsageError(f"--clients: positive integers, got {args.clients}")
   if args.config is None:
