@@ -183,17 +183,17 @@ def machine_info() -> dict[str, Any]:
 
 
 def define_flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_integer("steps", 20, "timed steps", flag_values=fv)
-  flags.DEFINE_integer("warmup", 3, "untimed steps after compilation", flag_values=fv)
+  flags.DEFINE_integer("steps", 20, "timed steps", lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("warmup", 3, "untimed steps after compilation", lower_bound=0, flag_values=fv)
   flags.DEFINE_enum("attn-flops", "full", ["full", "causal"], "attention FLOP count: every (query, key) "
                     "pair, or the causal half", flag_values=fv)
-  flags.DEFINE_integer("peak-n", 2048, "matmul size for the peak (0: skip)", flag_values=fv)
-  flags.DEFINE_integer("peak-reps", 3, "matmul calls per measurement", flag_values=fv)
+  flags.DEFINE_integer("peak-n", 2048, "matmul size for the peak (0: skip)", lower_bound=0, flag_values=fv)
+  flags.DEFINE_integer("peak-reps", 3, "matmul calls per measurement", lower_bound=1, flag_values=fv)
   flags.DEFINE_integer("chunks", 4, "timed steps run in this many chunks, the matmul measured before each "
-                       "and after the last", flag_values=fv)
+                       "and after the last", lower_bound=1, flag_values=fv)
   flags.DEFINE_string("peak-dtype", "float32", "dtype of the peak matmul", flag_values=fv)
   flags.DEFINE_float("nominal-peak-tflops", 0.0, "a datasheet peak to compute mfu against (e.g. 989 for "
-                     "H100/H200 dense bf16)", flag_values=fv)
+                     "H100/H200 dense bf16)", lower_bound=0.0, flag_values=fv)
   flags.DEFINE_multi_string("xla-option", [], "NAME=VALUE: an XLA debug option for this step's "
                             "compilation only, e.g. xla_cpu_enable_concurrency_optimized_scheduler=true",
                             flag_values=fv)
