@@ -95,7 +95,7 @@ class TrainBench:
     with backends.use(self.runtime.backend):
       self.state = jax.jit(lambda r: state_lib.unbox_plain(init(r)))(jax.random.PRNGKey(seed))
     self.params = state_lib.param_count(self.state.params)
-    step = step_lib.make_train_step(model, tx, schedule, cfg.optim, **setup.step_options(cfg))
+    step = step_lib.make_train_step(model, tx, schedule, cfg.optim, **setup.train_step_options(cfg))
     self._jit = jax.jit(step, donate_argnums=(0,) if donate else ())
     rng = np.random.default_rng(seed)
     self.batches = []

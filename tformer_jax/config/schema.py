@@ -209,7 +209,7 @@ def default_config() -> ml_collections.ConfigDict:
       seed=0,                        # window order / sampling seed
   ))
   c.optim = ml_collections.ConfigDict(dict(
-      name="adamw",                  # adamw | adafactor | lion | sgd (optax; see train/optim.py)
+      name="adamw",                  # adamw | adafactor | lion | sgd | muon (optax; see train/optim.py)
       peak_lr=1e-3,                  # learning rate after warmup
       b1=0.9,                        # Adam/Lion first-moment decay
       b2=0.95,                       # Adam/Lion second-moment decay
@@ -217,10 +217,16 @@ def default_config() -> ml_collections.ConfigDict:
       weight_decay=0.1,              # on kernels (and embeddings, below); never on biases or norms
       decay_embeddings=True,         # token/position/type/relative-bias tables decay too (GPT-2 style)
       momentum=0.9,                  # sgd only (0 = plain SGD)
-      schedule="cosine",             # cosine | rsqrt | constant (all after linear warmup)
+      schedule="cosine",             # cosine | rsqrt | constant | wsd (all after linear warmup)
       warmup_steps=100,              # linear warmup from 0 to peak_lr (not shorter than train.steps: a tenth of them)
       warmup_fraction=0.0,           # > 0 overrides warmup_steps with this fraction of train.steps
-      min_lr_ratio=0.1,              # cosine floor as a fraction of peak_lr
+      min_lr_ratio=0.1,              # cosine floor as a fraction of peak_lr (wsd: where the decay ends)
+      decay_fraction=0.2,            # wsd: the decay is the last fraction of train.steps (0 = none: warmup + stable)
+      decay_shape="linear",          # wsd: linear | cosine | 1-sqrt (Hägele et al. 2024)
+      muon_beta=0.95,                # muon: momentum of the hidden matrices (Nesterov)
+      muon_ns_steps=5,               # muon: Newton-Schulz iterations
+      muon_rms=0.2,                  # muon: update RMS matched to AdamW's (Moonshot), so one peak_lr serves
+                                     # both parts; 0 = Keller Jordan's sqrt(max(1, out / in)) scaling
       clip_norm=1.0,                 # 0 = no clipping
       grad_accum=1,                  # micro-batches per step
   ))
@@ -241,6 +247,9 @@ def default_config() -> ml_collections.ConfigDict:
       loggers="jsonl,tensorboard",   # metric sinks: jsonl (the run's record, required) | tensorboard | wandb
       wandb_project="tformer_jax",   # W&B project (wandb logger; offline unless WANDB_MODE=online)
       loss_chunk=0,                  # > 0: the loss holds ~this many tokens' logits at a time (ops/losses.py)
+      logit_z_loss=0.0,              # PaLM's z-loss: this * logsumexp(logits)^2 per token added to the loss
+      branch_from="",                # WORKDIR[@STEP]: start from that run's state at STEP (default its latest):
+                                     # parameters, optimizer state, data position; wsd decays from there
       eval_tasks="",                 # lm-evaluation-harness tasks at each evaluation, comma-separated (the eval extra)
       eval_tasks_limit=0,            # documents per eval_tasks task at each evaluation (0 = all)
       lora=ml_collections.ConfigDict(dict(   # low-rank adapters on the frozen init_from weights (ops/lora.py)

@@ -17,6 +17,7 @@ from tformer_jax.config.enums import (
   CORPORA,
   CORPUS_PREFIXES,
   CORPUS_SHOWN,
+  DECAY_SHAPES,
   DECODE_LAYOUTS,
   LOGGERS,
   OPTIMIZERS,
@@ -182,8 +183,70 @@ def _validate_optim(o: Any, d: Any, t: Any) -> None:
       _fail("optim." + name, f"must be >= 0 (0 = off), got {o[name]}")
   if o.grad_accum < 1:
     _fail("optim.grad_accum", f"must be >= 1, got {o.grad_accum}")
+  _check_wsd(o, t)
+  _check_muon(o, t)
   if d is not None and d.batch_size % o.grad_accum:
     _fail("optim.grad_accum", f"data.batch_size={d.batch_size} must be divisible by grad_accum={o.grad_accum}")
+
+
+def _check_wsd(o: Any, t: Any) -> None:
+  """optim.decay_fraction / decay_shape (the wsd schedule): a decay that starts after the warmup ends."""
+  frac = o.get("decay_fraction", 0.2)
+  if not 0.0 <= frac < 1.0:
+    _fail("optim.decay_fraction", f"must be in [0, 1) (wsd: the last fraction of train.steps; 0 = none), got {frac}")
+  _check_choice("optim.decay_shape", o.get("decay_shape", "linear"), DECAY_SHAPES)
+  if o.schedule != "wsd" or t is None or t.steps <= 0:
+    return
+  path, step = parse_branch_from(t.get("branch_from", ""))
+  start = step if path and step is not None else t.steps - int(round(frac * t.steps))
+  field, warm = _warmup(o, t.steps)
+  if field == "optim.warmup_steps" and warm >= t.steps:
+    warm = t.steps // 10                          # clamped (warmup_note), as train/optim.py does
+  if warm > start:
+    where = f"the branch's step {start}" if path and step is not None else f"step {start} (decay_fraction={frac})"
+    _fail(field, f"the wsd warmup ({warm} steps) would end after its decay starts at {where}; shorten the warmup")
+
+
+def _check_muon(o: Any, t: Any) -> None:
+  """optim.muon_*: Muon's momentum, Newton-Schulz steps and update RMS; Muon trains whole matrices (no LoRA)."""
+  if not 0.0 <= o.get("muon_beta", 0.95) < 1.0:
+    _fail("optim.muon_beta", f"must be in [0, 1), got {o.muon_beta}")
+  if o.get("muon_ns_steps", 5) < 1:
+    _fail("optim.muon_ns_steps", f"must be >= 1, got {o.muon_ns_steps}")
+  if o.get("muon_rms", 0.2) < 0:
+    _fail("optim.muon_rms", f"must be >= 0 (0 = width scaling sqrt(max(1, out / in))), got {o.muon_rms}")
+  lora = t.get("lora") if t is not None else None
+  if o.get("name") == "muon" and lora is not None and lora.get("rank", 0) > 0:
+    _fail("optim.name", "muon orthogonalises whole weight matrices; LoRA adapters (train.lora.rank > 0) train "
+          "with adamw")
+
+
+def parse_branch_from(value: Any) -> tuple[str, int | None]:
+  """train.branch_from 'WORKDIR[@STEP]' -> (WORKDIR, STEP or None for its latest); ('', None) when unset."""
+  text = str(value or "").strip()
+  path, at, step = text.rpartition("@")
+  if at and step.isdigit() and path:
+    return path, int(step)
+  if at and not step.isdigit() and "/" not in step:
+    _fail("train.branch_from", f"{text!r}: the step after '@' must be a non-negative integer (WORKDIR[@STEP])")
+  return text, None
+
+
+def _check_branch_from(t: Any, check_paths: bool) -> None:
+  """train.branch_from names a training workdir (with checkpoints, when paths are checked), a step before
+  train.steps, and no train.init_from beside it."""
+  path, step = parse_branch_from(t.get("branch_from", ""))
+  if not path:
+    return
+  if str(t.get("init_from", "") or ""):
+    _fail("train.branch_from", "takes a run's whole state (weights, optimizer, data position); train.init_from "
+          "takes weights only: set one of them")
+  if step is not None and step >= t.steps:
+    _fail("train.branch_from", f"step {step} is not before train.steps={t.steps}: the branch would train no step")
+  if check_paths and "://" not in path:
+    src = pathlib.Path(path).expanduser()
+    if not (src / "config.json").is_file() or not (src / "checkpoints").is_dir():
+      _fail("train.branch_from", f"{path}: not a training workdir with checkpoints ({src.resolve()})")
 
 
 def _validate_train(t: Any, check_paths: bool) -> None:
@@ -198,6 +261,9 @@ def _validate_train(t: Any, check_paths: bool) -> None:
       _fail("train." + name, f"must be >= 0 (0 = off), got {t[name]}")
   if t.get("loss_chunk", 0) < 0:
     _fail("train.loss_chunk", f"must be >= 0 (tokens of logits per chunk; 0 = the full logits), got {t.loss_chunk}")
+  if t.get("logit_z_loss", 0.0) < 0:
+    _fail("train.logit_z_loss", f"must be >= 0 (0 = off; PaLM used 1e-4), got {t.logit_z_loss}")
+  _check_branch_from(t, check_paths)
   _check_loggers(t)
   _check_init_from(t, check_paths)
 

@@ -16,7 +16,8 @@ Step convention: optax evaluates the schedule at its internal update count, i.e.
 first update therefore has lr 0, and `schedule(warmup)` is the first update at `peak_lr`.
 
 Built from optax: the schedules (`optax.warmup_cosine_decay_schedule`, `join_schedules`), the
-optimizers (optim.name: adamw | adafactor | lion | sgd) and clipping. Gradient accumulation is not
+optimizers (optim.name: adamw | adafactor | lion | sgd | muon: `optax.contrib`'s Muon pieces) and
+clipping. Gradient accumulation is not
 `optax.MultiSteps`: MultiSteps averages one micro-batch per *call* across train steps, each
 micro-batch mean weighted equally; `accumulate_gradients` runs all micro-batches inside one step and
 weights them by their real (unmasked) tokens, so a step's gradient is exactly the whole batch's
@@ -28,9 +29,13 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from optax import contrib as optax_contrib
+from optax.contrib import _muon as optax_muon  # scale_by_shape: optax.contrib.muon's RMS step, not exported
+from optax.transforms import _masking
 
 from tformer_jax import backends
 from tformer_jax.config import OPTIMIZERS
@@ -63,14 +68,24 @@ def warmup_steps(optim_cfg: Any, total_steps: int) -> int:
   return total_steps // 10 if 0 < total_steps <= warm else warm
 
 
-def make_schedule(optim_cfg: Any, total_steps: int) -> optax.Schedule:
-  """Linear warmup 0 -> peak_lr over the warmup steps, then cosine | rsqrt | constant (optax).
+def wsd_decay_start(optim_cfg: Any, total_steps: int) -> int:
+  """The step where the wsd schedule's decay begins: total_steps - round(decay_fraction * total_steps)."""
+  return total_steps - int(round(float(_opt(optim_cfg, "decay_fraction", 0.2)) * total_steps))
+
+
+def make_schedule(optim_cfg: Any, total_steps: int, decay_start: int | None = None) -> optax.Schedule:
+  """Linear warmup 0 -> peak_lr over the warmup steps, then cosine | rsqrt | constant | wsd (optax).
 
   cosine: half-cosine from peak_lr at the end of warmup down to min_lr_ratio * peak_lr at
     `total_steps`, constant at that floor afterwards (`optax.warmup_cosine_decay_schedule`).
   rsqrt: peak_lr * sqrt(w / step) after warmup, with w = max(warmup, 1) (so no warmup means
     peak_lr at steps 0 and 1, then 1/sqrt decay).
   constant: peak_lr after warmup.
+  wsd (warmup-stable-decay; MiniCPM, Hägele et al. 2024): peak_lr from the end of warmup until
+    `decay_start` (default `wsd_decay_start`: the last decay_fraction of the steps decay; a branched
+    cooldown passes the step it branched from), then down to min_lr_ratio * peak_lr at total_steps along
+    decay_shape: linear | cosine | 1-sqrt (1 - sqrt(fraction of the decay done)). The phase boundaries are
+    exact: schedule(warmup) = schedule(decay_start) = peak_lr, schedule(total_steps) = the floor.
   The returned function is jit-friendly (step may be a traced int).
   """
   peak = float(optim_cfg["peak_lr"])
@@ -84,11 +99,34 @@ def make_schedule(optim_cfg: Any, total_steps: int) -> optax.Schedule:
     after = lambda s: peak * jnp.sqrt(w / jnp.maximum(jnp.asarray(s, jnp.float32) + warm, w))  # noqa: E731
   elif kind == "constant":
     after = optax.constant_schedule(peak)
+  elif kind == "wsd":
+    start = wsd_decay_start(optim_cfg, total_steps) if decay_start is None else int(decay_start)
+    after = _wsd_after(peak, min_lr, warm, start, total_steps, str(_opt(optim_cfg, "decay_shape", "linear")))
   else:
-    raise ValueError(f"optim.schedule: unknown value {kind!r}; expected cosine, rsqrt or constant")
+    raise ValueError(f"optim.schedule: unknown value {kind!r}; expected cosine, rsqrt, constant or wsd")
   if warm == 0:
     return after
   return optax.join_schedules([optax.linear_schedule(0.0, peak, warm), after], [warm])
+
+
+def _wsd_after(peak: float, floor: float, warm: int, start: int, total: int, shape: str) -> optax.Schedule:
+  """The wsd schedule after warmup, as a function of the steps since warmup ended (join_schedules)."""
+  if shape not in ("linear", "cosine", "1-sqrt"):
+    raise ValueError(f"optim.decay_shape: unknown value {shape!r}; expected linear, cosine or 1-sqrt")
+  length = max(total - start, 1)
+
+  def after(count):
+    step = jnp.asarray(count, jnp.float32) + warm
+    frac = jnp.clip((step - start) / length, 0.0, 1.0)
+    if shape == "linear":
+      left = 1.0 - frac
+    elif shape == "cosine":
+      left = 0.5 * (1.0 + jnp.cos(jnp.pi * frac))
+    else:
+      left = 1.0 - jnp.sqrt(frac)
+    return jnp.where(step <= start, peak, jnp.where(frac >= 1.0, floor, floor + (peak - floor) * left))
+
+  return after
 
 
 def _param_name(path: tuple) -> str:
@@ -127,7 +165,8 @@ def decay_mask(params: PyTree, decay_embeddings: bool = True) -> PyTree:
   return jax.tree_util.tree_map_with_path(lambda path, x: param_role(path, x) in decayed, params)
 
 
-def make_optimizer(optim_cfg: Any, total_steps: int, backend: backends.Backend | None = None
+def make_optimizer(optim_cfg: Any, total_steps: int, backend: backends.Backend | None = None, *,
+                   param_axes: dict[str, tuple] | None = None, decay_start: int | None = None
                    ) -> tuple[optax.GradientTransformationExtraArgs, optax.Schedule]:
   """(tx, schedule): clip_by_global_norm (if clip_norm > 0), then the optimizer of optim.name with
   weight decay on `decay_mask`, skipping non-finite steps (`skip_nonfinite`).
@@ -138,6 +177,11 @@ def make_optimizer(optim_cfg: Any, total_steps: int, backend: backends.Backend |
     lion       optax.lion(b1, b2, weight_decay) (use a ~3-10x smaller peak_lr than AdamW)
     sgd        optax.sgd(momentum) (0 = plain SGD), with weight_decay * param added to the gradient
                before it (optax.add_decayed_weights: classic SGD weight decay)
+    muon       Muon on the hidden matrices, AdamW on the rest (`make_muon`)
+
+  param_axes: {param path: logical axis names} (`logical_axes`), which Muon reads its matrices'
+  reduction and output axes from; None: taken from the boxed parameters `tx.init` is given.
+  decay_start: the wsd schedule's decay start (a branched cooldown's step; `make_schedule`).
 
   Gradient accumulation is not inside `tx`: use `accumulate_gradients` in the train step.
   `schedule(step)` gives the learning rate for logging (see the module docstring for the step
@@ -146,7 +190,7 @@ def make_optimizer(optim_cfg: Any, total_steps: int, backend: backends.Backend |
   name = str(optim_cfg["name"])
   if name not in OPTIMIZERS:
     raise ValueError(f"optim.name: unknown value {name!r}; expected one of {', '.join(OPTIMIZERS)}")
-  schedule = make_schedule(optim_cfg, total_steps)
+  schedule = make_schedule(optim_cfg, total_steps, decay_start)
   clip = float(optim_cfg["clip_norm"])
   wd = float(optim_cfg["weight_decay"])
   b1, b2 = float(optim_cfg["b1"]), float(optim_cfg["b2"])
@@ -162,11 +206,92 @@ def make_optimizer(optim_cfg: Any, total_steps: int, backend: backends.Backend |
     parts.append(optax.adafactor(learning_rate=schedule, weight_decay_rate=wd or None, weight_decay_mask=mask))
   elif name == "lion":
     parts.append(optax.lion(learning_rate=schedule, b1=b1, b2=b2, weight_decay=wd, mask=mask))
+  elif name == "muon":
+    parts.append(make_muon(optim_cfg, schedule, mask, param_axes))
   else:
     if wd:
       parts.append(optax.add_decayed_weights(wd, mask))
     parts.append(optax.sgd(learning_rate=schedule, momentum=float(_opt(optim_cfg, "momentum", 0.9)) or None))
   return skip_nonfinite(optax.chain(*parts)), schedule
+
+
+# Muon (Keller Jordan's speedruns; Liu et al. 2025, "Muon is scalable"): which parameters, and how each is a
+# matrix. The hidden matrices by name: attention q/k/v/o, the dense FFN and the experts' matrices. The
+# embeddings, the LM head, the MoE router, norms and biases train with AdamW (as MaxText and the papers split).
+MUON_NAMES = PARAM_ROLES["kernel"] - {"head", "router", "kernel"}
+BATCH_AXES = ("layers", "expert")    # logical axes of a stack of matrices: each slice orthogonalised alone
+
+
+def muon_dims(names: tuple) -> optax_contrib.MuonDimensionNumbers:
+  """A hidden weight's (reduction, output) axes from its logical axis names: 'layers' and 'expert' are
+  batch axes (a stack of matrices); a weight whose first other axis is 'embed' reads the residual stream
+  (q/k/v (embed, heads, kv), FFN in (embed, mlp)): reduction 'embed', output the rest; otherwise it writes
+  into it (o (heads, kv, embed), FFN out (mlp, embed)): output the last axis, reduction the others."""
+  rest = [i for i, n in enumerate(names) if n not in BATCH_AXES]
+  if len(rest) < 2:
+    raise ValueError(f"muon: a weight with logical axes {names} is not a matrix (or a stack of matrices)")
+  if names[rest[0]] == "embed":
+    return optax_contrib.MuonDimensionNumbers(reduction_axis=(rest[0],), output_axis=tuple(rest[1:]))
+  return optax_contrib.MuonDimensionNumbers(reduction_axis=tuple(rest[:-1]), output_axis=(rest[-1],))
+
+
+def _path_key(path: tuple) -> str:
+  return "/".join(str(e.key) for e in path if isinstance(e, jax.tree_util.DictKey))
+
+
+def _is_box(x: Any) -> bool:
+  return isinstance(x, nn.meta.AxisMetadata)
+
+
+def logical_axes(boxed_params: Any) -> dict[str, tuple]:
+  """{'layers_0/attn/wq': ('embed', 'heads', 'kv'), ...}: each boxed parameter's logical axis names."""
+  flat = jax.tree_util.tree_flatten_with_path(boxed_params, is_leaf=_is_box)[0]
+  return {_path_key(p): tuple(x.names) for p, x in flat if _is_box(x)}
+
+
+def muon_labels(params: Any, axes: dict[str, tuple] | None = None) -> Any:
+  """'muon' or 'adam' for each parameter (a tree like `params`, boxes kept): Muon for MUON_NAMES with
+  logical axes known (`axes`, or the params' own boxes), AdamW for everything else."""
+  def label(path, x):
+    names = axes.get(_path_key(path)) if axes is not None else (tuple(x.names) if _is_box(x) else None)
+    return "muon" if _param_name(path) in MUON_NAMES and names is not None else "adam"
+  return jax.tree_util.tree_map_with_path(label, params, is_leaf=_is_box)
+
+
+def make_muon(optim_cfg: Any, schedule: optax.Schedule, decay: Callable[[PyTree], PyTree],
+              param_axes: dict[str, tuple] | None = None) -> optax.GradientTransformation:
+  """Muon (optax.contrib's scale_by_muon: Nesterov momentum muon_beta, muon_ns_steps Newton-Schulz steps
+  on each matrix, its axes from `muon_dims`; then optax.contrib.scale_by_shape: update RMS muon_rms, or
+  width scaling when 0) on the hidden matrices, AdamW (b1, b2, eps) on the rest; both at the schedule's
+  learning rate, weight decay by role (`decay_mask`: every Muon matrix is a decayed kernel).
+  optax.contrib.muon itself decays all of its AdamW part (norms and biases too): its pieces are combined
+  here the same way, with the decay mask. param_axes None: the logical axes are read from the boxed params
+  that `init` is given (and kept for `update`, which sees plain arrays)."""
+  axes: dict[str, tuple] = dict(param_axes) if param_axes is not None else {}
+
+  def labels(params):
+    if param_axes is None and any(_is_box(x) for x in jax.tree.leaves(params, is_leaf=_is_box)):
+      axes.update(logical_axes(params))
+    if not axes:
+      raise ValueError("optim.name=muon: the parameters' logical axes are unknown (pass make_optimizer "
+                       "param_axes=logical_axes(boxed params), or init the optimizer on boxed params)")
+    return muon_labels(params, axes)
+
+  def dims(updates):   # the muon part's tree: MaskedNode where AdamW's parameters are
+    def one(path, x):
+      return x if isinstance(x, _masking.MaskedNode) else muon_dims(axes[_path_key(path)])
+    return jax.tree_util.tree_map_with_path(one, updates, is_leaf=lambda x: isinstance(x, _masking.MaskedNode))
+
+  wd, rms = float(optim_cfg["weight_decay"]), float(_opt(optim_cfg, "muon_rms", 0.2))
+  muon_part = optax.chain(
+      optax_contrib.scale_by_muon(ns_steps=int(_opt(optim_cfg, "muon_ns_steps", 5)),
+                                  beta=float(_opt(optim_cfg, "muon_beta", 0.95)), weight_dimension_numbers=dims),
+      optax_muon.scale_by_shape(weight_dimension_numbers=dims, consistent_rms=rms or None),
+      optax.add_decayed_weights(wd),
+      optax.scale_by_learning_rate(schedule))
+  adam_part = optax.adamw(learning_rate=schedule, b1=float(optim_cfg["b1"]), b2=float(optim_cfg["b2"]),
+                          eps=float(optim_cfg["eps"]), weight_decay=wd, mask=decay)
+  return optax.partition({"muon": muon_part, "adam": adam_part}, labels)
 
 
 def _opt(cfg: Any, name: str, default: Any) -> Any:

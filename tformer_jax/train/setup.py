@@ -25,6 +25,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from tformer_jax import backends, config as config_lib
+from tformer_jax.config.validate import parse_branch_from
 from tformer_jax.nn import Transformer
 from tformer_jax.ops import lora as lora_ops
 from tformer_jax.parallel import mesh as mesh_lib, pmap as pmap_lib, rules as rules_lib
@@ -97,7 +98,8 @@ def build(cfg: ml_collections.ConfigDict, mesh: Mesh, backend: backends.Backend,
   m = resolve_model_config(cfg, vocab_size, check_paths=check_paths)
   rules = rules_lib.get_rules(cfg.mesh.rules, mesh.axis_names)
   model = Transformer(m)
-  tx, schedule = optim.make_optimizer(cfg.optim, cfg.train.steps, backend)
+  _, branch_step = parse_branch_from(cfg.train.get("branch_from", ""))
+  tx, schedule = optim.make_optimizer(cfg.optim, cfg.train.steps, backend, decay_start=branch_step)
   policy = precision.get_policy(cfg.train.precision)
   lora = lora_settings(cfg)
   init = state_lib.init_fn(model, tx, policy.initial_loss_scale(), cfg.data.seq_len,
@@ -111,8 +113,8 @@ def build(cfg: ml_collections.ConfigDict, mesh: Mesh, backend: backends.Backend,
   mesh_lib.check_shardings(abstract, mesh)
 
   batch_sh = mesh_lib.batch_sharding(mesh)
-  options = step_options(cfg)
-  eval_fn = functools.partial(step_lib.eval_step, model=model, **options)
+  eval_fn = functools.partial(step_lib.eval_step, model=model, **step_options(cfg))
+  options = train_step_options(cfg)
   eval_in = shardings.params
   if lora:   # (frozen base, adapters) -> the merged model's eval sums
     base_eval, eval_in = eval_fn, (shardings.frozen, shardings.params)
@@ -141,6 +143,12 @@ def step_options(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
   """make_train_step's options from the config: train.loss_chunk > 0, the chunked loss (train/step.py)."""
   chunk = int(cfg.train.get("loss_chunk", 0) or 0)
   return {"loss_chunk": chunk} if chunk > 0 else {}
+
+
+def train_step_options(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
+  """step_options, plus what only the train step takes: train.logit_z_loss > 0."""
+  z = float(cfg.train.get("logit_z_loss", 0.0) or 0.0)
+  return {**step_options(cfg), **({"z_loss": z} if z > 0 else {})}
 
 
 def batch_spec(data_cfg: Any) -> dict[str, tuple[tuple[int, ...], Any]]:

@@ -8,6 +8,10 @@ loss_chunk (train.loss_chunk) > 0: the loss never holds the full (tokens x vocab
 takes the model's final hidden states and unembedding matrix (`Transformer(..., return_hidden=True)`)
 and runs `ops.losses.nll_sum` over about loss_chunk tokens at a time (same values; the gradients are
 formed in the forward, chunk by chunk: no extra matmul). 0: the model's logits, then log-softmax.
+The chunked loss applies model.final_logit_softcap itself (the model's logits path does when it returns
+logits). z_loss (train.logit_z_loss) > 0: PaLM's z-loss, z_loss * logsumexp(logits)^2 per token, is added
+to the loss; the metrics log it apart ('z_loss') with the mean squared logsumexp ('logit_lse_sq') of
+every run.
 cast_params: under bf16/fp16 with gradient accumulation the train step casts the matmul weights to the
 compute dtype once per step (`precision.cast_for_compute`), not once per micro-batch, and casts their
 gradients back to float32 before accumulation and the optimizer (docs/runtime.md, "The GPU training
@@ -76,9 +80,9 @@ def moe_log_metrics(mut: Any) -> dict[str, jax.Array]:
 
 
 def loss_sum_fn(model: nn.Module, params: Any, batch: dict, rng: jax.Array | None, *, train: bool,
-                scale: jax.Array | float = 1.0, loss_chunk: int = 0, adapters: Any = None):
-  """(scaled sum of token losses incl. aux, (token count, aux metrics)) — the sum form that
-  `optim.accumulate_gradients` needs. loss_chunk: see the module docstring. adapters: LoRA adapters
+                scale: jax.Array | float = 1.0, loss_chunk: int = 0, adapters: Any = None, z_loss: float = 0.0):
+  """(scaled sum of token losses incl. aux and z-loss, (token count, aux metrics)) — the sum form that
+  `optim.accumulate_gradients` needs. loss_chunk, z_loss: see the module docstring. adapters: LoRA adapters
   (B already scaled, `ops.lora.scaled`) that the model applies unmerged on `params`."""
   rngs = {"dropout": rng} if (train and rng is not None) else {}
   hidden = {"return_hidden": True} if loss_chunk > 0 else {}
@@ -90,20 +94,26 @@ def loss_sum_fn(model: nn.Module, params: Any, batch: dict, rng: jax.Array | Non
   count = jnp.sum(mask)
   if loss_chunk > 0:
     h_BxLxD, unembed_DxV = out
-    nll_sum = losses.nll_sum(h_BxLxD, unembed_DxV, batch["targets"], mask, chunk=loss_chunk,
-                             matmul=backends.current().loss_matmul())
+    total, nll_sum, lse_sq_sum = losses.loss_sums(
+        h_BxLxD, unembed_DxV, batch["targets"], mask, chunk=loss_chunk, matmul=backends.current().loss_matmul(),
+        softcap=float(getattr(model.cfg, "final_logit_softcap", 0.0)), z_loss=z_loss)
   else:
-    nll_sum = jnp.sum(cross_entropy(out, batch["targets"]) * mask)
+    nll_BxL, lse_BxL = losses.nll_and_lse_logits(out, batch["targets"])
+    total = nll_sum = jnp.sum(nll_BxL * mask)
+    lse_sq_sum = jnp.sum(jnp.square(lse_BxL) * mask)
+    if z_loss:
+      total = nll_sum + z_loss * lse_sq_sum
+    nll_sum, lse_sq_sum = jax.lax.stop_gradient((nll_sum, lse_sq_sum))
   aux_loss = moe_nn.collect_aux_loss(mut)
-  metrics = {"nll_sum": nll_sum, "aux_loss": aux_loss}
+  metrics = {"nll_sum": nll_sum, "lse_sq_sum": lse_sq_sum, "aux_loss": aux_loss}
   metrics.update({f"moe/{k}": v for k, v in moe_log_metrics(mut).items()})
-  return (nll_sum + aux_loss * count) * scale, (count, metrics)
+  return (total + aux_loss * count) * scale, (count, metrics)
 
 
 def train_step(state: TrainState, batch: dict, *, model: nn.Module, tx: optax.GradientTransformation,
                schedule: optax.Schedule, grad_accum: int = 1, clip_norm: float = 0.0,
                axis_name: str | None = None, loss_chunk: int = 0, cast_params: bool | None = None,
-               lora_scale: float = 1.0) -> tuple[TrainState, dict[str, jax.Array]]:
+               lora_scale: float = 1.0, z_loss: float = 0.0) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer step. `axis_name` (pmap): `batch` is this device's shard; token counts, losses and
   gradients are summed over the axis, so the loss is the same token-weighted global mean as under jit.
   loss_chunk: see the module docstring. cast_params (a no-op in float32): the matmul weights cast to
@@ -131,7 +141,7 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, tx: optax.Gr
     if state.frozen is not None:   # LoRA: the adapters, applied unmerged on the frozen base
       base, adapters = state.frozen, lora_ops.scaled(params, lora_scale)
     loss_sum, (count, metrics) = loss_sum_fn(model, base, mb, r, train=True, scale=ls.scale / tokens,
-                                             loss_chunk=loss_chunk, adapters=adapters)
+                                             loss_chunk=loss_chunk, adapters=adapters, z_loss=z_loss)
     return loss_sum, (psum(count), metrics)  # normalised by the global token count
 
   value_and_grad = jax.value_and_grad(f, has_aux=True)
@@ -147,7 +157,7 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, tx: optax.Gr
     (scaled_loss, aux), grads = optim.accumulate_gradients(grad_fn, compute_params, batch, rng, grad_accum)
   if axis_name is not None:
     scaled_loss, grads = psum((scaled_loss, grads))
-    aux = {k: psum(v) if k == "nll_sum" else jax.lax.pmean(v, axis_name) for k, v in aux.items()}
+    aux = {k: psum(v) if k in ("nll_sum", "lse_sq_sum") else jax.lax.pmean(v, axis_name) for k, v in aux.items()}
   grads = jax.tree.map(lambda g: g * tokens, ls.unscale_grads(grads))
   loss = scaled_loss * tokens / ls.scale
   finite = precision.all_finite((loss, grads))
@@ -159,9 +169,12 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, tx: optax.Gr
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                             loss_scale=ls.adjust(finite), bad_steps=bad,
                             skipped=state.skipped + (1 - finite.astype(jnp.int32)))
+  tokens_seen = jnp.maximum(1.0, psum(_batch_count(batch, grad_accum)))
   metrics = {
       "loss": loss,
-      "nll": aux["nll_sum"] / jnp.maximum(1.0, psum(_batch_count(batch, grad_accum))),
+      "nll": aux["nll_sum"] / tokens_seen,
+      "logit_lse_sq": aux["lse_sq_sum"] / tokens_seen,   # mean logsumexp(logits)^2: what the z-loss pulls to 0
+      "z_loss": z_loss * aux["lse_sq_sum"] / tokens_seen,
       "aux_loss": aux["aux_loss"],
       "lr": schedule(state.step),
       "grad_norm": gnorm,
@@ -191,7 +204,8 @@ def eval_step(params: Any, batch: dict, *, model: nn.Module, loss_chunk: int = 0
     if loss_chunk > 0:
       h_BxLxD, unembed_DxV = model.apply({"params": params}, batch["inputs"], **document_args(batch),
                                          deterministic=True, return_hidden=True)
-      nll_BxL, correct = losses.nll_and_correct(h_BxLxD, unembed_DxV, batch["targets"], chunk=loss_chunk)
+      nll_BxL, correct = losses.nll_and_correct(h_BxLxD, unembed_DxV, batch["targets"], chunk=loss_chunk,
+                                                softcap=float(getattr(model.cfg, "final_logit_softcap", 0.0)))
     else:
       logits = model.apply({"params": params}, batch["inputs"], **document_args(batch), deterministic=True)
       nll_BxL = cross_entropy(logits, batch["targets"])
@@ -203,10 +217,10 @@ def eval_step(params: Any, batch: dict, *, model: nn.Module, loss_chunk: int = 0
 
 
 def make_train_step(model, tx, schedule, optim_cfg, axis_name: str | None = None, *, loss_chunk: int = 0,
-                    cast_params: bool | None = None, lora_scale: float = 1.0):
+                    cast_params: bool | None = None, lora_scale: float = 1.0, z_loss: float = 0.0):
   """train_step with the optimizer settings bound; loss_chunk: train.loss_chunk (0 = full logits);
-  lora_scale: alpha / rank of a LoRA run."""
+  lora_scale: alpha / rank of a LoRA run; z_loss: train.logit_z_loss."""
   return functools.partial(train_step, model=model, tx=tx, schedule=schedule,
                            grad_accum=int(optim_cfg.grad_accum), clip_norm=float(optim_cfg.clip_norm),
                            axis_name=axis_name, loss_chunk=int(loss_chunk), cast_params=cast_params,
-                           lora_scale=float(lora_scale))
+                           lora_scale=float(lora_scale), z_loss=float(z_loss))
