@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from tformer_jax.ops import losses
+from tformer_jax.train import optim, precision, state as state_lib, step as step_lib
 
 
 def _case(seed=0, b=2, l=7, d=8, v=13):
@@ -96,3 +97,28 @@ def test_softcap_bounds_the_logits_and_rejects_negative():
     losses.loss_sums(h, w, t, softcap=-1.0)
   with pytest.raises(ValueError, match="z_loss must be >= 0"):
     losses.loss_sums(h, w, t, z_loss=-1.0)
+
+
+def test_train_step_adds_the_z_loss_and_logs_it_apart():
+  """The float32 train step of a tiny llama with a loss mask and 2 micro-batches: with train.logit_z_loss,
+  loss = nll + z_loss (no MoE aux here), z_loss = coefficient * logit_lse_sq, the same with the full logits
+  and the chunked loss (1e-5), and the gradient changes; logit_lse_sq is logged without the z-loss too."""
+  from test_losses import model_and_batch  # noqa: PLC0415
+  cfg, model, data = model_and_batch("configs/llama_tiny.py", "float32", batch=4, seq=16)
+  cfg.optim.grad_accum = 2
+  tx, schedule = optim.make_optimizer(cfg.optim, 10)
+  init = state_lib.init_fn(model, tx, precision.get_policy("float32").initial_loss_scale(), 16)
+  state = jax.jit(lambda r: state_lib.unbox_plain(init(r)))(jax.random.PRNGKey(0))
+
+  def runs(state, data):
+    return [step_lib.make_train_step(model, tx, schedule, cfg.optim, loss_chunk=chunk, z_loss=z)(state, data)[1]
+            for chunk, z in ((0, 0.0), (0, 0.1), (12, 0.1))]
+
+  off, full, chunked = jax.jit(runs)(state, data)
+  assert float(off["z_loss"]) == 0.0 and float(off["logit_lse_sq"]) > 1.0
+  np.testing.assert_allclose(full["logit_lse_sq"], off["logit_lse_sq"], rtol=1e-6)
+  np.testing.assert_allclose(full["z_loss"], 0.1 * full["logit_lse_sq"], rtol=1e-6)
+  np.testing.assert_allclose(full["loss"], full["nll"] + full["z_loss"], rtol=1e-5)
+  for key in ("loss", "nll", "z_loss", "logit_lse_sq", "grad_norm"):
+    np.testing.assert_allclose(chunked[key], full[key], rtol=1e-5)
+  assert abs(float(full["grad_norm"]) - float(off["grad_norm"])) > 1e-4

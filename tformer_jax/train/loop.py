@@ -26,7 +26,14 @@ from tformer_jax import backends, checkpoint, config as config_lib, decode, host
 from tformer_jax.checkpoint import Checkpointer
 from tformer_jax.data import pipeline, prepared as prepared_lib
 from tformer_jax.parallel import mesh as mesh_lib, pmap as pmap_lib
-from tformer_jax.train import init_from, objectives, setup as setup_lib, state as state_lib, workdir as workdir_lib
+from tformer_jax.train import (
+  branch as branch_lib,
+  init_from,
+  objectives,
+  setup as setup_lib,
+  state as state_lib,
+  workdir as workdir_lib,
+)
 from tformer_jax.train.metrics import MetricWriter, bytes_per_token, eval_summary
 from tformer_jax.train.setup import resolve_model_config as resolve_model_config  # re-exported (bench, tests)
 
@@ -81,6 +88,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, *,
   if not source_resolved:
     cfg = init_from.resolve(cfg)                  # fine-tuning: the source's architecture and tokenizer
   config_lib.validate(cfg)  # fail on config errors before touching data or compiling
+  cfg = branch_lib.resolve(cfg, workdir)          # train.branch_from: the source's step, pinned
   if eval_hook is None and _names_eval_tasks(cfg):
     raise config_lib.ConfigError("train.eval_tasks: this caller passed no eval_hook (pass "
                                  "eval_hook=tformer_jax.eval.in_training.HarnessEval, as tformer-train does)")
@@ -223,6 +231,12 @@ class _Run:
       if data_state:
         self.it.set_state(data_state)
       log.info("resumed from step %d", start)
+    elif cfg.train.get("branch_from"):   # a new branch: the source's whole state at its step (train/branch.py)
+      state, data_state = branch_lib.restore(cfg.train.branch_from, abstract.replace(frozen=None))
+      start = int(state.step)
+      if data_state:
+        self.it.set_state(data_state)
+      log.info("branched from %s (step %d)", *cfg.train.branch_from.rsplit("@", 1))
     else:
       given = {}
       if cfg.train.init_from:
