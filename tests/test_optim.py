@@ -307,9 +307,12 @@ def test_every_optimizer_trains_and_respects_the_decay_mask(name):
   def loss(p):
     return jnp.mean((_Tiny().apply({"params": p}, x) - target) ** 2)
 
-  lr = {"adamw": 1e-2, "adafactor": 0.3, "lion": 1e-3, "sgd": 0.1}[name]   # adafactor scales by the params RMS
+  lr = {"adamw": 1e-2, "adafactor": 0.3, "lion": 1e-3, "sgd": 0.1, "muon": 1e-2}[name]   # adafactor: by params RMS
+  # muon: flax's own 'kernel' is no hidden matrix of ours (MUON_NAMES): AdamW's part of Muon trains it all
+  # here (tests/test_muon.py has the matrices)
+  axes = {"param_axes": optim.logical_axes(_init(True))} if name == "muon" else {}
   tx, _ = optim.make_optimizer(_cfg(name=name, peak_lr=lr, warmup_steps=0, schedule="constant",
-                                    weight_decay=0.1), total_steps=50)
+                                    weight_decay=0.1), total_steps=50, **axes)
   state, p, first = tx.init(params), params, float(loss(params))
   step = jax.jit(lambda p, s: (lambda g: tx.update(g, s, p))(jax.grad(loss)(p)))
   for _ in range(30):

@@ -272,7 +272,7 @@ def make_muon(optim_cfg: Any, schedule: optax.Schedule, decay: Callable[[PyTree]
   def labels(params):
     if param_axes is None and any(_is_box(x) for x in jax.tree.leaves(params, is_leaf=_is_box)):
       axes.update(logical_axes(params))
-    if not axes:
+    if not axes and param_axes is None:
       raise ValueError("optim.name=muon: the parameters' logical axes are unknown (pass make_optimizer "
                        "param_axes=logical_axes(boxed params), or init the optimizer on boxed params)")
     return muon_labels(params, axes)
