@@ -201,8 +201,9 @@ def maybe_reexec() -> None:
     return
   try:
     changes = plan(os.environ, find_tcmalloc(), glibc_version())
-  except ValueError as e:
-    raise SystemExit(f"error: {e}") from None
+  except ValueError as e:      # a usage error: one line, exit status 2 (as every command's)
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
   if not changes:
     return
   argv = list(getattr(sys, "orig_argv", [])) or [sys.executable] + sys.argv

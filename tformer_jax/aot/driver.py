@@ -16,7 +16,7 @@ from tformer_jax.aot.hlo import hlo_collectives, hlo_flops
 from tformer_jax.aot.report import Report
 from tformer_jax.aot.topology import GiB, devices_per_chip, hbm_bytes_per_device, topology_devices
 from tformer_jax.bench import flops as flops_lib
-from tformer_jax.config import ConfigError
+from tformer_jax.config import ConfigError, validate
 from tformer_jax.diagnostics import estimate as estimate_lib
 from tformer_jax.parallel import mesh as mesh_lib
 from tformer_jax.train import setup as setup_lib
@@ -65,6 +65,7 @@ def compile_for_topology(cfg: ml_collections.ConfigDict, topology: str, num_slic
                          hlo_path: str | None = None) -> Report:
   """Lower and compile `cfg`'s train step for `num_slices` x `topology` (see the module docstring).
   Raises UsageError / ConfigError (one line) for a topology or config that cannot be laid out."""
+  validate(cfg, check_paths=False)    # the whole config (mesh.shape against mesh.axes too) before any mesh is built
   if cfg.mesh.get("parallelism", "jit") != "jit":
     raise ConfigError(f"mesh.parallelism: ahead-of-time compilation covers the jit step; got "
                       f"{cfg.mesh.parallelism!r}, use 'jit'")

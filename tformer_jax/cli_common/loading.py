@@ -11,7 +11,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from tformer_jax.cli_common.errors import UsageError, flag_error_line
+from tformer_jax.cli_common.errors import UsageError, flag_error_line, one_line
 from tformer_jax.config import ConfigError, check_field_path, default_config, load_config_file as _load
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -64,7 +64,27 @@ def load_config_file(path: str | pathlib.Path) -> ml_collections.ConfigDict:
   (a training run, or one `tformer-convert --from-hf` wrote)."""
   if pathlib.Path(path).is_dir() and (pathlib.Path(path) / "config.json").is_file():
     return workdir_config(path)
-  return _load(find_config_file(path))
+  file = find_config_file(path)
+  try:
+    return _load(file)
+  except ConfigError:
+    raise
+  except Exception as e:  # noqa: BLE001 - the user's file: any error in it is theirs, named in one line
+    raise UsageError(config_file_error(file, e)) from e
+
+
+def config_file_error(file: pathlib.Path, e: BaseException) -> str:
+  """One line for an exception raised while an experiment file ran (its module, or its get_config()): the
+  file and line where it happened, the exception's type and message."""
+  if isinstance(e, SyntaxError) and e.filename and pathlib.Path(e.filename).resolve() == file.resolve():
+    return f"config file {file}:{e.lineno}: SyntaxError: {e.msg} (the file does not parse)"
+  line, tb = None, e.__traceback__
+  while tb is not None:                      # the last frame in the user's file
+    if pathlib.Path(tb.tb_frame.f_code.co_filename).resolve() == file.resolve():
+      line = tb.tb_lineno
+    tb = tb.tb_next
+  where = f"{file}:{line}" if line is not None else str(file)
+  return f"config file {where}: {type(e).__name__}: {one_line(e)}"
 
 
 def workdir_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
@@ -84,7 +104,14 @@ def workdir_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
       else:
         dst[key] = tuple(value) if isinstance(dst[key], tuple) and isinstance(value, list) else value
 
-  merge(cfg, json.loads(path.read_text()))
+  try:
+    saved = json.loads(path.read_text())
+  except (OSError, ValueError) as e:
+    raise UsageError(f"{path}: not a readable run config ({getattr(e, 'strerror', None) or e}); restore it, or "
+                     "move it away and pass --config") from None
+  if not isinstance(saved, Mapping):
+    raise UsageError(f"{path}: not a run config (a JSON {type(saved).__name__}, not an object)")
+  merge(cfg, saved)
   return cfg
 
 

@@ -26,6 +26,7 @@ pick the fields and tokenize (`unit_documents`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import gzip
@@ -35,6 +36,7 @@ import logging
 import os
 import pathlib
 import re
+import zlib
 from typing import Any, BinaryIO, Iterator, Sequence
 
 from tformer_jax.data.corpora import DataError
@@ -163,6 +165,15 @@ def _open(path: str, gz: bool) -> BinaryIO:
   return gzip.open(path, "rb") if gz else open(path, "rb")
 
 
+@contextlib.contextmanager
+def _gzip_intact(path: str) -> Iterator[None]:
+  """A truncated or damaged .gz read inside the block is a DataError naming the file (was gzip's traceback)."""
+  try:
+    yield
+  except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+    raise DataError(f"{path}: the gzip file is truncated or damaged ({e}); download or compress it again") from None
+
+
 def _cut(buf: bytes, paragraph: bool) -> int:
   """The end of the last complete record in buf (after its separator), 0 if none."""
   if paragraph:
@@ -183,11 +194,11 @@ def _blocks(src: Source, index: int, start: Position, kind: str, paragraph: bool
             block_bytes: int) -> Iterator[Unit]:
   offset, line = start.offset, start.line
   if kind == "txt_block" and not offset:
-    with _open(src.path, src.gzip) as f:
+    with _open(src.path, src.gzip) as f, _gzip_intact(src.path):
       if is_binary(f.read(BINARY_SNIFF_BYTES)):
         yield Unit(Position(index), "binary", src.path, None, src.bytes, src.gzip)   # one skipped document
         return
-  with _open(src.path, src.gzip) as f:
+  with _open(src.path, src.gzip) as f, _gzip_intact(src.path):
     if offset:
       f.seek(offset)
     buf = b""
@@ -209,7 +220,7 @@ def _blocks(src: Source, index: int, start: Position, kind: str, paragraph: bool
 
 def _json_array(src: Source) -> Iterator[Any]:
   """The elements of a large JSON array, parsed incrementally (bounded memory)."""
-  with _open(src.path, src.gzip) as raw:
+  with _open(src.path, src.gzip) as raw, _gzip_intact(src.path):
     yield from ArrayReader(io.TextIOWrapper(raw, encoding="utf-8", errors="surrogateescape"), src.path).elements()
 
 
@@ -359,7 +370,7 @@ def _bad_utf8(where: str, on_bad_utf8: str, detail: str, binary: bool = False) -
 
 
 def _read(path: str, gz: bool) -> bytes:
-  with _open(path, gz) as f:
+  with _open(path, gz) as f, _gzip_intact(path):
     return f.read()
 
 
