@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pathlib
 import socket
+import stat
 import subprocess
 
 import flax.linen as nn
@@ -258,3 +260,21 @@ def test_eval_names_the_checkpoint_step_it_scored_when_the_latest_is_damaged(tmp
   res = eval_cli.main([f"--workdir={work}", "--batches=1", "--config.data.batch_size=2"])
   out = capsys.readouterr().out
   assert res["step"] == 1 and "(checkpoint step 1)" in out and json.loads(out.strip().splitlines()[-1])["step"] == 1
+
+
+def test_an_export_honours_the_umask_and_names_its_step(work, tmp_path, capsys):
+  """Directories 0755 and files 0644 under umask 022, as an ordinary mkdir / open makes them (were mkdtemp's
+  0700 and save_file's 0600: a group could not read an export meant for sharing); tformer_export.json names the
+  checkpoint step it read (was always null), and so does a converted workdir's checkpoint."""
+  old = os.umask(0o022)
+  try:
+    out, back = tmp_path / "hf", tmp_path / "back"
+    assert _run(["--from", str(work), "--to-hf", str(out)], capsys)[0] == 0
+    assert _run(["--from-hf", str(out), "--to", str(back)], capsys)[0] == 0
+  finally:
+    os.umask(old)
+  assert json.loads((out / hf.EXPORT_MARKER).read_text())["step"] == 1
+  for root in (out, back):
+    for p in [root, *root.rglob("*")]:
+      want = 0o755 if p.is_dir() else 0o644
+      assert stat.S_IMODE(p.stat().st_mode) == want, (p, oct(p.stat().st_mode))

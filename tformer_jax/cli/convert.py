@@ -141,7 +141,7 @@ def workdir_to_hf(workdir: str | pathlib.Path, hf_dir: str | pathlib.Path, famil
   """Export the params of `workdir`'s latest checkpoint (or `step`) as a Hugging Face directory, with
   the tokenizer the run's data was tokenized with (`data_tokenizer_files`) and its bos/eos/pad ids in
   config.json and generation_config.json. Written whole and atomically (hf.save_hf)."""
-  cfg, params = restore_params(workdir, step)
+  cfg, params, step = restore_params(workdir, step, with_step=True)     # the step read, for tformer_export.json
   tok_dir, files = data_tokenizer_files(cfg)
   ids = None
   try:

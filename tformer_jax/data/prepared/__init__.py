@@ -55,7 +55,7 @@ from tformer_jax.data.prepared.dataset import (
     shard_files,
     token_dtype,
 )
-from tformer_jax.data.prepared.outdir import clean_partials, exchange_dirs, link_target, partial_dir
+from tformer_jax.data.prepared.outdir import clean_partials, exchange_dirs, honour_umask, link_target, partial_dir
 from tformer_jax.data.prepared.run_data import (
     RUN_DATA,
     RUN_DATA_FORMAT,
@@ -70,6 +70,6 @@ from tformer_jax.data.prepared.run_data import (
 
 __all__ = ["DEFAULT_BPE_VOCAB", "DEFAULT_SAMPLE_BYTES", "DEFAULT_SHARD_TOKENS", "FORMAT", "LOCK", "MANIFEST",
            "PROGRESS", "RUN_DATA", "RUN_DATA_FORMAT", "TOKENIZER_EXTRAS", "PreparedDataset", "check_run_data",
-           "check_shards", "clean_partials", "dataset_identity", "exchange_dirs", "link_target", "open_prepared",
-           "partial_dir", "prepare", "read_manifest", "read_run_data", "sample_texts", "shard_files",
+           "check_shards", "clean_partials", "dataset_identity", "exchange_dirs", "honour_umask", "link_target",
+           "open_prepared", "partial_dir", "prepare", "read_manifest", "read_run_data", "sample_texts", "shard_files",
            "token_dtype", "tokenizer_sha256", "tokenizer_spec", "write_run_data"]

@@ -166,7 +166,26 @@ def link_target(d: pathlib.Path) -> pathlib.Path:
 def partial_dir(d: pathlib.Path) -> pathlib.Path:
   """A new hidden directory beside `d` to build its replacement in, `.NAME.partial-HOST-PID-XXXXXXXX`: the
   writer's host and pid in the name tell a later run whether it is a dead writer's (`clean_partials`)."""
-  return pathlib.Path(tempfile.mkdtemp(dir=d.parent, prefix=f".{d.name}.partial-{socket.gethostname()}-{os.getpid()}-"))
+  tmp = pathlib.Path(tempfile.mkdtemp(dir=d.parent, prefix=f".{d.name}.partial-{socket.gethostname()}-{os.getpid()}-"))
+  honour_umask(tmp)              # mkdtemp's 0700: the output is a directory like any other (0755 under umask 022)
+  return tmp
+
+
+def umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
+def honour_umask(root: pathlib.Path) -> None:
+  """`root` and everything under it with the modes an ordinary mkdir / open would give (0777 / 0666 less the
+  umask): mkdtemp makes 0700 and some writers (safetensors' save_file) 0600, so a group could not read an output
+  meant for sharing."""
+  mask = umask()
+  for path in [root, *root.rglob("*")]:
+    if path.is_symlink():
+      continue
+    os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def _alive(pid: int) -> bool:

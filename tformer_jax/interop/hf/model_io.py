@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from safetensors import SafetensorError
 
 from tformer_jax.config import ModelConfig
-from tformer_jax.data.prepared import clean_partials, exchange_dirs, link_target, partial_dir
+from tformer_jax.data.prepared import clean_partials, exchange_dirs, honour_umask, link_target, partial_dir
 from tformer_jax.interop.families import get_family
 from tformer_jax.interop.hf.family import hf_config_from_model, infer_family, model_config_from_hf
 from tformer_jax.interop.hf.files import _is_model, _read_tensors, _write_safetensors, read_hf_config
@@ -105,6 +105,7 @@ def write_dir_atomically(d: pathlib.Path, write: Any, marker: str, fmt: str, inf
     write(tmp)
     files = sorted(p.name for p in tmp.iterdir())
     (tmp / marker).write_text(json.dumps({"format": fmt, **info, "files": files}, indent=2) + "\n")
+    honour_umask(tmp)                             # not mkdtemp's 0700 nor save_file's 0600: 0755 / 0644 (umask 022)
     for p in tmp.iterdir():
       if p.is_file():
         with open(p, "rb+") as f:
