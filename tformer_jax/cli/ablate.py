@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       cli_common.override(args.config, combo)
   except (ValueError, cli_common.UsageError) as e:
     cli_common.fail(str(e))
-  logging.basicConfig(level=logging.WARNING)
+  cli_common.setup_logging(logging.WARNING, logging.BASIC_FORMAT)
   results = ablate.run_ablation(args.config, sweeps, args.steps, args.out)
   paths = ablate.write_results(results, args.out, args.title or ", ".join(k for k, _ in sweeps))
   print("\n" + ablate.markdown_table(results))

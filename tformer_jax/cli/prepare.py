@@ -79,7 +79,7 @@ def benchmark_ceiling(stats: dict[str, Any], sources: Sequence[str], *, fields: 
 
 def run(argv: Sequence[str] | None = None) -> int:
   args = cli_common.parse(argv, define_flags, doc=__doc__, prog="tformer-prepare")
-  logging.basicConfig(level=logging.INFO, format="%(message)s")
+  cli_common.setup_logging(logging.INFO, "%(message)s")
   if args.verify:
     ds = prepared.open_prepared(args.verify, verify=True)
     print(f"ok: {ds.path}: {ds.num_documents:,} documents, {ds.num_tokens:,} tokens in {len(ds.shards)} shards, "

@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   if str(train_cfg.get("eval_tasks", "") or "").strip(",\t "):
     cli_common.require_extra(f"{PROG} with train.eval_tasks", "eval")
   validate(args.config)  # every rule, before jax is imported, anything compiles or the workdir changes
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  cli_common.setup_logging(logging.INFO)   # once, replacing whatever an import installed (orbax: WARNING)
   for name in ("absl", "jax"):   # their INFO lines (e.g. "Unable to initialize backend 'tpu'") are noise here
     logging.getLogger(name).setLevel(logging.WARNING)
   if args.distributed or args.coordinator_address:

@@ -42,6 +42,7 @@ from tformer_jax.cli_common.errors import (
   fail,
   one_line,
   run_main,
+  setup_logging,
 )
 from tformer_jax.cli_common.extras import EXTRAS, extra_message, missing_module, require_extra
 from tformer_jax.cli_common.loading import (
@@ -64,5 +65,5 @@ __all__ = [
     "check_model_source", "check_overrides", "choices", "config_dirs", "describe_config", "enum_doc", "enum_fields",
     "error_message", "exit_process", "extra_message", "fail", "field_docs", "find_config_file", "help_text",
     "load_config", "load_config_file", "missing_module", "one_line", "override", "parse", "require_extra",
-    "resolve_source", "run_main", "shipped_configs", "unknown_flag_hint", "workdir_config",
+    "resolve_source", "run_main", "setup_logging", "shipped_configs", "unknown_flag_hint", "workdir_config",
 ]

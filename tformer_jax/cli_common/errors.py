@@ -119,6 +119,20 @@ def exit_process(status: int, grace_s: float = 10.0) -> NoReturn:
   sys.exit(status)
 
 
+def setup_logging(level: int = logging.INFO, fmt: str = "%(asctime)s %(levelname)s %(name)s: %(message)s") -> None:
+  """The command's logging, set by the command whatever was imported before: the root logger at `level` with
+  one stderr handler in `fmt`. A plain StreamHandler already there (the WARNING one orbax's import leaves
+  while train.init_from is resolved: basicConfig alone then did nothing, and a fine-tuning run printed none
+  of its INFO lines) is replaced; other handlers (a test's log capture, a file) are kept."""
+  root = logging.getLogger()
+  for h in [h for h in root.handlers if type(h) is logging.StreamHandler]:
+    root.removeHandler(h)
+  handler = logging.StreamHandler(sys.stderr)
+  handler.setFormatter(logging.Formatter(fmt))
+  root.addHandler(handler)
+  root.setLevel(level)
+
+
 def fail(message: str) -> None:
   """A usage error: one line `error: message` on stderr, exit status 2."""
   print(f"error: {message}", file=sys.stderr)
