@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
+import time
 from typing import Any
 
 import jax
@@ -154,28 +156,48 @@ def merge_lora(config: Any, adapters: PyTree, workdir: str | os.PathLike | None 
   return jax.tree.map(np.asarray, merged)
 
 
-def restore_params(workdir: str | os.PathLike, step: int | None = None, *,
-                   with_step: bool = False, merge: bool = True) -> tuple[Any, ...]:
-  """(config, params) of a train workdir, for inference: params as host numpy arrays; with_step=True:
-  (config, params, the step they come from). A LoRA run (train.lora.rank > 0) saved only its adapters:
-  they come merged into its base (`merge_lora`), or as they are with merge=False.
+RACE_RETRIES = 5    # reads of a checkpoint directory a running trainer is changing, before giving up
 
-  Reads `<workdir>/config.json` and only the `params` field of the saved train state (as it was
-  saved) from the latest usable checkpoint (or `step`), whatever the optimizer or the mesh it
-  was trained on; the params are checked against the step's manifest, and an unreadable or damaged
-  latest step falls back like `Checkpointer.restore`.
-  """
-  work = _path(workdir)
-  if not work.is_dir():
-    raise CheckpointError(f"workdir {work} does not exist")
-  cfg_path, ckpt_dir = work / CONFIG_FILE, work / CHECKPOINT_DIR
-  if not cfg_path.is_file():
-    raise CheckpointError(f"{cfg_path} not found: is {work} a training workdir?")
-  config = _read_config(cfg_path)
-  if not ckpt_dir.is_dir():
-    raise CheckpointError(f"no checkpoints in {work} ({ckpt_dir} does not exist)")
-  debug_log = _debug_log_path(ckpt_dir)
-  _NOISE.attach(debug_log)
+
+class _Raced(CheckpointError):
+  """A step failed to read while the directory changed (a step saved or rotated away meanwhile): not damage."""
+
+
+def _listing(ckpt_dir: epath.Path) -> tuple[str, ...]:
+  """The entries of a local checkpoint directory (steps, temporary steps), () elsewhere or when it is gone."""
+  if not _is_local(ckpt_dir):
+    return ()
+  try:
+    return tuple(sorted(os.listdir(os.fspath(ckpt_dir))))
+  except OSError:
+    return ()
+
+
+def _trainer(work: epath.Path) -> str | None:
+  """'pid N on HOST' when a training run holds `work` (its WORKDIR/.lock, train/workdir.py: non-empty while held,
+  the pid alive when it is this host's), else None."""
+  if not _is_local(work):
+    return None
+  try:
+    info = json.loads((work / ".lock").read_text() or "{}")
+  except (OSError, ValueError):
+    return None
+  if not isinstance(info, dict) or "pid" not in info:
+    return None
+  if info.get("host") == socket.gethostname():
+    try:
+      os.kill(int(info["pid"]), 0)
+    except ProcessLookupError:
+      return None
+    except (OSError, ValueError, TypeError):
+      pass
+  return f"pid {info.get('pid')} on {info.get('host', '?')}"
+
+
+def _read_params(ckpt_dir: epath.Path, step: int | None, debug_log: epath.Path | None,
+                 listing: tuple[str, ...]) -> tuple[int, PyTree]:
+  """(the step read, its params): the latest usable step (or `step`), damaged ones skipped (`_first_good`); a
+  step that fails while the directory's `listing` changes raises _Raced (the caller reads again)."""
   options = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False)
   manager = ocp.CheckpointManager(ckpt_dir, options=options, handler_registry=_registry("pytree"))
   try:
@@ -186,6 +208,16 @@ def restore_params(workdir: str | os.PathLike, step: int | None = None, *,
       raise CheckpointError(f"no checkpoint step {step} in {ckpt_dir}; available: {sorted(steps)}")
 
     def attempt(s: int) -> PyTree:
+      try:
+        return read(s)
+      except CheckpointError:
+        raise
+      except Exception as e:  # noqa: BLE001 - damage, unless the directory changed meanwhile (a race)
+        if _listing(ckpt_dir) != listing or _trainer(ckpt_dir.parent) is not None:
+          raise _Raced(f"checkpoint step {s} in {ckpt_dir} changed while it was read") from e
+        raise
+
+    def read(s: int) -> PyTree:
       tree = _state_tree(manager, s)
       if not isinstance(tree, dict) or "params" not in tree:
         raise CheckpointError(f"checkpoint step {s} in {ckpt_dir} has no 'params' in its state")
@@ -212,6 +244,47 @@ def restore_params(workdir: str | os.PathLike, step: int | None = None, *,
     used, params, _ = _first_good(ckpt_dir, steps_to_try, attempt, explicit=step is not None, debug_log=debug_log)
   finally:
     manager.close()
+  return used, params
+
+
+def restore_params(workdir: str | os.PathLike, step: int | None = None, *,
+                   with_step: bool = False, merge: bool = True) -> tuple[Any, ...]:
+  """(config, params) of a train workdir, for inference: params as host numpy arrays; with_step=True:
+  (config, params, the step they come from). A LoRA run (train.lora.rank > 0) saved only its adapters:
+  they come merged into its base (`merge_lora`), or as they are with merge=False.
+
+  Reads `<workdir>/config.json` and only the `params` field of the saved train state (as it was
+  saved) from the latest usable checkpoint (or `step`), whatever the optimizer or the mesh it
+  was trained on; the params are checked against the step's manifest, and an unreadable or damaged
+  latest step falls back like `Checkpointer.restore`.
+  """
+  work = _path(workdir)
+  if not work.is_dir():
+    raise CheckpointError(f"workdir {work} does not exist")
+  cfg_path, ckpt_dir = work / CONFIG_FILE, work / CHECKPOINT_DIR
+  if not cfg_path.is_file():
+    raise CheckpointError(f"{cfg_path} not found: is {work} a training workdir?")
+  config = _read_config(cfg_path)
+  if not ckpt_dir.is_dir():
+    raise CheckpointError(f"no checkpoints in {work} ({ckpt_dir} does not exist)")
+  debug_log = _debug_log_path(ckpt_dir)
+  _NOISE.attach(debug_log)
+  for attempt in range(RACE_RETRIES):      # a run saving and rotating steps while we read: read again
+    before = _listing(ckpt_dir)
+    try:
+      used, params = _read_params(ckpt_dir, step, debug_log, before)
+      break
+    except _Raced:
+      pass
+    except (CheckpointError, FileNotFoundError):
+      if _listing(ckpt_dir) == before:
+        raise
+    time.sleep(0.2 * (attempt + 1))
+  else:
+    who = _trainer(work)
+    raise CheckpointError(f"the checkpoints in {ckpt_dir} changed while they were read, {RACE_RETRIES} times: a "
+                          f"run{f' ({who})' if who else ''} is saving and rotating them (not damage); retry, or "
+                          "read once it has finished")
   if merge and lora_of(config) is not None:
     params = merge_lora(config, params, work)
   return (config, params, used) if with_step else (config, params)

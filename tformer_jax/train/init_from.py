@@ -45,7 +45,17 @@ def source_model_config(source: str) -> tuple[config_lib.ModelConfig, str | None
   cfg_path = pathlib.Path(source).expanduser() / "config.json"
   if not cfg_path.is_file():
     raise CheckpointError(f"train.init_from={source}: no config.json (not a training workdir)")
-  src = ml_collections.ConfigDict(json.loads(cfg_path.read_text()))
+  try:
+    saved = json.loads(cfg_path.read_text())
+  except (OSError, ValueError) as e:
+    raise CheckpointError(f"train.init_from={source}: {cfg_path} is not a readable run config ({e})") from None
+  if isinstance(saved, dict) and "model" not in saved and ("model_type" in saved or "architectures" in saved):
+    raise config_lib.ConfigError(f"train.init_from={source}: a Hugging Face model directory (its config.json has "
+                                 f"model_type {saved.get('model_type')!r}); prefix it with hf: "
+                                 f"(train.init_from=hf:{source})")
+  if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+    raise CheckpointError(f"train.init_from={source}: {cfg_path} has no model section (not a training workdir)")
+  src = ml_collections.ConfigDict(saved)
   tok = src.get("data", {}).get("tokenizer")
   return config_lib.ModelConfig.from_config(src.model), (str(tok) if tok else None)
 
