@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
 import pathlib
 import re
 import sys
@@ -93,7 +94,46 @@ def parse_args(argv: Sequence[str] | None) -> Any:
     cli_common.fail("--output_path needs --tasks=NAME[,NAME] (lm-eval's results folder; --json otherwise)")
   if args.output_path is not None and args.json is not None:
     cli_common.fail("pass one of --json=FILE, --output_path=PATH (the results folder)")
+  if args.json is not None:
+    check_output_file("--json", pathlib.Path(args.json))
+  if args.output_path is not None:
+    out = pathlib.Path(args.output_path)
+    if out.suffix == ".json":
+      check_output_file("--output_path", out)
+    elif out.exists() and not out.is_dir():
+      cli_common.fail(f"--output_path={out}: a file, not a results folder (a PATH ending in .json is the file)")
+    else:
+      _check_writable("--output_path", out)
   return args
+
+
+def _ours(path: pathlib.Path) -> bool:
+  """Whether `path` holds a result tformer-eval wrote (its JSON: the loss line, or the harness's with 'tformer')."""
+  try:
+    res = json.loads(path.read_text())
+  except (OSError, ValueError):
+    return False
+  return isinstance(res, dict) and ("tformer" in res or {"source", "split", "objective"} <= set(res))
+
+
+def _check_writable(flag: str, folder: pathlib.Path) -> None:
+  """A usage error unless `folder` (or its nearest existing parent, where it would be created) is a writable folder."""
+  near = folder
+  while not near.exists() and near.parent != near:
+    near = near.parent
+  if not near.is_dir() or not os.access(near, os.W_OK | os.X_OK):
+    cli_common.fail(f"{flag}: {near} is not a writable folder")
+
+
+def check_output_file(flag: str, path: pathlib.Path) -> None:
+  """Before any evaluation: a result file can be written at `path`, and replaces nothing but an earlier
+  result of tformer-eval (a user's own file is refused, untouched)."""
+  if path.is_dir():
+    cli_common.fail(f"{flag}={path}: a folder, not a file")
+  if path.exists() and not _ours(path):
+    cli_common.fail(f"{flag}={path}: exists and is not a result tformer-eval wrote; pass another path (nothing "
+                    "was changed)")
+  _check_writable(flag, path.parent)
 
 
 def _data_config(args: Any) -> Any:
@@ -248,6 +288,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   line = json.dumps(res)
   print(line)
   if args.json:
+    pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.json).write_text(line + "\n")
   return res
 

@@ -40,6 +40,10 @@ class NoTargets(ValueError):
   """The targets name no kernel of the parameter tree."""
 
 
+class RankTooLarge(ValueError):
+  """A rank above a targeted kernel's smaller side: the product A @ B could not be of that rank."""
+
+
 def parse_targets(spec: str | Sequence[str]) -> tuple[str, ...]:
   """'q,k,v,o' (or a sequence) -> ('q', 'k', 'v', 'o'); ValueError naming an unknown target."""
   names = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
@@ -70,6 +74,11 @@ def init(rng: jax.Array, params: PyTree, targets: Sequence[str], rank: int,
   if not found:
     has = [t for t in TARGETS if _targeted(params, [t])]
     raise NoTargets(f"{','.join(targets)} match no parameter of this model (it has: {','.join(has) or 'none'})")
+  for keys, w, lead, n_in in found:
+    n, m = math.prod(w.shape[lead:lead + n_in]), math.prod(w.shape[lead + n_in:])
+    if rank > min(n, m):
+      raise RankTooLarge(f"{rank} exceeds the smaller side of {'/'.join(keys[-2:])} ({n} x {m}): a rank-{rank} "
+                         f"update of it is at most rank {min(n, m)}; use a rank <= {min(n, m)} or drop that target")
   tree: dict = {}
   for i, (keys, w, lead, n_in) in enumerate(found):
     lead_shape, in_shape = w.shape[:lead], w.shape[lead:lead + n_in]

@@ -167,6 +167,7 @@ class _Run:
   def __init__(self, cfg: ml_collections.ConfigDict, workdir: str | os.PathLike, mesh: jax.sharding.Mesh,
                runtime: backends.Runtime, eval_hook: EvalHook | None = None):
     workdir_lib.check_architecture(workdir, cfg)   # before anything in the workdir changes
+    workdir_lib.check_data(workdir, cfg)           # a resumed run: the data it started on
     self.cfg, self.mesh, self.work = cfg, mesh, prepare_workdir(workdir)
     backends.enable_compilation_cache(cfg.data.cache_dir)
     self.is_main = jax.process_index() == 0

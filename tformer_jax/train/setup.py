@@ -110,6 +110,8 @@ def build(cfg: ml_collections.ConfigDict, mesh: Mesh, backend: backends.Backend,
       abstract, shardings = state_lib.state_shardings(init, rng, mesh, rules)
     except lora_ops.NoTargets as e:
       raise config_lib.ConfigError(f"train.lora.targets: {e}") from None
+    except lora_ops.RankTooLarge as e:
+      raise config_lib.ConfigError(f"train.lora.rank: {e}") from None
   mesh_lib.check_shardings(abstract, mesh)
 
   batch_sh = mesh_lib.batch_sharding(mesh)

@@ -8,9 +8,10 @@ Multi-process runs: process 0 holds the lock for the run.
 
 `check_owned(workdir)` refuses, in one line, an existing directory that holds files but nothing of a
 run's (`config.json` with a model, `checkpoints/`, `metrics.jsonl`, the lock): a user's own folder is never
-written into. `check_architecture(workdir, cfg)` compares the architecture of the config about to run with the one
-already saved in `WORKDIR/config.json` (when the workdir has checkpoints): a difference is a one-line
-ConfigError listing the fields, and the saved config is left untouched.
+written into, nor a model tformer-convert --from-hf wrote (train from it with train.init_from).
+`check_architecture(workdir, cfg)` compares the architecture of the config about to run with the one already
+saved in `WORKDIR/config.json` (when the workdir has checkpoints): a difference is a one-line ConfigError listing
+the fields, and the saved config is left untouched.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from tformer_jax import config as config_lib
 
 log = logging.getLogger("tformer_jax")
 LOCK_NAME = ".lock"
+CONVERTED_MARKER = "tformer_convert.json"     # tformer-convert --from-hf's workdir (cli/convert.py)
 
 
 class WorkdirBusy(config_lib.ConfigError):
@@ -108,6 +110,10 @@ def check_owned(workdir: str | os.PathLike) -> None:
     return
   if not work.is_dir():
     raise config_lib.ConfigError(f"workdir: {work} is a file, not a directory; pass a new or empty directory")
+  if (work / CONVERTED_MARKER).is_file():      # tformer-convert --from-hf's output: weights to start from
+    raise config_lib.ConfigError(
+        f"workdir: {work} is a converted model (tformer-convert --from-hf wrote it), not a training run: "
+        f"use train.init_from (a new --workdir with --config.train.init_from={work}); nothing there was changed")
   entries = sorted(p.name for p in work.iterdir())
   if not entries or any(name in entries for name in RUN_MARKERS) or _is_run_config(work / "config.json"):
     return
@@ -142,6 +148,42 @@ def check_architecture(workdir: str | os.PathLike, cfg: Any) -> None:
   if diff:
     raise config_lib.ConfigError(f"workdir: {work} holds checkpoints of another architecture ("
                                  + "; ".join(diff) + "); use another --workdir, or the saved config")
+
+
+def _data_source(data: Any) -> tuple[tuple[str, float], ...]:
+  """((corpus spec, weight), ...) of data.mixture, else data.corpus; a prepared dataset's directory absolute (the
+  same data named from another directory is the same)."""
+  mixture = str(data.get("mixture") or "").strip()
+  entries = config_lib.parse_mixture(mixture) if mixture else [(str(data.get("corpus") or "").strip(), 1.0)]
+  out = []
+  for spec, weight in entries:
+    spec = str(spec).strip()
+    if spec.startswith("prepared:"):
+      spec = "prepared:" + str(pathlib.Path(spec[len("prepared:"):].strip()).expanduser().absolute())
+    out.append((spec, float(weight)))
+  return tuple(out)
+
+
+def check_data(workdir: str | os.PathLike, cfg: Any) -> None:
+  """ConfigError if `workdir` holds checkpoints of a run on other data (data.corpus / data.mixture) than cfg's:
+  a resumed run continues on the data it started on (config.json and data.json are left untouched)."""
+  work = pathlib.Path(workdir)
+  saved_path, ckpt = work / "config.json", work / "checkpoints"
+  if not saved_path.is_file() or not ckpt.is_dir() or not any(p.name.isdigit() for p in ckpt.iterdir()):
+    return
+  try:
+    old = json.loads(saved_path.read_text()).get("data") or {}
+  except (OSError, ValueError, AttributeError) as e:
+    raise config_lib.ConfigError(f"workdir: {saved_path} is not a readable config ({e}); move it away "
+                                 "to start over") from None
+  if not old.get("corpus") and not old.get("mixture"):
+    return
+  was, now = _data_source(old), _data_source(cfg.data)
+  if was != now:
+    show = lambda d: str(d.get("mixture") or d.get("corpus"))  # noqa: E731
+    raise config_lib.ConfigError(f"workdir: {work} holds checkpoints of a run on {show(old)}, this config trains on "
+                                 f"{show(cfg.data)}: resume on the data the run started on, or use another "
+                                 "--workdir (nothing there was changed)")
 
 
 def remove_if_unused(workdir: str | os.PathLike) -> None:
