@@ -151,9 +151,14 @@ class Backend:
   def attention(self, q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, vis: Visibility, *,
                 bias_BxHxLxS: Array | None = None, alibi_slopes_H: Array | None = None,
                 scale: float | None = None, dropout_rate: float = 0.0, dropout_rng: Array | None = None,
-                want_weights: bool = False, linear: bool = False) -> tuple[Array, Array | None]:
+                want_weights: bool = False, linear: bool = False, softcap: float = 0.0,
+                sinks_H: Array | None = None) -> tuple[Array, Array | None]:
     """(out_BxLxHxD, weights_BxHxLxS or None): weights come back only from the dense reference
     path, when `want_weights` (the other paths never materialise them).
+
+    softcap > 0: scores become softcap * tanh(score / softcap); sinks_H: a learned logit per head in
+    every row's softmax denominator (`ops.attention.attention_weights`). The paths without them
+    (xla, cudnn: config.ATTENTION_LACKS) are not chosen for such calls.
 
     linear: phi(q) phi(k)^T in place of softmax (model.attention='linear', ops/linear_attention.py;
     no bias, ALiBi, scale or dropout): the O(L) form for a plain causal or bidirectional visibility,
@@ -170,25 +175,28 @@ class Backend:
     why_not = splash_lib.unsupported(vis, l, s, bias=bias_BxHxLxS is not None,
                                      alibi=alibi_slopes_H is not None, dropout=dropout_rate > 0.0)
     if layout is not None and layout.context_size > 1 and vis.static_offset and vis.q_offset == 0 and l == s:
-      if bias_BxHxLxS is not None or dropout_rate > 0.0 or vis.num_global or vis.random is not None:
-        raise ValueError("context parallelism: attention with a dense bias, dropout, global tokens or random "
-                         "blocks cannot split the sequence; use a mesh without a 'context' axis")
+      if (bias_BxHxLxS is not None or dropout_rate > 0.0 or vis.num_global or vis.random is not None or softcap
+          or sinks_H is not None):
+        raise ValueError("context parallelism: attention with a dense bias, dropout, global tokens, random "
+                         "blocks, a soft cap or sinks cannot split the sequence; use a mesh without a 'context' axis")
       return self.context_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, vis, layout, alibi_slopes_H=alibi_slopes_H,
                                     scale=scale, splash_ok=why_not is None), None
     if self.context_stripes > 1:
       raise ValueError("context load balancing: a striped sequence reached attention that is not context-parallel "
                        "self-attention (a query offset, or no context axis in the traced mesh)")
     if impl == "splash" and why_not is None and l % splash_lib.LANES == 0 and s % splash_lib.LANES == 0:
-      return self.splash_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, vis, layout, scale=scale), None
+      return self.splash_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, vis, layout, scale=scale, softcap=softcap,
+                                   sinks_H=sinks_H), None
     impl = _serving(impl, frozenset(name for name, on in (
         ("dropout", dropout_rate > 0.0), ("dense_bias", bias_BxHxLxS is not None),
         ("global_tokens", vis.num_global > 0), ("random_blocks", vis.random is not None),
-        ("alibi", alibi_slopes_H is not None)) if on))
+        ("alibi", alibi_slopes_H is not None), ("softcap", softcap > 0), ("sinks", sinks_H is not None)) if on))
     if impl == "splash":
       impl = "blockwise"   # lengths off the 128 grid, or decoding
-    if impl in ("chunked", "blockwise") and vis.static_offset:
+    if impl in ("chunked", "blockwise") and vis.static_offset and vis.kv_positions_BxS is None:
       kw = dict(causal=vis.causal, window=vis.window, q_offset=int(vis.q_offset),
-                alibi_slopes_H=alibi_slopes_H, kv_valid_BxS=vis.kv_valid_BxS, scale=scale)
+                alibi_slopes_H=alibi_slopes_H, kv_valid_BxS=vis.kv_valid_BxS, scale=scale, softcap=softcap,
+                sinks_H=sinks_H)
       if vis.q_segment_ids_BxL is not None:
         kw.update(q_segment_ids_BxL=vis.q_segment_ids_BxL, kv_segment_ids_BxS=vis.kv_segment_ids_BxS)
       if impl == "blockwise":
@@ -197,11 +205,11 @@ class Backend:
       return self.chunked_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, chunk=self.block_q, **kw), None
     if impl == "cudnn":
       impl = self._cudnn_or_fallback(vis)
-    if impl not in ("xla", "cudnn"):
+    if impl not in ("xla", "cudnn") or softcap or sinks_H is not None:
       impl = "reference"  # tiled impls decoding against a cache (one query step: dense is already O(S))
     return dense_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, vis, impl=impl, bias_BxHxLxS=bias_BxHxLxS,
                            alibi_slopes_H=alibi_slopes_H, scale=scale, dropout_rate=dropout_rate,
-                           dropout_rng=dropout_rng, want_weights=want_weights)
+                           dropout_rng=dropout_rng, want_weights=want_weights, softcap=softcap, sinks_H=sinks_H)
 
   def _cudnn_or_fallback(self, vis: Visibility) -> str:
     """'cudnn', or what runs a call cuDNN cannot serve: the fallback under 'auto', an error when the
@@ -217,13 +225,15 @@ class Backend:
     return self.cudnn_fallback
 
   def splash_attention(self, q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, vis: Visibility,
-                       layout: AttentionLayout | None, *, scale: float | None) -> Array:
+                       layout: AttentionLayout | None, *, scale: float | None, softcap: float = 0.0,
+                       sinks_H: Array | None = None) -> Array:
     """The splash kernel per batch/head shard (and query shard under context parallelism)."""
     kw = {} if layout is None else dict(mesh=layout.mesh, batch_axes=layout.batch, head_axes=layout.heads,
                                         context_axes=layout.context)
     if layout is not None and self.context_stripes > 1 and layout.context_size > 1:
       kw["stripes"] = self.context_stripes
-    return splash_lib.splash_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, vis, scale=scale,
+    return splash_lib.splash_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, vis, scale=scale, softcap=softcap,
+                                       sinks_H=sinks_H,
                                        block_q=self.splash_block_q, block_kv=self.splash_block_kv,
                                        interpret=self.splash_interpret, **kw)
 
@@ -337,6 +347,8 @@ def cudnn_unsupported(vis: Visibility) -> str | None:
     return "padding masks"
   if vis.num_global or vis.random is not None:
     return "global tokens or random blocks"
+  if vis.kv_positions_BxS is not None:
+    return "a ring cache's key positions"
   return None
 
 
@@ -356,7 +368,8 @@ def dense_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, vis: V
                     impl: str = "reference", bias_BxHxLxS: Array | None = None,
                     alibi_slopes_H: Array | None = None, scale: float | None = None,
                     dropout_rate: float = 0.0, dropout_rng: Array | None = None,
-                    want_weights: bool = False) -> tuple[Array, Array | None]:
+                    want_weights: bool = False, softcap: float = 0.0,
+                    sinks_H: Array | None = None) -> tuple[Array, Array | None]:
   """`ops.attention.dot_product_attention` with the visibility as a dense mask and ALiBi as a dense
   bias. Causality and a sliding window reach 'xla'/'cudnn' as is_causal / local_window_size
   (`fused_mask_args`: cuDNN skips the masked tiles), the rest as a mask ('cudnn' refuses those)."""
@@ -366,9 +379,12 @@ def dense_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, vis: V
   bias = bias_BxHxLxS
   if alibi_slopes_H is not None:
     q_idx = vis.q_offset + jnp.arange(l)
-    alibi = pos_ops.alibi_bias(alibi_slopes_H, q_idx[None], jnp.arange(s)[None], causal=vis.causal)
+    k_idx = jnp.arange(s)[None] if vis.kv_positions_BxS is None else vis.kv_positions_BxS
+    alibi = pos_ops.alibi_bias(alibi_slopes_H, q_idx[None], k_idx, causal=vis.causal)
     bias = alibi if bias is None else bias + alibi
   kw = dict(mask=mask, bias=bias, scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+  if softcap or sinks_H is not None:   # the reference path only (ATTENTION_LACKS)
+    kw.update(softcap=softcap, sinks_H=sinks_H)
   if want_weights and impl == "reference":
     return attn_ops.dot_product_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, return_weights=True, **kw)
   out = attn_ops.dot_product_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, impl=impl, is_causal=is_causal,

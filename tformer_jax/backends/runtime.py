@@ -102,6 +102,8 @@ def resolve_runtime(cfg: Any, *, model: config_lib.ModelConfig | None = None, me
       else:
         matmul = _cpu_matmul(rt.get("cpu_matmul", "auto"), blas, m.remat, reasons)
     chosen = XlaCpuBackend(cpu_kernels=use_kernels, cpu_matmul=matmul, cpu_blas=blas, **blocks)
+    if use_kernels and attention == "chunked" and (m.attn_softcap or m.attention_sinks):
+      reasons.append("attention chunked in jnp, not the C++ kernel: it has no soft cap or sinks")
 
   out = Runtime(chosen, platform, host_alloc.loaded_allocator(), tuple(reasons))
   if not quiet:
@@ -124,6 +126,9 @@ def _attention(choice: str, m: config_lib.ModelConfig, cfg: Any, platform: str,
     elif platform == "tpu" and not config_lib.attention_unsupported("splash", features):
       attention = "splash"
       reasons.append("attention splash: jax's Pallas TPU kernel (block-sparse causal/window, segment ids)")
+    elif why := config_lib.attention_unsupported("xla", features):
+      attention = "blockwise"
+      reasons.append(f"attention blockwise: {why}")
     elif platform == "gpu" and m.dtype in ("bfloat16", "float16") and m.position != "alibi":
       attention, fallback = "cudnn", "xla"
       reasons.append("attention cudnn (calls it cannot serve, e.g. packed documents, run xla)")

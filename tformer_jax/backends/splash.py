@@ -43,7 +43,7 @@ def unsupported(vis: Visibility, l: int, s: int, *, bias: bool, alibi: bool, dro
     return "a dense bias, ALiBi or attention dropout"
   if vis.num_global or vis.random is not None:
     return "global tokens or random blocks"
-  if not vis.static_offset or vis.q_offset != 0 or l != s:
+  if not vis.static_offset or vis.q_offset != 0 or l != s or vis.kv_positions_BxS is not None:
     return "decoding against a cache (a query offset)"
   return None
 
@@ -119,7 +119,7 @@ def _mask(vis: Visibility, l: int, s: int, heads: int, shards: int, stripes: int
 
 
 def make_kernel(causal: bool, window: int, l: int, s: int, heads: int, head_shards: int, q_seq_shards: int,
-                block_q: int, block_kv: int, interpret: bool, stripes: int = 0):
+                block_q: int, block_kv: int, interpret: bool, stripes: int = 0, softcap: float = 0.0):
   """The splash kernel for one (L, S) self-attention over `heads` query heads; tiles of block_q
   queries over L / q_seq_shards (over a stripe chunk when the rows are striped over `stripes` shards)
   and block_kv keys, forward and backward. Built per trace (its mask tables become constants of that
@@ -130,7 +130,8 @@ def make_kernel(causal: bool, window: int, l: int, s: int, heads: int, head_shar
   sizes = sa.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
                         block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
   return sa.make_splash_mha(_mask(vis, l, s, heads, q_seq_shards, stripes), block_sizes=sizes,
-                            head_shards=head_shards, q_seq_shards=q_seq_shards, interpret=interpret)
+                            head_shards=head_shards, q_seq_shards=q_seq_shards, interpret=interpret,
+                            attn_logits_soft_cap=float(softcap) if softcap else None)
 
 
 def _segments(vis: Visibility, b: int, l: int, s: int) -> tuple[Array, Array] | None:
@@ -170,8 +171,11 @@ def _seen(vis: Visibility, l: int, stripes: int) -> Array | None:
 
 def splash_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, vis: Visibility, *,
                      scale: float | None, block_q: int, block_kv: int, interpret: bool,
-                     mesh=None, batch_axes=None, head_axes=None, context_axes=None, stripes: int = 0) -> Array:
-  """softmax(q k^T * scale) v under `vis` with the splash kernel; (B, L, H, D) like q.
+                     mesh=None, batch_axes=None, head_axes=None, context_axes=None, stripes: int = 0,
+                     softcap: float = 0.0, sinks_H: Array | None = None) -> Array:
+  """softmax(q k^T * scale) v under `vis` with the splash kernel; (B, L, H, D) like q. softcap > 0 caps
+  the scores (the kernel's attn_logits_soft_cap); sinks_H (H,): a learned logit per head in every row's
+  denominator (the kernel's sinks).
 
   mesh (an abstract mesh) with the mesh axes of the logical batch / heads / length axes: the kernel
   runs per shard inside shard_map (context_axes: queries sharded, K/V gathered). stripes > 1: the
@@ -191,32 +195,35 @@ def splash_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, vis: 
   head_shards, q_shards = ways(head_axes), ways(context_axes)
   stripes = stripes if stripes > 1 and q_shards == stripes else 0
   kernel = make_kernel(bool(vis.causal), int(vis.window), l, s, h, head_shards, q_shards, block_q,
-                       block_kv, bool(interpret), stripes)
+                       block_kv, bool(interpret), stripes, softcap)
+  sinks = None if sinks_H is None else sinks_H.astype(jnp.float32)
   segs = _segments(vis, b, l, s)
   seen_BxL = _seen(vis, l, stripes)
   q_BxHxLxD = jnp.transpose(q_BxLxHxD * jnp.asarray(scale, q_BxLxHxD.dtype), (0, 2, 1, 3))
   k_BxKxSxD = jnp.transpose(k_BxSxKxD, (0, 2, 1, 3))
   v_BxKxSxD = jnp.transpose(v_BxSxKxD, (0, 2, 1, 3))
 
-  def per_shard(kern, q, k, v, segs):
+  def per_shard(kern, q, k, v, segs, sinks):
     if stripes:   # the whole K/V (gathered by shard_map) back to natural order, locally
       k, v = cp_ops.unstripe(k, stripes, axis=2), cp_ops.unstripe(v, stripes, axis=2)
       segs = None if segs is None else (segs[0], cp_ops.unstripe(segs[1], stripes))
     seg = None if segs is None else sa.SegmentIds(*segs)
     def run(q1, k1, v1, s1):
-      return kern(q1, k1, v1, segment_ids=s1)
+      return kern(q1, k1, v1, segment_ids=s1, sinks=sinks)
 
     return jax.vmap(run, in_axes=(0, 0, 0, None if seg is None else 0))(q, k, v, seg)
 
   if mesh is None or not mesh.shape:
-    out_BxHxLxD = per_shard(kernel, q_BxHxLxD, k_BxKxSxD, v_BxKxSxD, segs)
+    out_BxHxLxD = per_shard(kernel, q_BxHxLxD, k_BxKxSxD, v_BxKxSxD, segs, sinks)
   else:
     q_spec = P(batch_axes, head_axes, context_axes, None)
     kv_spec = P(batch_axes, head_axes, None, None)
     kern_spec = kernel.manual_sharding_spec(NamedSharding(mesh, P(head_axes, context_axes)))
     seg_spec = None if segs is None else (P(batch_axes, context_axes), P(batch_axes, None))
-    out_BxHxLxD = jax.shard_map(per_shard, mesh=mesh, in_specs=(kern_spec, q_spec, kv_spec, kv_spec, seg_spec),
-                                out_specs=q_spec, check_vma=False)(kernel, q_BxHxLxD, k_BxKxSxD, v_BxKxSxD, segs)
+    sink_spec = None if sinks is None else P(head_axes)
+    specs = (kern_spec, q_spec, kv_spec, kv_spec, seg_spec, sink_spec)
+    out_BxHxLxD = jax.shard_map(per_shard, mesh=mesh, in_specs=specs, out_specs=q_spec,
+                                check_vma=False)(kernel, q_BxHxLxD, k_BxKxSxD, v_BxKxSxD, segs, sinks)
   out_BxLxHxD = jnp.transpose(out_BxHxLxD, (0, 2, 1, 3))
   if seen_BxL is not None:
     out_BxLxHxD = jnp.where(seen_BxL[:, :, None, None], out_BxLxHxD, 0.0).astype(q_BxLxHxD.dtype)

@@ -81,9 +81,11 @@ class XlaCpuBackend(Backend):
     return grad_fusion_barrier(x_BxLxD)
 
   def chunked_attention(self, q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, **kw) -> Array:
+    softcap, sinks_H = kw.pop("softcap", 0.0), kw.pop("sinks_H", None)   # the C++ kernel has neither
     if self.cpu_kernels and _kernel_dtype(self.bf16_gemm, q_BxLxHxD, k_BxSxKxD, v_BxSxKxD) \
-        and kw.get("q_segment_ids_BxL") is None:
+        and kw.get("q_segment_ids_BxL") is None and not softcap and sinks_H is None:
       return cpu_kernel.chunked_attention_cpu(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, **kw)
+    kw.update(softcap=softcap, sinks_H=sinks_H)
     return super().chunked_attention(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, **kw)
 
   def wrap_optimizer(self, tx: optax.GradientTransformation, spec: AdamWSpec

@@ -14,7 +14,7 @@ def attention_features(m: ModelConfig) -> frozenset[str]:
   return frozenset(name for name, on in (
       ("dropout", m.attn_dropout > 0), ("dense_bias", m.position == "t5"),
       ("global_tokens", m.num_global_tokens > 0), ("random_blocks", m.random_blocks > 0),
-      ("alibi", m.position == "alibi")) if on)
+      ("alibi", m.position == "alibi"), ("softcap", m.attn_softcap > 0), ("sinks", m.attention_sinks)) if on)
 
 
 # The rule broken when an implementation lacks a feature ({impl}: it, {servers}: those that have it).
@@ -24,6 +24,8 @@ _LACKS_RULE = {
     "global_tokens": "{impl!r} has no global tokens; model.num_global_tokens needs {servers}",
     "random_blocks": "{impl!r} has no random blocks; model.random_blocks needs {servers}",
     "alibi": "{impl!r} takes no ALiBi bias; position='alibi' needs {servers}",
+    "softcap": "{impl!r} has no attention soft cap; model.attn_softcap needs {servers}",
+    "sinks": "{impl!r} has no attention sinks; model.attention_sinks needs {servers}",
 }
 
 
@@ -39,7 +41,7 @@ def attention_unsupported(impl: str, features: Iterable[str]) -> str | None:
 
 def supports(impl: str, m: ModelConfig) -> None:
   """Raises ConfigError('runtime.attention: ...') when attention implementation `impl` cannot serve
-  model `m` (its dropout, T5 bias, global tokens, random blocks or ALiBi)."""
+  model `m` (its dropout, T5 bias, global tokens, random blocks, ALiBi, soft cap or sinks)."""
   why = attention_unsupported(impl, attention_features(m))
   if why:
     _fail("runtime.attention", why)

@@ -3,10 +3,12 @@ groups other modules read (NON_ARCHITECTURE_FIELDS, ROPE_SCALING_FIELDS, LEGACY_
 from __future__ import annotations
 
 ATTENTIONS = ("softmax", "linear")
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "swiglu", "geglu")
-GLU_ACTIVATIONS = ("swiglu", "geglu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu", "swiglu", "geglu", "geglu_tanh")
+GLU_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh")
 NORMS = ("layernorm", "rmsnorm")
-NORM_POSITIONS = ("pre", "post")
+NORM_POSITIONS = ("pre", "post", "sandwich", "reordered")
+QK_NORMS = ("none", "head", "proj")
+LAYER_KINDS = ("L", "G")   # model.layer_pattern: local (the window) | global
 POSITIONS = ("none", "sinusoidal", "learned", "rope", "alibi", "t5")
 ROPE_LAYOUTS = ("half", "interleaved")
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
@@ -27,8 +29,9 @@ RUNTIME_BACKENDS = ("auto", "reference", "xla_cpu")
 # (`supports`), resolve_runtime's 'auto' and the backend's per-call choice (backends/base.py) read.
 # 'reference' (one dense softmax) serves every feature.
 _TILED_LACKS = frozenset({"dropout", "dense_bias", "global_tokens", "random_blocks"})
+_FUSED_LACKS = frozenset({"dropout", "softcap", "sinks"})   # jax.nn.dot_product_attention
 ATTENTION_LACKS = {"reference": frozenset(), "chunked": _TILED_LACKS, "blockwise": _TILED_LACKS,
-                   "xla": frozenset({"dropout"}), "cudnn": frozenset({"dropout"}),
+                   "xla": _FUSED_LACKS, "cudnn": _FUSED_LACKS,
                    "splash": _TILED_LACKS | {"alibi"}}
 RUNTIME_ATTENTION = ("auto", *ATTENTION_LACKS)
 CONTEXT_STRATEGIES = ("all_gather", "ring")   # mesh.context_strategy (ops/context_parallel.py)

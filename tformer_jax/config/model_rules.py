@@ -5,10 +5,12 @@ from tformer_jax.config.enums import (
   ACTIVATIONS,
   ATTENTIONS,
   DTYPES,
+  LAYER_KINDS,
   MOE_DISPATCH,
   NORM_POSITIONS,
   NORMS,
   POSITIONS,
+  QK_NORMS,
   REMAT_POLICIES,
   ROPE_LAYOUTS,
   ROPE_SCALINGS,
@@ -26,6 +28,8 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
   _check_sparsity(m, p)
   _check_linear(m, p)
   _check_layout(m, p)
+  _check_layer_pattern(m, p)
+  _check_logits(m, p)
   _check_moe(m, p)
 
 
@@ -52,6 +56,7 @@ def _check_sizes(m: ModelConfig, p: str) -> None:
 def _check_choices(m: ModelConfig, p: str) -> None:
   """Enum fields, eps, dropout rates and init scales."""
   choices = dict(attention=ATTENTIONS, activation=ACTIVATIONS, norm=NORMS, norm_position=NORM_POSITIONS,
+                 qk_norm=QK_NORMS,
                  position=POSITIONS, rope_layout=ROPE_LAYOUTS, remat=REMAT_POLICIES, dtype=DTYPES, param_dtype=DTYPES)
   for name, allowed in choices.items():
     _check_choice(p + name, getattr(m, name), allowed)
@@ -153,8 +158,45 @@ def _check_layout(m: ModelConfig, p: str) -> None:
   """The mask token id and the residual layout."""
   if not -1 <= m.mask_token_id < m.vocab_size:
     _fail(p + "mask_token_id", f"must be -1 (= vocab_size - 1) or an id in [0, {m.vocab_size}), got {m.mask_token_id}")
-  if m.norm_position == "post" and m.parallel_residual:
+  if m.norm_position != "pre" and m.parallel_residual:
     _fail(p + "parallel_residual", "parallel residual is a Pre-LN layout; set norm_position='pre'")
+  if m.norm_unit_offset and m.norm != "rmsnorm":
+    _fail(p + "norm_unit_offset", "the (1 + w) scale is Gemma's RMSNorm; set norm='rmsnorm'")
+
+
+def _check_layer_pattern(m: ModelConfig, p: str) -> None:
+  """Per-layer attention types: L (the window) and G (full), repeated."""
+  pattern = m.layer_pattern
+  if pattern:
+    bad = sorted(set(pattern) - set(LAYER_KINDS))
+    if bad:
+      _fail(p + "layer_pattern", f"letters are L (local: the sliding window) and G (global), got {bad[0]!r} in "
+            f"{pattern!r} (Gemma 3: 'LLLLLG')")
+    if "L" in pattern and not m.window:
+      _fail(p + "layer_pattern", f"{pattern!r} has local layers: set model.window > 0 (their sliding window)")
+    if "L" not in pattern:
+      _fail(p + "layer_pattern", f"{pattern!r} has no local layer; use layer_pattern='' for all-global layers")
+    if m.num_global_tokens or m.random_blocks:
+      _fail(p + "layer_pattern", "global tokens and random blocks widen every layer's window; they do not combine "
+            "with local/global layers")
+  if m.local_rope_theta < 0:
+    _fail(p + "local_rope_theta", f"must be >= 0 (0 = rope_theta), got {m.local_rope_theta}")
+  if m.local_rope_theta > 0 and (m.position != "rope" or not pattern):
+    _fail(p + "local_rope_theta", "is the RoPE base of a layer_pattern model's local layers: it needs "
+          "position='rope' and a layer_pattern")
+
+
+def _check_logits(m: ModelConfig, p: str) -> None:
+  """QK-norm, soft caps and sinks: softmax attention's."""
+  for name in ("attn_softcap", "final_logit_softcap"):
+    if getattr(m, name) < 0:
+      _fail(p + name, f"must be >= 0 (0 = no cap), got {getattr(m, name)}")
+  if m.attention == "linear":
+    on = [f"{k}={getattr(m, k)!r}" for k in ("attn_softcap", "attention_sinks") if getattr(m, k)]
+    if on:
+      _fail(p + "attention", f"'linear' has no softmax to cap or sink: {', '.join(on)} needs 'softmax'")
+  if m.final_logit_softcap and not m.lm_head:
+    _fail(p + "final_logit_softcap", "caps the LM head's logits; the model has no head (lm_head=False)")
 
 
 def _check_moe(m: ModelConfig, p: str) -> None:

@@ -64,7 +64,9 @@ class ModelConfig:
   activation: str = "gelu"           # gelu | gelu_tanh | relu | silu | swiglu | geglu (GLU: gated, 3 matrices)
   norm: str = "layernorm"            # layernorm | rmsnorm
   norm_eps: float = 1e-5             # added to the variance inside the norm
-  norm_position: str = "pre"         # pre | post (original Transformer, BERT)
+  norm_position: str = "pre"         # pre | post (original Transformer, BERT) | sandwich (Gemma 2/3: a norm
+                                     # before and after each sublayer) | reordered (OLMo 2: after each sublayer)
+  norm_unit_offset: bool = False     # RMSNorm's scale applied as (1 + w), w initialised at 0 (Gemma)
   final_norm: bool = True            # a norm before the head (Pre-LN models)
   parallel_residual: bool = False    # GPT-J/NeoX: x + attn(ln1 x) + mlp(ln2 x)
   embed_norm: bool = False           # Bloom/BERT: a norm right after the embeddings
@@ -92,7 +94,18 @@ class ModelConfig:
   init_std: float = 0.02             # normal init std of every matrix
   scale_residual_init: bool = True   # GPT-2: residual output projections std / sqrt(2 * num_layers)
   attention_scale: float = 0.0       # 0 = 1/sqrt(head_dim)
-  window: int = 0                    # sliding window (each query sees the last `window` keys); 0 = full
+  window: int = 0                    # sliding window (each query sees the last `window` keys); 0 = full;
+                                     # with layer_pattern, the window of its local ('L') layers only
+  layer_pattern: str = ""            # per-layer attention types as a repeating cycle of L (local: the window)
+                                     # and G (global: full attention): Gemma 3 'LLLLLG', GPT-OSS 'LG';
+                                     # layer i is pattern[i % len]; '' = every layer alike
+  local_rope_theta: float = 0.0      # > 0: the local layers' RoPE base, unscaled (Gemma 3: 1e4, global 1e6);
+                                     # 0 = the global RoPE (rope_theta, rope_scaling) everywhere
+  qk_norm: str = "none"              # none | head (RMSNorm of each head's q and k before RoPE: Qwen3, Gemma 3)
+                                     # | proj (over the whole q and k projections: OLMo 2)
+  attn_softcap: float = 0.0          # > 0: attention scores become cap * tanh(score / cap) (Gemma 2)
+  final_logit_softcap: float = 0.0   # > 0: the output logits become cap * tanh(logit / cap) (Gemma 2/3)
+  attention_sinks: bool = False      # a learned logit per head in every softmax's denominator (GPT-OSS)
   num_global_tokens: int = 0         # Longformer-style global tokens (dense attention paths)
   random_blocks: int = 0             # BigBird: each query block also sees this many random key blocks (with a
                                      # window; dense attention paths; causal models still hide later keys)
@@ -142,6 +155,19 @@ class ModelConfig:
   def is_moe_layer(self, i: int) -> bool:
     return self.moe.num_experts > 0 and (i + 1) % self.moe.every == 0
 
+  @property
+  def cycle(self) -> int:
+    """Layers in one repeat of layer_pattern (1 without one): the body `scan_layers` scans."""
+    return len(self.layer_pattern) or 1
+
+  def is_local_layer(self, i: int) -> bool:
+    """Layer i attends within the sliding window (every layer when there is no layer_pattern)."""
+    return self.window > 0 and (not self.layer_pattern or self.layer_pattern[i % self.cycle] == "L")
+
+  def layer_window(self, i: int) -> int:
+    """Layer i's sliding window (0 = full attention)."""
+    return self.window if self.is_local_layer(i) else 0
+
   def architecture(self) -> dict[str, Any]:
     """The fields that decide what the model computes, in a canonical form (derived sizes resolved,
     fields the architecture does not use dropped): two configs with equal architectures compute the
@@ -165,6 +191,8 @@ class ModelConfig:
       d.pop("norm_bias")
     if not self.window:
       d.pop("num_global_tokens")
+    if not self.layer_pattern or self.position != "rope":
+      d.pop("local_rope_theta")
     if not self.random_blocks:
       d.pop("random_block_size"), d.pop("random_block_seed")
     m = self.moe

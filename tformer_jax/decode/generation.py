@@ -28,6 +28,7 @@ from tformer_jax.decode.request import (
   prompt_positions,
   start_state,
 )
+from tformer_jax.ops.attention import soft_cap
 
 Array = jax.Array
 
@@ -40,7 +41,8 @@ def _prefill_fn(model: nn.Module, slots: int) -> Callable:
                                               positions_BxL=prompt_positions(mask_BxP),
                                               attention_mask_BxL=mask_BxP, decode=True, return_hidden=True,
                                               mutable=["cache"])
-    logits_BxV = jnp.einsum("bd,dv->bv", h_BxPxD[:, -1], unembed_DxV).astype(jnp.float32)
+    logits_BxV = soft_cap(jnp.einsum("bd,dv->bv", h_BxPxD[:, -1], unembed_DxV).astype(jnp.float32),
+                          model.cfg.final_logit_softcap)
     return start_state(upd["cache"], logits_BxV, tokens_BxP, mask_BxP, lengths_B, rng, model.cfg.vocab_size)
   return prefill
 

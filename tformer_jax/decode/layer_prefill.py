@@ -28,12 +28,14 @@ from tformer_jax.decode.compiled import Lowered, _aot, _model_key, lower
 from tformer_jax.decode.request import DecodeState, prompt_positions, start_state
 from tformer_jax.nn.block import Block
 from tformer_jax.nn.common import Norm, dtypes
+from tformer_jax.ops.attention import soft_cap
 
 _LAYER = "layers_"
 
 
 def supported(cfg: Any) -> bool:
-  return not cfg.scan_layers and cfg.position != "t5"
+  """Unrolled layers of one kind (one compiled block serves them all), positions other than T5's."""
+  return not cfg.scan_layers and cfg.position != "t5" and not cfg.layer_pattern
 
 
 def _split(tree: dict) -> tuple[dict, list]:
@@ -80,7 +82,7 @@ def _head_fn(model: nn.Module) -> Callable:
       h_BxD = Norm(cfg).apply({"params": top_params["final_norm"]}, h_BxD)
     # the unembedding as nn.Transformer computes it: the head, or the embedding transposed when tied
     unembed_DxV = (top_params["embed"].astype(dt).T if cfg.tie_embeddings else top_params["head"].astype(dt))
-    logits_BxV = jnp.einsum("bd,dv->bv", h_BxD, unembed_DxV).astype(jnp.float32)
+    logits_BxV = soft_cap(jnp.einsum("bd,dv->bv", h_BxD, unembed_DxV).astype(jnp.float32), cfg.final_logit_softcap)
     return start_state(None, logits_BxV, tokens_BxP, mask_BxP, lengths_B, rng, cfg.vocab_size)
   return head
 

@@ -6,11 +6,11 @@ from typing import Any, Callable
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from tformer_jax import backends
 from tformer_jax.decode.compiled import _model_key
 from tformer_jax.decode.request import _cfg
+from tformer_jax.nn.stacking import stack_layers, unstack_layers
 
 
 def _uniform_layers(cfg: Any) -> bool:
@@ -18,28 +18,7 @@ def _uniform_layers(cfg: Any) -> bool:
   return len({cfg.is_moe_layer(i) for i in range(cfg.num_layers)}) <= 1
 
 
-def stack_layers(params: Any, num_layers: int) -> Any:
-  """Unscanned params ('layers_0' .. 'layers_{n-1}') -> the scanned layout ('layers', leading axis)."""
-  names = [f"layers_{i}" for i in range(num_layers)]
-  missing = [n for n in names if n not in params]
-  if missing:
-    raise ValueError(f"params have no {missing[0]!r}: not the unscanned layout of a {num_layers}-layer model")
-  out = {k: v for k, v in params.items() if k not in names}
-  out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *(params[n] for n in names))
-  return out
-
-
 _LAYOUT: list[tuple[Any, list[Any], Any]] = []   # (key, the source leaves kept alive, result): one entry
-
-
-def unstack_layers(params: Any, num_layers: int) -> Any:
-  """Scanned params ('layers', leading axis) -> the unrolled layout ('layers_0' .. 'layers_{n-1}')."""
-  if "layers" not in params:
-    raise ValueError("params have no 'layers': not the scanned layout")
-  out = {k: v for k, v in params.items() if k != "layers"}
-  for i in range(num_layers):
-    out[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], params["layers"])
-  return out
 
 
 def _converted(model: nn.Module, params: Any, convert: Callable[[], Any]) -> Any:
@@ -73,5 +52,5 @@ def decode_layout(model: nn.Module, params: Any, scan: bool | None = None) -> tu
   if cfg.scan_layers == scan:
     return out_model, params
   if scan:
-    return out_model, _converted(model, params, lambda: stack_layers(params, cfg.num_layers))
-  return out_model, _converted(model, params, lambda: unstack_layers(params, cfg.num_layers))
+    return out_model, _converted(model, params, lambda: stack_layers(params, cfg.num_layers, cfg.cycle))
+  return out_model, _converted(model, params, lambda: unstack_layers(params, cfg.num_layers, cfg.cycle))

@@ -14,12 +14,15 @@ from tformer_jax.decode.generation import _loop_fn
 from tformer_jax.decode.layout import decode_layout
 from tformer_jax.decode.request import DecodeState, _cfg, _check, _rng, _spec, _stop_array, prompt_bucket
 from tformer_jax.ops import sampling
+from tformer_jax.ops.attention import soft_cap
 
 Array = jax.Array
 
 
 def _append_fn(model: nn.Module, all_logits: bool) -> Callable:
   """Feed tokens_BxN (the first n_real real, the rest right padding) at cache slot `start` = position."""
+
+  cap = _cfg(model).final_logit_softcap
 
   def run(params, cache, tokens_BxN, n_real, start):
     b, n = tokens_BxN.shape
@@ -31,9 +34,9 @@ def _append_fn(model: nn.Module, all_logits: bool) -> Callable:
     new_cache = dict(upd["cache"])
     new_cache["index"] = (start + n_real).astype(jnp.int32)   # the padding's slots are written again next
     if all_logits:
-      return new_cache, jnp.einsum("bnd,dv->bnv", h_BxNxD, unembed_DxV).astype(jnp.float32)
+      return new_cache, soft_cap(jnp.einsum("bnd,dv->bnv", h_BxNxD, unembed_DxV).astype(jnp.float32), cap)
     h_BxD = jax.lax.dynamic_index_in_dim(h_BxNxD, n_real - 1, axis=1, keepdims=False)
-    return new_cache, jnp.einsum("bd,dv->bv", h_BxD, unembed_DxV).astype(jnp.float32)
+    return new_cache, soft_cap(jnp.einsum("bd,dv->bv", h_BxD, unembed_DxV).astype(jnp.float32), cap)
   return run
 
 

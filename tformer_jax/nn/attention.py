@@ -7,6 +7,15 @@ Which keys a query sees is one `ops.masks.Visibility`; the backend computes soft
 with model.attention='linear' phi(Q)phi(K)^T V normalised (ops/linear_attention.py).
 The cache stores K/V in `cache_dtype` ('' = the compute dtype, bfloat16, or int8 with one scale per
 token and KV head, ops/kv_quant.py); attention always sees them dequantised to the compute dtype.
+
+Per-layer types (model.layer_pattern): a local layer attends within `window` keys (with its own RoPE
+base when model.local_rope_theta > 0), a global layer sees every earlier key. A local layer's decode
+cache is a ring of `window` slots (slot = cache index mod window, each slot's cache index kept beside
+it): attention sees the ring as it was plus this call's keys, and the newest `window` of those are
+written back, so its cache does not grow with the context.
+QK-norm (model.qk_norm) normalises q and k before RoPE, per head ('head': Qwen3, Gemma 3) or over the
+whole projection ('proj': OLMo 2); model.attn_softcap caps the scores; model.attention_sinks adds a
+learned logit per head to every softmax denominator (GPT-OSS).
 """
 from __future__ import annotations
 
@@ -17,30 +26,36 @@ from jax.ad_checkpoint import checkpoint_name
 
 from tformer_jax import backends
 from tformer_jax.config import ModelConfig
-from tformer_jax.nn.common import dtypes, normal, param, project, residual_std
+from tformer_jax.nn.common import Norm, dtypes, normal, param, project, residual_std
 from tformer_jax.ops import kv_quant, positions as pos_ops
 from tformer_jax.ops.masks import RandomBlocks, Visibility
 from tformer_jax.ops.rope_scaling import rope_parameters
 
 
-def rope_tables(cfg: ModelConfig, seq_len: int) -> tuple[jax.Array, float]:
-  """(inv_freq, attention_scaling) for this model's RoPE, with its scaling rule applied."""
+def rope_tables(cfg: ModelConfig, seq_len: int, local: bool = False) -> tuple[jax.Array, float]:
+  """(inv_freq, attention_scaling) for this model's RoPE, with its scaling rule applied; a local layer
+  of a model with local_rope_theta > 0 uses that base, unscaled."""
   rot = pos_ops.rotary_dim(cfg.hd, cfg.rotary_fraction)
+  if local and cfg.local_rope_theta > 0:
+    return pos_ops.rope_inv_freq(rot, cfg.local_rope_theta), 1.0
   if cfg.rope_scaling.type == "none":
     return pos_ops.rope_inv_freq(rot, cfg.rope_theta), 1.0
   return rope_parameters(rot, cfg.rope_theta, cfg.rope_scaling, max_len=cfg.max_len, seq_len=seq_len)
 
 
 def visibility(cfg: ModelConfig, q_offset: int | jax.Array = 0,
-               kv_valid_BxS: jax.Array | None = None, segment_ids_BxL: jax.Array | None = None) -> Visibility:
+               kv_valid_BxS: jax.Array | None = None, segment_ids_BxL: jax.Array | None = None, *,
+               local: bool | None = None, kv_positions_BxS: jax.Array | None = None) -> Visibility:
   """Which keys each query sees in this model (causality, window, global tokens, BigBird random blocks,
   padding, and with segment ids only the keys of the query's own segment: packed documents never see
-  each other)."""
+  each other). local: this layer's type (None: every layer alike); a global layer of a layer_pattern
+  model has no window. kv_positions_BxS: the cache index of each key (a local layer's ring)."""
   random = (RandomBlocks(cfg.random_blocks, cfg.random_block_size, cfg.random_block_seed, cfg.max_len)
             if cfg.random_blocks else None)
-  return Visibility(causal=cfg.causal, window=cfg.window, num_global=cfg.num_global_tokens, random=random,
+  window = cfg.window if local is None or local else 0
+  return Visibility(causal=cfg.causal, window=window, num_global=cfg.num_global_tokens, random=random,
                     q_offset=q_offset, kv_valid_BxS=kv_valid_BxS, q_segment_ids_BxL=segment_ids_BxL,
-                    kv_segment_ids_BxS=segment_ids_BxL)
+                    kv_segment_ids_BxS=segment_ids_BxL, kv_positions_BxS=kv_positions_BxS)
 
 
 class Attention(nn.Module):
@@ -48,6 +63,16 @@ class Attention(nn.Module):
   cfg: ModelConfig
   decode: bool = False
   cache_dtype: str = ""   # KV cache storage: '' (compute dtype) | float32 | bfloat16 | int8
+  local: bool | None = None   # this layer's type in a layer_pattern model (None: every layer alike)
+
+  @property
+  def ring(self) -> int:
+    """Slots of this layer's ring cache: the window of a local layer decoding, else 0 (a cache of
+    every slot)."""
+    cfg = self.cfg
+    local = self.local if self.local is not None else cfg.window > 0
+    return cfg.window if self.decode and local and cfg.window and not (cfg.num_global_tokens or cfg.random_blocks) \
+        else 0
 
   @nn.compact
   def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, kv_valid_BxS: jax.Array | None,
@@ -85,6 +110,8 @@ class Attention(nn.Module):
       q_BxLxHxDh += param(self, "bq", zeros, (h, dh), ("heads", "kv"), pdt).astype(dt)
       k_BxLxKxDh += param(self, "bk", zeros, (k, dh), ("kv_heads", "kv"), pdt).astype(dt)
       v_BxLxKxDh += param(self, "bv", zeros, (k, dh), ("kv_heads", "kv"), pdt).astype(dt)
+    if cfg.qk_norm != "none":
+      q_BxLxHxDh, k_BxLxKxDh = self._qk_norm(q_BxLxHxDh), self._qk_norm(k_BxLxKxDh, "k_norm")
 
     if self.decode:
       filled = self.has_variable("cache", "k")   # False on the init call, which only sizes the cache
@@ -93,17 +120,23 @@ class Attention(nn.Module):
     else:
       filled, kv_len = False, x_BxLxD.shape[1]
     if cfg.position == "rope":
-      inv_freq, rope_scale = rope_tables(cfg, kv_len)
+      inv_freq, rope_scale = rope_tables(cfg, kv_len, bool(self.local))
       q_BxLxHxDh = pos_ops.apply_rope(q_BxLxHxDh, positions_BxL, inv_freq, layout=cfg.rope_layout,
                                       attention_scaling=rope_scale)
       k_BxLxKxDh = pos_ops.apply_rope(k_BxLxKxDh, positions_BxL, inv_freq, layout=cfg.rope_layout,
                                       attention_scaling=rope_scale)
-    if filled:
+    kv_positions_BxS = None
+    if filled and self.ring:
+      k_BxSxKxDh, v_BxSxKxDh, kv_positions_BxS, kv_valid_BxS = self._ring_append(
+          cache, k_BxLxKxDh, v_BxLxKxDh, q_offset, kv_valid_BxS, dt)
+    elif filled:
       k_BxSxKxDh, v_BxSxKxDh = self._append_to_cache(cache, k_BxLxKxDh, v_BxLxKxDh, q_offset, dt)
     else:
       k_BxSxKxDh, v_BxSxKxDh, q_offset = k_BxLxKxDh, v_BxLxKxDh, 0
 
-    vis = visibility(cfg, q_offset, kv_valid_BxS, segment_ids_BxL)
+    vis = visibility(cfg, q_offset, kv_valid_BxS, segment_ids_BxL, local=self.local, kv_positions_BxS=kv_positions_BxS)
+    sinks_H = (param(self, "sinks", nn.initializers.zeros, (h,), ("heads",), pdt).astype(jnp.float32)
+               if cfg.attention_sinks else None)
     dropout_rate = 0.0 if deterministic else cfg.attn_dropout
     # backend hook: softmax(QK^T)V under `vis` with the kernel the runtime chose (runtime.attention)
     out_BxLxHxDh, weights_BxHxLxS = backend.attention(
@@ -111,7 +144,8 @@ class Attention(nn.Module):
         alibi_slopes_H=pos_ops.alibi_slopes(h) if cfg.position == "alibi" else None,
         scale=cfg.attention_scale or None, dropout_rate=dropout_rate,
         dropout_rng=self.make_rng("dropout") if dropout_rate > 0.0 else None,
-        want_weights=self.is_mutable_collection("intermediates"), linear=cfg.attention == "linear")
+        want_weights=self.is_mutable_collection("intermediates"), linear=cfg.attention == "linear",
+        softcap=cfg.attn_softcap, sinks_H=sinks_H)
     if weights_BxHxLxS is not None:
       self.sow("intermediates", "attention_weights", weights_BxHxLxS)
 
@@ -123,17 +157,73 @@ class Attention(nn.Module):
       y_BxLxD += param(self, "bo", nn.initializers.zeros, (d,), ("embed",), pdt).astype(dt)
     return y_BxLxD
 
+  def _qk_norm(self, x_BxLxNxDh: jax.Array, name: str = "q_norm") -> jax.Array:
+    """QK-norm of q or k before RoPE: the model's norm over each head's Dh ('head'), or over the whole
+    projection N * Dh ('proj')."""
+    if self.cfg.qk_norm == "head":
+      return Norm(self.cfg, name=name)(x_BxLxNxDh)
+    b, l, n, dh = x_BxLxNxDh.shape
+    return Norm(self.cfg, name=name)(x_BxLxNxDh.reshape(b, l, n * dh)).reshape(b, l, n, dh)
+
   def _cache_variables(self, batch_and_len: tuple[int, int]) -> dict:
     """The 'cache' variables, sized (B, S) by the init call's input: 'k', 'v' (B, S, K, Dh), and for
-    an int8 cache their scales 'k_scale', 'v_scale' (B, S, K)."""
+    an int8 cache their scales 'k_scale', 'v_scale' (B, S, K). A local layer's ring has min(window, S)
+    slots instead of S, with each slot's cache index 'pos' and validity 'valid' (B, W) (a fresh cache is
+    all zeros: no slot valid)."""
     cfg = self.cfg
     store = kv_quant.storage_dtype(self.cache_dtype, dtypes(cfg)[0])
-    shape = (*batch_and_len, cfg.kv_heads, cfg.hd)
+    b, s = batch_and_len
+    if self.ring:
+      s = min(self.ring, s)
+    shape = (b, s, cfg.kv_heads, cfg.hd)
     cache = {n: self.variable("cache", n, jnp.zeros, shape, store) for n in ("k", "v")}
     if self.cache_dtype == "int8":
       for n in ("k_scale", "v_scale"):
         cache[n] = self.variable("cache", n, jnp.zeros, shape[:3], kv_quant.SCALE_DTYPE)
+    if self.ring:
+      cache["pos"] = self.variable("cache", "pos", jnp.zeros, (b, s), jnp.int32)
+      cache["valid"] = self.variable("cache", "valid", jnp.zeros, (b, s), jnp.bool_)
     return cache
+
+  def _ring_append(self, cache: dict, k_BxLxKxDh: jax.Array, v_BxLxKxDh: jax.Array, q_offset: jax.Array,
+                   kv_valid_BxS: jax.Array, dt: jnp.dtype) -> tuple[jax.Array, ...]:
+    """A local layer's ring: returns the keys and values this call attends to, the ring as it was
+    followed by this call's (B, W + L, K, Dh), their cache indices (B, W + L) and validity (B, W + L)
+    (kv_valid_BxS: the whole context's slots, this call's included). Then each ring slot s takes, per
+    row, this call's key at the newest index t <= the row's last valid one with t = s mod W, if the
+    call holds it: the W newest keys, never a right-padding key past the last real one (a Session's
+    padded chunk, written again by the next call)."""
+    w, l = cache["k"].value.shape[1], k_BxLxKxDh.shape[1]
+    new_pos = q_offset + jnp.arange(l, dtype=jnp.int32)
+    new_ok = jax.lax.dynamic_slice_in_dim(kv_valid_BxS, q_offset, l, axis=1)
+    if self.cache_dtype == "int8":
+      (k_q, k_s), (v_q, v_s) = kv_quant.quantize(k_BxLxKxDh), kv_quant.quantize(v_BxLxKxDh)
+      old_k = kv_quant.dequantize(cache["k"].value, cache["k_scale"].value, dt)
+      old_v = kv_quant.dequantize(cache["v"].value, cache["v_scale"].value, dt)
+      k_new, v_new = kv_quant.dequantize(k_q, k_s, dt), kv_quant.dequantize(v_q, v_s, dt)
+      stored = {"k": k_q, "v": v_q, "k_scale": k_s, "v_scale": v_s}
+    else:
+      store = cache["k"].value.dtype
+      stored = {"k": k_BxLxKxDh.astype(store), "v": v_BxLxKxDh.astype(store)}
+      old_k, old_v = cache["k"].value.astype(dt), cache["v"].value.astype(dt)
+      k_new, v_new = stored["k"].astype(dt), stored["v"].astype(dt)
+    keys = jnp.concatenate([old_k, k_new], axis=1)
+    values = jnp.concatenate([old_v, v_new], axis=1)
+    b = new_ok.shape[0]
+    positions = jnp.concatenate([cache["pos"].value, jnp.broadcast_to(new_pos, (b, l))], axis=1)
+    valid = jnp.concatenate([cache["valid"].value, new_ok], axis=1)
+    # per row and slot: the newest index t <= last with t = s (mod W); taken from this call if t >= q_offset
+    last_B = jnp.max(jnp.where(new_ok, new_pos, -1), axis=1)
+    t_BxW = last_B[:, None] - (last_B[:, None] - jnp.arange(w)) % w
+    take_BxW = t_BxW >= q_offset
+    i_BxW = jnp.clip(t_BxW - q_offset, 0, l - 1)
+    for name, new in stored.items():
+      picked = jnp.take_along_axis(new, i_BxW.reshape(b, w, *([1] * (new.ndim - 2))), axis=1)
+      keep = take_BxW.reshape(b, w, *([1] * (new.ndim - 2)))
+      cache[name].value = jnp.where(keep, picked, cache[name].value)
+    cache["pos"].value = jnp.where(take_BxW, t_BxW, cache["pos"].value)
+    cache["valid"].value = jnp.where(take_BxW, jnp.take_along_axis(new_ok, i_BxW, axis=1), cache["valid"].value)
+    return keys, values, positions, valid
 
   def _append_to_cache(self, cache: dict, k_BxLxKxDh: jax.Array, v_BxLxKxDh: jax.Array,
                        q_offset: jax.Array | int, dt: jnp.dtype) -> tuple[jax.Array, jax.Array]:

@@ -1,4 +1,5 @@
-"""One transformer block: Pre-LN, Post-LN or parallel residual, around attention and an FFN (or MoE)."""
+"""One transformer block: Pre-LN, Post-LN, sandwich (Gemma 2/3), reordered (OLMo 2) or parallel residual,
+around attention and an FFN (or MoE)."""
 from __future__ import annotations
 
 import flax.linen as nn
@@ -19,6 +20,7 @@ class Block(nn.Module):
   decode: bool = False
   use_moe: bool = False
   cache_dtype: str = ""   # KV cache storage (nn/attention.py)
+  local: bool | None = None   # layer type of a layer_pattern model (nn/attention.py); None: all alike
 
   @nn.compact
   def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, kv_valid_BxS: jax.Array | None,
@@ -27,18 +29,28 @@ class Block(nn.Module):
     # backend hook on the residual stream entering the block: identity on the reference backend; the
     # xla_cpu backend materialises its gradient once per block (docs/runtime.md)
     x_BxLxD = backends.current().residual(x_BxLxD)
-    attn = Attention(cfg, self.decode, self.cache_dtype, name="attn")
+    attn = Attention(cfg, self.decode, self.cache_dtype, self.local, name="attn")
     ffn = MoEFFN(cfg, name="moe") if self.use_moe else MLP(cfg, name="mlp")
-    ln1, ln2 = Norm(cfg, name="ln1"), Norm(cfg, name="ln2")
+    position = cfg.norm_position
+    if position != "reordered":
+      ln1, ln2 = Norm(cfg, name="ln1"), Norm(cfg, name="ln2")
+    if position in ("sandwich", "reordered"):
+      post_attn, post_ffn = Norm(cfg, name="post_attn_norm"), Norm(cfg, name="post_ffn_norm")
     drop_attn, drop_ffn = (nn.Dropout(cfg.resid_dropout, deterministic=det) for _ in range(2))
     ctx = (positions_BxL, kv_valid_BxS, q_offset, bias_BxHxLxS, segment_ids_BxL)   # what attention sees
 
     if cfg.parallel_residual:
       x_BxLxD = (x_BxLxD + drop_attn(attn(ln1(x_BxLxD), *ctx, deterministic=det))
                  + drop_ffn(ffn(ln2(x_BxLxD), deterministic=det)))
-    elif cfg.norm_position == "pre":
+    elif position == "pre":
       x_BxLxD = x_BxLxD + drop_attn(attn(ln1(x_BxLxD), *ctx, deterministic=det))
       x_BxLxD = x_BxLxD + drop_ffn(ffn(ln2(x_BxLxD), deterministic=det))
+    elif position == "sandwich":   # Gemma 2/3: a norm before and after each sublayer
+      x_BxLxD = x_BxLxD + drop_attn(post_attn(attn(ln1(x_BxLxD), *ctx, deterministic=det)))
+      x_BxLxD = x_BxLxD + drop_ffn(post_ffn(ffn(ln2(x_BxLxD), deterministic=det)))
+    elif position == "reordered":   # OLMo 2: the norm on each sublayer's output, before the residual add
+      x_BxLxD = x_BxLxD + drop_attn(post_attn(attn(x_BxLxD, *ctx, deterministic=det)))
+      x_BxLxD = x_BxLxD + drop_ffn(post_ffn(ffn(x_BxLxD, deterministic=det)))
     else:  # post: the original Transformer / BERT
       x_BxLxD = ln1(x_BxLxD + drop_attn(attn(x_BxLxD, *ctx, deterministic=det)))
       x_BxLxD = ln2(x_BxLxD + drop_ffn(ffn(x_BxLxD, deterministic=det)))

@@ -57,7 +57,8 @@ def project(module: nn.Module, name: str, spec: str, x: jax.Array, w: jax.Array,
 
 
 class Norm(nn.Module):
-  """LayerNorm or RMSNorm over the last axis, computed in float32, cast back to the input dtype."""
+  """LayerNorm or RMSNorm over the last axis, computed in float32, cast back to the input dtype. With
+  cfg.norm_unit_offset the stored scale w starts at 0 and multiplies as (1 + w) (Gemma)."""
   cfg: ModelConfig
 
   @nn.compact
@@ -66,7 +67,10 @@ class Norm(nn.Module):
     _, pdt = dtypes(cfg)
     d = x.shape[-1]
     layernorm = cfg.norm == "layernorm"
-    scale = param(self, "scale", nn.initializers.ones, (d,), ("norm",), pdt).astype(jnp.float32)
+    init = nn.initializers.zeros if cfg.norm_unit_offset else nn.initializers.ones
+    scale = param(self, "scale", init, (d,), ("norm",), pdt).astype(jnp.float32)
+    if cfg.norm_unit_offset:
+      scale = 1.0 + scale
     bias = None
     if layernorm and cfg.norm_bias:
       bias = param(self, "bias", nn.initializers.zeros, (d,), ("norm",), pdt).astype(jnp.float32)
@@ -83,4 +87,5 @@ def activation_fn(name: str):
       "silu": jax.nn.silu,
       "swiglu": jax.nn.silu,
       "geglu": lambda x: jax.nn.gelu(x, approximate=False),
+      "geglu_tanh": lambda x: jax.nn.gelu(x, approximate=True),   # Gemma's gelu_pytorch_tanh GLU
   }[name]

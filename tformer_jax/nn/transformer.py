@@ -1,5 +1,11 @@
 """The one model: embeddings, positions, a stack of blocks (unrolled or scanned, optionally remat'd),
-final norm and LM head. Every variant in the articles is a field of `ModelConfig`, not a subclass."""
+final norm and LM head. Every variant in the articles is a field of `ModelConfig`, not a subclass.
+
+A layer_pattern model (local/global layers, e.g. Gemma 3's 'LLLLLG') scans one repeat of the pattern
+(`Cycle`: params 'layers/block_<j>' with a leading (num_layers // cycle,) axis), and the layers left
+over when num_layers is not a multiple of the cycle run after it as 'layers_<i>' (fewer than one
+cycle), so compile time and memory are one cycle's. Unrolled, every layer is 'layers_<i>'
+(`nn.stacking` converts between the two layouts)."""
 from __future__ import annotations
 
 from typing import Any
@@ -12,6 +18,7 @@ from tformer_jax.config import REMAT_POLICIES, ModelConfig
 from tformer_jax.nn.block import Block
 from tformer_jax.nn.common import Norm, dtypes, normal, param
 from tformer_jax.ops import positions as pos_ops
+from tformer_jax.ops.attention import soft_cap
 from tformer_jax.ops.relative_bias import t5_bias
 
 # Collections that get a leading 'layers' axis under scan_layers ('lora': a LoRA step's unmerged
@@ -31,6 +38,24 @@ def block_class(cfg: ModelConfig):
   return nn.remat(Block, policy=policy, prevent_cse=not cfg.scan_layers)
 
 
+class Cycle(nn.Module):
+  """One repeat of model.layer_pattern: its blocks in order ('block_<j>', each of its layer type),
+  the body `scan_layers` scans. Returns (x, None) like a Block."""
+  cfg: ModelConfig
+  deterministic: bool = True
+  decode: bool = False
+  use_moe: bool = False
+  cache_dtype: str = ""
+
+  @nn.compact
+  def __call__(self, x_BxLxD: jax.Array, *args):
+    cls = block_class(self.cfg)
+    for j in range(self.cfg.cycle):
+      x_BxLxD, _ = cls(self.cfg, self.deterministic, self.decode, self.use_moe, self.cache_dtype,
+                       self.cfg.is_local_layer(j), name=f"block_{j}")(x_BxLxD, *args)
+    return x_BxLxD, None
+
+
 class Transformer(nn.Module):
   cfg: ModelConfig
   cache_dtype: str = ""   # KV cache storage when decoding: '' (compute dtype) | float32 | bfloat16 | int8
@@ -45,8 +70,9 @@ class Transformer(nn.Module):
 
     return_hidden=True (needs cfg.lm_head): `(h_BxLxD, unembed_DxV)` instead of the logits: the
     final-normed hidden states and the unembedding matrix (the head, or embed.T when tied), both in
-    the compute dtype, so logits = (h_BxLxD @ unembed_DxV).astype(float32). For a caller that needs
-    only some positions' logits, or the loss without the full logits (ops.losses).
+    the compute dtype, so logits = soft_cap((h_BxLxD @ unembed_DxV).astype(float32),
+    cfg.final_logit_softcap). For a caller that needs only some positions' logits, or the loss
+    without the full logits (ops.losses).
 
     attention_mask_BxL: 1 = real token, 0 = padding (never attended to). positions_BxL default to
     0..L-1 counting real tokens only (so left padding is handled). segment_ids_BxL: documents packed in
@@ -77,7 +103,8 @@ class Transformer(nn.Module):
     unembed_DxV = self._unembedding(embed_VxD)
     if return_hidden:
       return x_BxLxD, unembed_DxV
-    return jnp.einsum("bld,dv->blv", x_BxLxD, unembed_DxV).astype(jnp.float32)
+    logits = jnp.einsum("bld,dv->blv", x_BxLxD, unembed_DxV).astype(jnp.float32)
+    return soft_cap(logits, cfg.final_logit_softcap)
 
   def _positions(self, valid_BxL: jax.Array, positions_BxL: jax.Array | None,
                  decode: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -150,19 +177,25 @@ class Transformer(nn.Module):
                    max_distance=cfg.t5_max_distance)
 
   def _blocks(self, x_BxLxD: jax.Array, *args, deterministic: bool, decode: bool) -> jax.Array:
-    """The stack of blocks, scanned (one 'layers' module) or unrolled ('layers_<i>')."""
+    """The stack of blocks, scanned (one 'layers' module: a Block, or a Cycle of the layer pattern,
+    then the layers past the last whole cycle as 'layers_<i>') or unrolled ('layers_<i>')."""
     cfg = self.cfg
     cls = block_class(cfg)
+    first = 0   # the first layer not in the scan
     if cfg.scan_layers:
-      scanned = nn.scan(cls, variable_axes={c: 0 for c in SCANNED_COLLECTIONS},
-                        split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * len(args),
-                        length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
-      x_BxLxD, _ = scanned(cfg, deterministic, decode, cfg.moe.num_experts > 0, self.cache_dtype,
-                           name="layers")(x_BxLxD, *args)
-    else:
-      for i in range(cfg.num_layers):
-        x_BxLxD, _ = cls(cfg, deterministic, decode, cfg.is_moe_layer(i), self.cache_dtype,
-                         name=f"layers_{i}")(x_BxLxD, *args)
+      repeats = cfg.num_layers // cfg.cycle
+      body = cls if cfg.cycle == 1 else Cycle
+      local = (cfg.is_local_layer(0),) if cfg.cycle == 1 else ()
+      if repeats:
+        scanned = nn.scan(body, variable_axes={c: 0 for c in SCANNED_COLLECTIONS},
+                          split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * len(args),
+                          length=repeats, metadata_params={nn.PARTITION_NAME: "layers"})
+        x_BxLxD, _ = scanned(cfg, deterministic, decode, cfg.moe.num_experts > 0, self.cache_dtype, *local,
+                             name="layers")(x_BxLxD, *args)
+      first = repeats * cfg.cycle
+    for i in range(first, cfg.num_layers):
+      x_BxLxD, _ = cls(cfg, deterministic, decode, cfg.is_moe_layer(i), self.cache_dtype, cfg.is_local_layer(i),
+                       name=f"layers_{i}")(x_BxLxD, *args)
     return x_BxLxD
 
   def _unembedding(self, embed_VxD: jax.Array) -> jax.Array:
@@ -177,17 +210,21 @@ class Transformer(nn.Module):
 
 def sown_per_layer(tree: Any, name: str) -> list[jax.Array]:
   """Values sown as `name` (e.g. in the 'intermediates' collection), in layer order. Unrolled layers
-  live under 'layers_<i>'; a scanned stack under 'layers' holds arrays with a leading (num_layers,)
-  axis, split here into one per layer."""
-  found: list[tuple[int, int, jax.Array]] = []
+  live under 'layers_<i>'; a scanned stack under 'layers' holds arrays with a leading axis, one entry
+  per layer (or per cycle under 'layers/block_<j>': layer k * cycle + j), split here into one per layer;
+  the layers after the scanned cycles ('layers_<i>') follow them."""
+  found: list[tuple[tuple[int, ...], jax.Array]] = []
   for path, value in jax.tree_util.tree_flatten_with_path(tree)[0]:
     keys = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
     if name not in keys:
       continue
     layer = next((int(k[7:]) for k in keys if k.startswith("layers_") and k[7:].isdigit()), None)
-    if layer is None and "layers" in keys:
-      found.extend((i, 0, value[i]) for i in range(value.shape[0]))
+    block = next((int(k[6:]) for k in keys if k.startswith("block_") and k[6:].isdigit()), None)
+    if layer is None and "layers" in keys:   # scanned: (repeat, block) orders them
+      found.extend(((0, i, block or 0, len(found)), value[i]) for i in range(value.shape[0]))
+    elif layer is None:
+      found.append(((-1, 0, 0, len(found)), value))
     else:
-      found.append((-1 if layer is None else layer, len(found), value))
-  found.sort(key=lambda t: (t[0], t[1]))
-  return [v for _, _, v in found]
+      found.append(((1, layer, 0, len(found)), value))
+  found.sort(key=lambda t: t[0])
+  return [v for _, v in found]

@@ -34,9 +34,20 @@ def _check_shapes(q: Array, k: Array, v: Array) -> tuple[int, int]:
   return h, kh
 
 
+def soft_cap(x: Array, cap: float) -> Array:
+  """cap * tanh(x / cap): logits bounded to (-cap, cap), near the identity for |x| << cap (Gemma 2's
+  attention and final-logit soft-capping); cap <= 0 returns x."""
+  return x if not cap else cap * jnp.tanh(x / cap)
+
+
 def attention_weights(q_BxLxHxD: Array, k_BxSxKxD: Array, *, mask: Array | None = None,
-                      bias: Array | None = None, scale: float | None = None) -> Array:
-  """Softmax attention weights (B, H, L, S) in float32. Fully masked rows are all zeros."""
+                      bias: Array | None = None, scale: float | None = None, softcap: float = 0.0,
+                      sinks_H: Array | None = None) -> Array:
+  """Softmax attention weights (B, H, L, S) in float32. Fully masked rows are all zeros.
+
+  softcap > 0: the scaled scores pass through `soft_cap` before the bias and the mask (Gemma 2).
+  sinks_H: one learned logit per head that joins every row's softmax denominator and takes no value
+  (GPT-OSS; StreamingLLM's attention sink): each row's weights then sum to less than 1."""
   b, l, h, d = q_BxLxHxD.shape
   kh = k_BxSxKxD.shape[2]
   g = h // kh
@@ -45,7 +56,7 @@ def attention_weights(q_BxLxHxD: Array, k_BxSxKxD: Array, *, mask: Array | None 
   q_BxLxKxGxD = q_BxLxHxD.reshape(b, l, kh, g, d)
   logits_BxKxGxLxS = jnp.einsum("blkgd,bskd->bkgls", q_BxLxKxGxD, k_BxSxKxD,
                                 preferred_element_type=jnp.float32) * scale
-  logits_BxKxGxLxS = logits_BxKxGxLxS.astype(jnp.float32)
+  logits_BxKxGxLxS = soft_cap(logits_BxKxGxLxS.astype(jnp.float32), softcap)
   if bias is not None:
     bias_BxHxLxS = jnp.broadcast_to(bias, (bias.shape[0], h, l, s)) if bias.shape[1] == 1 else bias
     logits_BxKxGxLxS = logits_BxKxGxLxS + bias_BxHxLxS.reshape(
@@ -54,7 +65,11 @@ def attention_weights(q_BxLxHxD: Array, k_BxSxKxD: Array, *, mask: Array | None 
     mask_BxHxLxS = jnp.broadcast_to(mask, (mask.shape[0], h, l, s)) if mask.shape[1] == 1 else mask
     mask_BxKxGxLxS = mask_BxHxLxS.reshape(mask_BxHxLxS.shape[0], kh, g, l, s)
     logits_BxKxGxLxS = jnp.where(mask_BxKxGxLxS, logits_BxKxGxLxS, MASK_VALUE)
-  weights = jax.nn.softmax(logits_BxKxGxLxS, axis=-1)
+  if sinks_H is None:
+    weights = jax.nn.softmax(logits_BxKxGxLxS, axis=-1)
+  else:   # the sink as one more column of the softmax, dropped after it
+    sink = jnp.broadcast_to(sinks_H.astype(jnp.float32).reshape(1, kh, g, 1, 1), (*logits_BxKxGxLxS.shape[:-1], 1))
+    weights = jax.nn.softmax(jnp.concatenate([logits_BxKxGxLxS, sink], axis=-1), axis=-1)[..., :-1]
   if mask is not None:  # a row with no visible key gets zero weight, not a uniform spread (and no NaN)
     weights = jnp.where(jnp.any(mask_BxKxGxLxS, axis=-1, keepdims=True), weights, 0.0)
   return weights.reshape(weights.shape[0], h, l, s)
@@ -65,7 +80,8 @@ def dot_product_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, 
                           scale: float | None = None, return_weights: bool = False,
                           impl: Impl = "reference", dropout_rate: float = 0.0,
                           dropout_rng: Array | None = None, is_causal: bool = False,
-                          local_window_size: tuple[int, int] | None = None):
+                          local_window_size: tuple[int, int] | None = None, softcap: float = 0.0,
+                          sinks_H: Array | None = None):
   """Multi-head attention core. Returns (B, L, H, D) (and weights (B, H, L, S) if asked).
 
   mask: bool, broadcastable to (B, H|1, L, S), True = attend. bias: additive float, same shapes.
@@ -75,13 +91,15 @@ def dot_product_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, 
   (same semantics; weights are not available there; no attention dropout).
   local_window_size (left, right): query i sees only keys i - left <= j <= i + right (with
   is_causal, right is 0): a sliding window without a mask tensor, which cuDNN turns into skipped tiles.
+  softcap, sinks_H: as `attention_weights` (the reference path only: jax.nn.dot_product_attention has
+  neither).
   """
   h, kh = _check_shapes(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD)
   if impl in ("xla", "cudnn"):
     if return_weights:
       raise ValueError(f"impl={impl!r} cannot return attention weights; use impl='reference'")
-    if dropout_rate > 0.0:
-      raise ValueError(f"impl={impl!r} has no attention dropout; use impl='reference'")
+    if dropout_rate > 0.0 or softcap or sinks_H is not None:
+      raise ValueError(f"impl={impl!r} has no attention dropout, soft cap or sinks; use impl='reference'")
     if impl == "cudnn" and jax.default_backend() != "gpu":
       raise ValueError(f"attention impl 'cudnn' needs a GPU; the default backend is "
                        f"{jax.default_backend()!r}. Use 'xla', 'blockwise' or 'reference' (runtime.attention).")
@@ -105,7 +123,8 @@ def dot_product_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, 
     dist = jnp.arange(l)[:, None] - jnp.arange(k_BxSxKxD.shape[1])[None, :]
     band = ((dist <= left) & (-dist <= right))[None, None]
     mask = band if mask is None else mask & band
-  weights_BxHxLxS = attention_weights(q_BxLxHxD, k_BxSxKxD, mask=mask, bias=bias, scale=scale)
+  weights_BxHxLxS = attention_weights(q_BxLxHxD, k_BxSxKxD, mask=mask, bias=bias, scale=scale, softcap=softcap,
+                                      sinks_H=sinks_H)
   probs = weights_BxHxLxS
   if dropout_rate > 0.0 and dropout_rng is not None:
     keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)

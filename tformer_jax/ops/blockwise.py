@@ -12,6 +12,10 @@ query i sits at absolute position p = q_offset + i, key j at position j.
   causal:            j <= p             window > 0 adds  j > p - window
   not causal:        every j            window > 0 means |p - j| < window
   ALiBi:             bias = -slope_h * (p - j)   (|p - j| when not causal)
+  soft cap c > 0:    scores c * tanh(score / c) before any bias (Gemma 2)
+  sinks:             one logit per head in every row's softmax denominator (GPT-OSS): the running max
+                     and sum start at the sink instead of empty, and its gradient is
+                     -sum over rows of exp(sink - lse) * rowsum(dO * O)
   kv_valid / segments: key j is visible only if valid, and (with segment ids) only within the same
   segment, segment id 0 being padding (as `masks.segment_mask`).
 A query row that sees no key returns zeros (and zero gradients), never NaN.
@@ -41,6 +45,7 @@ class _Static(NamedTuple):
   scale: float
   block_q: int
   block_k: int
+  softcap: float = 0.0
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -91,13 +96,18 @@ def _q_block_range(j: Array, st: _Static, q_offset: Array, nq: int) -> tuple[Arr
 
 
 def _tile_logits(q_BxKxGxQxD: Array, k_BxKxCxD: Array, i: Array, j: Array, aux: dict,
-                 st: _Static) -> Array:
-  """Masked, biased logits (B, K, G, Q, C) in float32 for query block i and key block j.
+                 st: _Static) -> tuple[Array, Array | None]:
+  """Masked, biased logits (B, K, G, Q, C) in float32 for query block i and key block j, and with a
+  soft cap the derivative of the capped scores by the raw ones, 1 - tanh^2 (else None).
 
   q is already multiplied by the softmax scale."""
   bq, bk = st.block_q, st.block_k
   s = jnp.einsum("bkgqd,bkcd->bkgqc", q_BxKxGxQxD, k_BxKxCxD, preferred_element_type=jnp.float32)
   s = s.astype(jnp.float32)
+  dcap = None
+  if st.softcap:
+    t = jnp.tanh(s / st.softcap)
+    s, dcap = st.softcap * t, 1.0 - t * t
   q_pos = aux["q_offset"] + i * bq + jnp.arange(bq, dtype=jnp.int32)
   k_pos = j * bk + jnp.arange(bk, dtype=jnp.int32)
   dist_QxC = q_pos[:, None] - k_pos[None, :]
@@ -120,7 +130,16 @@ def _tile_logits(q_BxKxGxQxD: Array, k_BxKxCxD: Array, i: Array, j: Array, aux: 
     mask = m if mask is None else mask & m
   if mask is not None:
     s = jnp.where(mask[:, None, None], s, MASK_VALUE)
-  return s
+  return s, dcap
+
+
+def _sink_state(aux: dict, shape: tuple[int, ...]) -> tuple[Array, Array]:
+  """The online softmax's starting (max, sum) of a (B, K, G, Q) row block: empty, or the sink's logit
+  with its exp(0) = 1 already counted."""
+  if aux.get("sinks") is None:
+    return jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32)
+  sink = jnp.broadcast_to(aux["sinks"][None, :, :, None], shape)
+  return sink, jnp.ones(shape, jnp.float32)
 
 
 def _forward(st: _Static, q: Array, k: Array, v: Array, aux: dict) -> tuple[Array, Array]:
@@ -138,7 +157,7 @@ def _forward(st: _Static, q: Array, k: Array, v: Array, aux: dict) -> tuple[Arra
       m_prev, l_prev, acc = state
       k_j = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
       v_j = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
-      s = _tile_logits(q_i, k_j, i, j, aux, st)
+      s, _ = _tile_logits(q_i, k_j, i, j, aux, st)
       m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1))
       p = jnp.exp(s - m_new[..., None])
       alpha = jnp.exp(m_prev - m_new)
@@ -147,10 +166,9 @@ def _forward(st: _Static, q: Array, k: Array, v: Array, aux: dict) -> tuple[Arra
       return m_new, l_new, acc * alpha[..., None] + pv
 
     lo, hi = _kv_block_range(i, st, aux["q_offset"], nk)
-    init = (jnp.full((b, kh, g, bq), MASK_VALUE, jnp.float32), jnp.zeros((b, kh, g, bq), jnp.float32),
-            jnp.zeros((b, kh, g, bq, d), jnp.float32))
+    init = (*_sink_state(aux, (b, kh, g, bq)), jnp.zeros((b, kh, g, bq, d), jnp.float32))
     m, l, acc = jax.lax.fori_loop(lo, hi, kv_block, init)
-    seen = m > MASK_VALUE  # False: no visible key in this row
+    seen = m > MASK_VALUE  # False: no visible key (and no sink) in this row
     l_safe = jnp.where(seen, l, 1.0)
     o_i = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)
     lse_i = jnp.where(seen, m + jnp.log(l_safe), jnp.inf)
@@ -163,9 +181,9 @@ def _forward(st: _Static, q: Array, k: Array, v: Array, aux: dict) -> tuple[Arra
 
 
 def _backward(st: _Static, q: Array, k: Array, v: Array, aux: dict, o: Array, lse: Array,
-              do: Array) -> tuple[Array, Array, Array]:
+              do: Array) -> tuple[Array, Array, Array, Array | None]:
   """FlashAttention-2 backward, head-major like `_forward`. Returns float32 dq (w.r.t. the scaled q),
-  dk, dv."""
+  dk, dv, and the sinks' (K, G) gradient (None without sinks)."""
   b, kh, g, lp, d = q.shape
   sp = k.shape[2]
   bq, bk = st.block_q, st.block_k
@@ -182,12 +200,14 @@ def _backward(st: _Static, q: Array, k: Array, v: Array, aux: dict, o: Array, ls
       do_i = jax.lax.dynamic_slice_in_dim(do, i * bq, bq, axis=3)
       lse_i = jax.lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=3)
       delta_i = jax.lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=3)
-      s = _tile_logits(q_i, k_j, i, j, aux, st)
+      s, dcap = _tile_logits(q_i, k_j, i, j, aux, st)
       p = jnp.exp(s - lse_i[..., None])  # masked entries and fully masked rows (lse = inf) give 0
       dv_j = dv_j + jnp.einsum("bkgqc,bkgqd->bkcd", p.astype(do.dtype), do_i,
                                preferred_element_type=jnp.float32)
       dp = jnp.einsum("bkgqd,bkcd->bkgqc", do_i, v_j, preferred_element_type=jnp.float32)
       ds = p * (dp - delta_i[..., None])
+      if dcap is not None:
+        ds = ds * dcap
       dk_j = dk_j + jnp.einsum("bkgqc,bkgqd->bkcd", ds.astype(q.dtype), q_i,
                                preferred_element_type=jnp.float32)
       dq_i = jnp.einsum("bkgqc,bkcd->bkgqd", ds.astype(k.dtype), k_j, preferred_element_type=jnp.float32)
@@ -209,7 +229,16 @@ def _backward(st: _Static, q: Array, k: Array, v: Array, aux: dict, o: Array, ls
 
   init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
           jnp.zeros(v.shape, jnp.float32))
-  return jax.lax.fori_loop(0, nk, kv_step, init)
+  dq, dk, dv = jax.lax.fori_loop(0, nk, kv_step, init)
+  return dq, dk, dv, sink_grad(aux.get("sinks"), lse, delta)
+
+
+def sink_grad(sinks_KxG: Array | None, lse_BxKxGxL: Array, delta_BxKxGxL: Array) -> Array | None:
+  """d loss / d sink (K, G): -sum over rows of p_sink * rowsum(dO * O), p_sink = exp(sink - lse)."""
+  if sinks_KxG is None:
+    return None
+  p_sink = jnp.exp(sinks_KxG[None, :, :, None] - lse_BxKxGxL)
+  return -jnp.sum(p_sink * delta_BxKxGxL, axis=(0, 3))
 
 
 def _zero_cotangent(x: Array | None):
@@ -227,19 +256,20 @@ def zero_cotangents(aux: dict) -> dict:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(st: _Static, q: Array, k: Array, v: Array, aux: dict) -> Array:
-  return _forward(st, q, k, v, aux)[0]
+def _flash(st: _Static, q: Array, k: Array, v: Array, sinks: Array | None, aux: dict) -> Array:
+  return _forward(st, q, k, v, {**aux, "sinks": sinks})[0]
 
 
-def _flash_fwd(st: _Static, q: Array, k: Array, v: Array, aux: dict):
-  o, lse = _forward(st, q, k, v, aux)
-  return o, (q, k, v, aux, o, lse)
+def _flash_fwd(st: _Static, q: Array, k: Array, v: Array, sinks: Array | None, aux: dict):
+  o, lse = _forward(st, q, k, v, {**aux, "sinks": sinks})
+  return o, (q, k, v, sinks, aux, o, lse)
 
 
 def _flash_bwd(st: _Static, res, do: Array):
-  q, k, v, aux, o, lse = res
-  dq, dk, dv = _backward(st, q, k, v, aux, o, lse, do)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), zero_cotangents(aux)
+  q, k, v, sinks, aux, o, lse = res
+  dq, dk, dv, dsinks = _backward(st, q, k, v, {**aux, "sinks": sinks}, o, lse, do)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+          None if sinks is None else dsinks.astype(sinks.dtype), zero_cotangents(aux))
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -249,7 +279,8 @@ def blockwise_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, *,
                         window: int = 0, q_offset: int | Array = 0, alibi_slopes_H: Array | None = None,
                         kv_valid_BxS: Array | None = None, q_segment_ids_BxL: Array | None = None,
                         kv_segment_ids_BxS: Array | None = None, scale: float | None = None,
-                        block_q: int = 128, block_k: int = 128) -> Array:
+                        block_q: int = 128, block_k: int = 128, softcap: float = 0.0,
+                        sinks_H: Array | None = None) -> Array:
   """Memory-efficient attention; returns (B, L, H, D). See the module docstring for the semantics.
 
   GQA/MQA: K divides H, K/V are never repeated. `q_offset` may be a traced scalar (cached decoding).
@@ -265,7 +296,8 @@ def blockwise_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, *,
   scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
   bq, bk = max(1, min(block_q, l)), max(1, min(block_k, s))
   lp, sp = _ceil_div(l, bq) * bq, _ceil_div(s, bk) * bk
-  st = _Static(causal=bool(causal), window=int(window), scale=scale, block_q=bq, block_k=bk)
+  st = _Static(causal=bool(causal), window=int(window), scale=scale, block_q=bq, block_k=bk,
+               softcap=float(softcap))
 
   kv_valid = None if kv_valid_BxS is None else kv_valid_BxS.astype(bool)
   if sp != s:  # padded keys are invalid
@@ -288,5 +320,6 @@ def blockwise_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, *,
   q_BxKxGxLxD = jnp.transpose(q, (0, 2, 3, 1, 4))
   k_BxKxSxD = jnp.transpose(_pad_axis(k_BxSxKxD, 1, sp), (0, 2, 1, 3))
   v_BxKxSxD = jnp.transpose(_pad_axis(v_BxSxKxD, 1, sp), (0, 2, 1, 3))
-  o_BxKxGxLxD = _flash(st, q_BxKxGxLxD, k_BxKxSxD, v_BxKxSxD, aux)
+  sinks = None if sinks_H is None else sinks_H.astype(jnp.float32).reshape(kh, g)
+  o_BxKxGxLxD = _flash(st, q_BxKxGxLxD, k_BxKxSxD, v_BxKxSxD, sinks, aux)
   return jnp.transpose(o_BxKxGxLxD, (0, 3, 1, 2, 4)).reshape(b, lp, h, d)[:, :l]

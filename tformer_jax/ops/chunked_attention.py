@@ -17,7 +17,10 @@ When to use which (all exact, same semantics):
 Semantics match `ops.attention.dot_product_attention` with the equivalent dense mask: query i at
 absolute position q_offset + i, key j at j; causal j <= p; window w adds j > p - w (|p - j| < w when
 not causal); ALiBi bias -slope_h * (p - j) (|p - j| when not causal); kv_valid and segment ids
-(0 = padding) as in `ops.blockwise`. A query row that sees no key returns zeros, never NaN.
+(0 = padding) as in `ops.blockwise`; a soft cap c > 0 turns each score into c * tanh(score / c)
+before any bias (the backward recomputes the chunk's scores for its derivative); sinks add one logit
+per head to every row's denominator (the chunk keeps its sink probability for the backward). A query
+row that sees no key returns zeros, never NaN.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ class _Static(NamedTuple):
   window: int
   q_offset: int
   chunk: int
+  softcap: float = 0.0
 
 
 def chunk_key_range(i: int, chunk: int, l: int, s: int, *, causal: bool, window: int,
@@ -75,10 +79,21 @@ def _chunks(st: _Static, l: int, s: int):
     yield tuple(row)
 
 
-def _probs(st: _Static, q_i: Array, k_c: Array, r0: int, r1: int, lo: int, hi: int, aux: dict) -> Array:
-  """Softmax probabilities (B, K, G, Q, C) in float32 of one query chunk over keys [lo, hi); rows that
-  see no key are all zero."""
-  s_BxKxGxQxC = jnp.einsum("bkgqd,bkcd->bkgqc", q_i, k_c, preferred_element_type=jnp.float32)
+def _scores(st: _Static, q_i: Array, k_c: Array) -> tuple[Array, Array | None]:
+  """The chunk's scores (B, K, G, Q, C) in float32, soft-capped when st.softcap, and the cap's
+  derivative 1 - tanh^2 (None without a cap)."""
+  s = jnp.einsum("bkgqd,bkcd->bkgqc", q_i, k_c, preferred_element_type=jnp.float32)
+  if not st.softcap:
+    return s, None
+  t = jnp.tanh(s / st.softcap)
+  return st.softcap * t, 1.0 - t * t
+
+
+def _probs(st: _Static, q_i: Array, k_c: Array, r0: int, r1: int, lo: int, hi: int,
+           aux: dict) -> tuple[Array, Array | None]:
+  """Softmax probabilities (B, K, G, Q, C) in float32 of one query chunk over keys [lo, hi), and with
+  sinks each row's sink probability (B, K, G, Q) (else None); rows that see no key are all zero."""
+  s_BxKxGxQxC, _ = _scores(st, q_i, k_c)
   dist_QxC = (st.q_offset + np.arange(r0, r1))[:, None] - np.arange(lo, hi)[None, :]
   mask = None  # (1 or B, Q, C)
   m = band(dist_QxC, causal=st.causal, window=st.window, xp=np)
@@ -96,10 +111,21 @@ def _probs(st: _Static, q_i: Array, k_c: Array, r0: int, r1: int, lo: int, hi: i
     mask = m if mask is None else mask & m
   if mask is not None:
     s_BxKxGxQxC = jnp.where(mask[:, None, None], s_BxKxGxQxC, MASK_VALUE)
-  p = jax.nn.softmax(s_BxKxGxQxC, axis=-1)
+  p_sink = None
+  if aux["sinks"] is None:
+    p = jax.nn.softmax(s_BxKxGxQxC, axis=-1)
+  else:   # the sink as one more column of the softmax
+    sink = aux["sinks"][None, :, :, None]
+    m = jnp.maximum(jnp.max(s_BxKxGxQxC, axis=-1), sink)
+    e = jnp.exp(s_BxKxGxQxC - m[..., None])
+    e_sink = jnp.exp(sink - m)
+    z = jnp.sum(e, axis=-1) + e_sink
+    p, p_sink = e / z[..., None], e_sink / z
   if mask is not None and (aux["kv_valid"] is not None or aux["q_seg"] is not None or st.window):
-    p = jnp.where(jnp.any(mask, axis=-1)[:, None, None, :, None], p, 0.0)  # rows with no key
-  return p
+    seen = jnp.any(mask, axis=-1)[:, None, None, :]   # rows with no key
+    p = jnp.where(seen[..., None], p, 0.0)
+    p_sink = None if p_sink is None else jnp.where(seen, p_sink, 1.0)
+  return p, p_sink
 
 
 def _forward(st: _Static, q: Array, k: Array, v: Array, aux: dict) -> tuple[Array, list]:
@@ -112,11 +138,11 @@ def _forward(st: _Static, q: Array, k: Array, v: Array, aux: dict) -> tuple[Arra
       outs.append(jnp.zeros(q_i.shape, q.dtype))
       probs.append(None)
       continue
-    p = _probs(st, q_i, k[:, :, lo:hi], r0, r1, lo, hi, aux)
+    p, p_sink = _probs(st, q_i, k[:, :, lo:hi], r0, r1, lo, hi, aux)
     o_i = jnp.einsum("bkgqc,bkcd->bkgqd", p.astype(v.dtype), v[:, :, lo:hi],
                      preferred_element_type=jnp.float32)
     outs.append(o_i.astype(q.dtype))
-    probs.append(p)
+    probs.append((p, p_sink))
   return jnp.concatenate(outs, axis=3) if len(outs) > 1 else outs[0], probs
 
 
@@ -125,15 +151,21 @@ def _backward(st: _Static, q: Array, k: Array, v: Array, o: Array, probs: list, 
   delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # (B, K, G, L)
   dk = jnp.zeros(k.shape, jnp.float32)
   dv = jnp.zeros(v.shape, jnp.float32)
-  dqs = []
-  for (r0, r1, lo, hi), p in zip(_chunks(st, l, s), probs):
-    if p is None:
+  dqs, dsinks = [], None
+  for (r0, r1, lo, hi), pp in zip(_chunks(st, l, s), probs):
+    if pp is None:
       dqs.append(jnp.zeros(q[:, :, :, r0:r1].shape, jnp.float32))
       continue
+    p, p_sink = pp
     do_i, q_i = do[:, :, :, r0:r1], q[:, :, :, r0:r1]
+    if p_sink is not None:   # d sink = -sum over rows of p_sink * rowsum(dO * O)
+      d = -jnp.sum(p_sink * delta[:, :, :, r0:r1], axis=(0, 3))
+      dsinks = d if dsinks is None else dsinks + d
     dv_c = jnp.einsum("bkgqc,bkgqd->bkcd", p.astype(do.dtype), do_i, preferred_element_type=jnp.float32)
     dp = jnp.einsum("bkgqd,bkcd->bkgqc", do_i, v[:, :, lo:hi], preferred_element_type=jnp.float32)
     ds = p * (dp - delta[:, :, :, r0:r1, None])
+    if st.softcap:   # through the cap: recompute the chunk's scores for 1 - tanh^2
+      ds = ds * _scores(st, q_i, k[:, :, lo:hi])[1]
     dqs.append(jnp.einsum("bkgqc,bkcd->bkgqd", ds.astype(k.dtype), k[:, :, lo:hi],
                           preferred_element_type=jnp.float32))
     dk_c = jnp.einsum("bkgqc,bkgqd->bkcd", ds.astype(q.dtype), q_i, preferred_element_type=jnp.float32)
@@ -143,23 +175,25 @@ def _backward(st: _Static, q: Array, k: Array, v: Array, o: Array, probs: list, 
       dk = jax.lax.dynamic_update_slice_in_dim(dk, dk[:, :, lo:hi] + dk_c, lo, axis=2)
       dv = jax.lax.dynamic_update_slice_in_dim(dv, dv[:, :, lo:hi] + dv_c, lo, axis=2)
   dq = jnp.concatenate(dqs, axis=3) if len(dqs) > 1 else dqs[0]
-  return dq, dk, dv
+  return dq, dk, dv, dsinks
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked(st: _Static, q: Array, k: Array, v: Array, aux: dict) -> Array:
-  return _forward(st, q, k, v, aux)[0]
+def _chunked(st: _Static, q: Array, k: Array, v: Array, sinks: Array | None, aux: dict) -> Array:
+  return _forward(st, q, k, v, {**aux, "sinks": sinks})[0]
 
 
-def _chunked_fwd(st: _Static, q: Array, k: Array, v: Array, aux: dict):
-  o, probs = _forward(st, q, k, v, aux)
-  return o, (q, k, v, aux, o, probs)
+def _chunked_fwd(st: _Static, q: Array, k: Array, v: Array, sinks: Array | None, aux: dict):
+  o, probs = _forward(st, q, k, v, {**aux, "sinks": sinks})
+  return o, (q, k, v, sinks, aux, o, probs)
 
 
 def _chunked_bwd(st: _Static, res, do: Array):
-  q, k, v, aux, o, probs = res
-  dq, dk, dv = _backward(st, q, k, v, o, probs, do)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), zero_cotangents(aux)
+  q, k, v, sinks, aux, o, probs = res
+  dq, dk, dv, dsinks = _backward(st, q, k, v, o, probs, do)
+  if sinks is not None:
+    dsinks = jnp.zeros_like(sinks) if dsinks is None else dsinks.astype(sinks.dtype)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks, zero_cotangents(aux)
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
@@ -169,7 +203,7 @@ def chunked_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, *, c
                       window: int = 0, q_offset: int = 0, alibi_slopes_H: Array | None = None,
                       kv_valid_BxS: Array | None = None, q_segment_ids_BxL: Array | None = None,
                       kv_segment_ids_BxS: Array | None = None, scale: float | None = None,
-                      chunk: int = 64) -> Array:
+                      chunk: int = 64, softcap: float = 0.0, sinks_H: Array | None = None) -> Array:
   """Exact attention in static query chunks; returns (B, L, H, D). GQA/MQA: K divides H, K/V are
   never repeated. `q_offset` must be a Python int (the chunk ranges are static). No gradient flows to
   ALiBi slopes."""
@@ -186,7 +220,8 @@ def chunked_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, *, c
     raise ValueError("kv_segment_ids_BxS given without q_segment_ids_BxL")
   g = h // kh
   scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-  st = _Static(causal=bool(causal), window=int(window), q_offset=int(q_offset), chunk=int(chunk))
+  st = _Static(causal=bool(causal), window=int(window), q_offset=int(q_offset), chunk=int(chunk),
+               softcap=float(softcap))
   aux = {"slopes": None, "kv_valid": None, "q_seg": None, "kv_seg": None}
   if alibi_slopes_H is not None:
     aux["slopes"] = jnp.asarray(alibi_slopes_H, jnp.float32).reshape(kh, g)
@@ -201,5 +236,6 @@ def chunked_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, *, c
   q_BxKxGxLxD = jnp.transpose(q_BxLxKxGxD, (0, 2, 3, 1, 4))
   k_BxKxSxD = jnp.transpose(k_BxSxKxD, (0, 2, 1, 3))
   v_BxKxSxD = jnp.transpose(v_BxSxKxD, (0, 2, 1, 3))
-  o_BxKxGxLxD = _chunked(st, q_BxKxGxLxD, k_BxKxSxD, v_BxKxSxD, aux)
+  sinks = None if sinks_H is None else sinks_H.astype(jnp.float32).reshape(kh, g)
+  o_BxKxGxLxD = _chunked(st, q_BxKxGxLxD, k_BxKxSxD, v_BxKxSxD, sinks, aux)
   return jnp.transpose(o_BxKxGxLxD, (0, 3, 1, 2, 4)).reshape(b, l, h, d)

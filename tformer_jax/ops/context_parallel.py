@@ -147,7 +147,7 @@ def _ring_bwd(st, axis, n, res, do):
   def step(carry, t):
     dq, k_j, v_j, kv_j, dk_j, dv_j = carry
     aux_j = _block_aux(aux, kv_j, i, (i - t) % n, c)
-    dq_t, dk_t, dv_t = blockwise._backward(st, q, k_j, v_j, aux_j, o, lse, do)
+    dq_t, dk_t, dv_t, _ = blockwise._backward(st, q, k_j, v_j, aux_j, o, lse, do)
     k_j, v_j, dk_j, dv_j, *kv_j = _rotate((k_j, v_j, dk_j + dk_t, dv_j + dv_t) + tuple(kv_j), axis, n)
     return (dq + dq_t, k_j, v_j, tuple(kv_j), dk_j, dv_j), None
 

@@ -71,7 +71,8 @@ class Visibility:
   (BigBird = window + global + random; causal still hides the later keys of those blocks);
   kv_valid_BxS: False = padding, never seen; with segment ids a query sees only keys of its own
   segment, segment 0 being padding. q_offset is a Python int, or a traced scalar when decoding
-  into a cache."""
+  into a cache. kv_positions_BxS: key j's index is kv_positions_BxS[b, j] instead of j (a sliding-window
+  layer's ring cache; dense paths only)."""
   causal: bool = True
   window: int = 0
   num_global: int = 0
@@ -80,6 +81,7 @@ class Visibility:
   kv_valid_BxS: Array | None = None
   q_segment_ids_BxL: Array | None = None
   kv_segment_ids_BxS: Array | None = None
+  kv_positions_BxS: Array | None = None
 
   @property
   def static_offset(self) -> bool:
@@ -89,13 +91,17 @@ class Visibility:
   def is_plain_causal(self) -> bool:
     """Causal with nothing else (kernels with a causal mode need no mask tensor)."""
     return (self.causal and not self.window and self.random is None and self.kv_valid_BxS is None
-            and self.q_segment_ids_BxL is None and self.static_offset and self.q_offset == 0)
+            and self.q_segment_ids_BxL is None and self.static_offset and self.q_offset == 0
+            and self.kv_positions_BxS is None)
 
   def structural(self, l: int, s: int) -> Array | None:
     """(L, S) mask from causality, window, global tokens and random blocks; None if everything is
     visible."""
     q = self.q_offset + jnp.arange(l)[:, None]
-    k = jnp.arange(s)[None, :]
+    if self.kv_positions_BxS is not None:   # per-row key indices: a (B, L, S) structure
+      q, k = q[None], self.kv_positions_BxS[:, None, :]
+    else:
+      k = jnp.arange(s)[None, :]
     if not (self.window and (self.num_global or self.random is not None)):
       return band(q - k, causal=self.causal, window=self.window)
     # global tokens and random blocks widen the window: inside it, or a global query or key, or a key
@@ -110,7 +116,7 @@ class Visibility:
   def mask(self, l: int, s: int) -> Array | None:
     """The whole dense mask (B|1, 1, L, S), or None if every key is visible to every query."""
     m = self.structural(l, s)
-    m = None if m is None else m[None, None]
+    m = None if m is None else m[:, None] if m.ndim == 3 else m[None, None]
     if self.kv_valid_BxS is not None:
       m = combine_masks(m, padding_mask(self.kv_valid_BxS))
     if self.q_segment_ids_BxL is not None:

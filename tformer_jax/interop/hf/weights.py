@@ -19,6 +19,7 @@ from tformer_jax.interop.hf.common import _MAX_LISTED, HFWeightsError, log
 from tformer_jax.interop.hf_config import HFConfigError
 from tformer_jax.nn import Transformer
 from tformer_jax.nn.moe import expert_hidden
+from tformer_jax.nn.stacking import unstack_layers
 
 # ----------------------------------------------------------------------------------------------
 # Parameters
@@ -325,14 +326,10 @@ def _convert(family: Family, plan: list[tuple[Rule, list[str], list[str]]], tens
 
 
 def _unscan(params: Mapping[str, Any], cfg: ModelConfig) -> dict[str, Any]:
-  """A scan_layers params tree ('layers' with a leading layer axis) as layers_0 .. layers_{L-1}."""
-  params = dict(params)
+  """A scan_layers params tree as layers_0 .. layers_{L-1} (nn.stacking)."""
   if "layers" not in params:
-    return params
-  stacked = params.pop("layers")
-  for i in range(cfg.num_layers):
-    params[f"layers_{i}"] = jax.tree.map(lambda a, i=i: a[i], stacked)
-  return params
+    return dict(params)
+  return unstack_layers(params, cfg.num_layers, cfg.cycle)
 
 
 def export_tensors(family: Family, cfg: ModelConfig, params: Mapping[str, Any]) -> dict[str, np.ndarray]:
