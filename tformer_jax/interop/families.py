@@ -102,11 +102,13 @@ GPT2 = (
 
 # -- llama / mistral / mixtral -----------------------------------------------------------------
 _M = "model.layers.{i}"
-LLAMA_ATTN = (
+LLAMA_PROJ = (
     *linear(f"{_M}.self_attn.q_proj", f"{L}/attn/wq", "(h k) d", "d h k", "(h k)", "h k", f"{L}/attn/bq"),
     *linear(f"{_M}.self_attn.k_proj", f"{L}/attn/wk", "(g k) d", "d g k", "(g k)", "g k", f"{L}/attn/bk"),
     *linear(f"{_M}.self_attn.v_proj", f"{L}/attn/wv", "(g k) d", "d g k", "(g k)", "g k", f"{L}/attn/bv"),
     *linear(f"{_M}.self_attn.o_proj", f"{L}/attn/wo", "d (h k)", "h k d", "d", ours_bias=f"{L}/attn/bo"),
+)
+LLAMA_ATTN = LLAMA_PROJ + (
     *norm(f"{_M}.input_layernorm", f"{L}/ln1", bias=False),
     *norm(f"{_M}.post_attention_layernorm", f"{L}/ln2", bias=False),
 )
@@ -115,11 +117,34 @@ LLAMA_OUTER = (
     *norm("model.norm", "final_norm", bias=False),
     HEAD,
 )
-LLAMA = LLAMA_OUTER + LLAMA_ATTN + (
+GLU_MLP = (
     *linear(f"{_M}.mlp.gate_proj", f"{L}/mlp/wg", "f d", "d f", "f", ours_bias=f"{L}/mlp/bg"),
     *linear(f"{_M}.mlp.up_proj", f"{L}/mlp/wi", "f d", "d f", "f", ours_bias=f"{L}/mlp/bi"),
     *linear(f"{_M}.mlp.down_proj", f"{L}/mlp/wo", "d f", "f d", "d", ours_bias=f"{L}/mlp/bo"),
 )
+LLAMA = LLAMA_OUTER + LLAMA_ATTN + GLU_MLP
+
+# -- qwen2 (Llama's rows: its q/k/v biases are the bias rows), qwen3, olmo2, gemma2, gemma3_text --------
+# QK-norm scales: one per head dimension (Qwen3, Gemma 3: 'head') or over the whole projection (OLMo 2:
+# 'proj', H*Dh for q and K*Dh for k), flat on both sides.
+HEAD_QK_NORM = (Rule(f"{_M}.self_attn.q_norm.weight", f"{L}/attn/q_norm/scale", "k", "k"),
+                Rule(f"{_M}.self_attn.k_norm.weight", f"{L}/attn/k_norm/scale", "k", "k"))
+PROJ_QK_NORM = (Rule(f"{_M}.self_attn.q_norm.weight", f"{L}/attn/q_norm/scale", "(h k)", "(h k)"),
+                Rule(f"{_M}.self_attn.k_norm.weight", f"{L}/attn/k_norm/scale", "(g k)", "(g k)"))
+QWEN3 = LLAMA + HEAD_QK_NORM
+# OLMo 2 normalises each sublayer's output before its residual add (norm_position 'reordered').
+OLMO2 = LLAMA_OUTER + LLAMA_PROJ + PROJ_QK_NORM + GLU_MLP + (
+    *norm(f"{_M}.post_attention_layernorm", f"{L}/post_attn_norm", bias=False),
+    *norm(f"{_M}.post_feedforward_layernorm", f"{L}/post_ffn_norm", bias=False),
+)
+# Gemma's sandwich: a norm before and after each sublayer; its RMSNorm is (1 + w) and w is stored as is.
+GEMMA2 = LLAMA_OUTER + LLAMA_PROJ + GLU_MLP + (
+    *norm(f"{_M}.input_layernorm", f"{L}/ln1", bias=False),
+    *norm(f"{_M}.post_attention_layernorm", f"{L}/post_attn_norm", bias=False),
+    *norm(f"{_M}.pre_feedforward_layernorm", f"{L}/ln2", bias=False),
+    *norm(f"{_M}.post_feedforward_layernorm", f"{L}/post_ffn_norm", bias=False),
+)
+GEMMA3 = GEMMA2 + HEAD_QK_NORM
 _E = f"{L}/moe"
 MIXTRAL = LLAMA_OUTER + LLAMA_ATTN + (OneOf((
     # What save_pretrained writes (and every Mixtral checkpoint on the hub): one tensor per expert.
@@ -179,7 +204,7 @@ BERT = (
     *norm(f"{_T}.output.LayerNorm", f"{L}/ln2"),
 )
 
-_ROTARY = r"\.rotary_emb\.inv_freq$"
+_ROTARY = r"\.rotary_emb\.(\w+_)?inv_freq$"   # Gemma 3: one per layer type
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gpt2", GPT2, C.gpt2_to_model, C.gpt2_to_hf, prefix="transformer.",
            ignore=(r"\.attn\.(masked_)?bias$",), ignore_tied=(r"^lm_head\.weight$",)),
@@ -189,6 +214,16 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            ignore_tied=(r"^lm_head\.weight$",)),
     Family("mixtral", MIXTRAL, C.mixtral_to_model, C.mixtral_to_hf, prefix="model.", ignore=(_ROTARY,),
            ignore_tied=(r"^lm_head\.weight$",)),
+    Family("qwen2", LLAMA, C.qwen2_to_model, C.qwen2_to_hf, prefix="model.", ignore=(_ROTARY,),
+           ignore_tied=(r"^lm_head\.weight$",)),
+    Family("qwen3", QWEN3, C.qwen3_to_model, C.qwen3_to_hf, prefix="model.", ignore=(_ROTARY,),
+           ignore_tied=(r"^lm_head\.weight$",)),
+    Family("olmo2", OLMO2, C.olmo2_to_model, C.olmo2_to_hf, prefix="model.", ignore=(_ROTARY,),
+           ignore_tied=(r"^lm_head\.weight$",)),
+    Family("gemma2", GEMMA2, C.gemma2_to_model, C.gemma2_to_hf, prefix="model.", ignore=(_ROTARY,),
+           ignore_tied=(r"^lm_head\.weight$",)),
+    Family("gemma3_text", GEMMA3, C.gemma3_text_to_model, C.gemma3_text_to_hf, prefix="model.",
+           ignore=(_ROTARY,), ignore_tied=(r"^lm_head\.weight$",)),
     Family("bloom", BLOOM, C.bloom_to_model, C.bloom_to_hf, prefix="transformer.",
            ignore_tied=(r"^lm_head\.weight$",)),
     Family("gpt_neox", GPT_NEOX, C.gpt_neox_to_model, C.gpt_neox_to_hf, prefix="gpt_neox.",

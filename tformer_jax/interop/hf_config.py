@@ -10,7 +10,7 @@ that get past it, so `interop.hf` can go on and list every field a family cannot
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from tformer_jax.config import ModelConfig, RopeScaling
 
@@ -19,9 +19,10 @@ _MISSING = object()
 # HF activation names -> ours (plain FFN), and the GLU form (act(gate) * up).
 ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
         "relu": "relu", "silu": "silu", "swish": "silu"}
-GLU_ACTS = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu"}
+GLU_ACTS = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "gelu_pytorch_tanh": "geglu_tanh",
+            "gelu_new": "geglu_tanh", "gelu_fast": "geglu_tanh"}
 ACTS_BACK = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
-GLU_ACTS_BACK = {"swiglu": "silu", "geglu": "gelu"}
+GLU_ACTS_BACK = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_pytorch_tanh"}
 ROPE_TYPES = {"default": "none", "linear": "linear", "dynamic": "dynamic", "yarn": "yarn", "llama3": "llama3"}
 
 
@@ -367,3 +368,256 @@ def bert_to_hf(cfg: ModelConfig) -> dict:
       hidden_act=activation_back(cfg, "bert"), layer_norm_eps=cfg.norm_eps,
       max_position_embeddings=cfg.max_len, type_vocab_size=cfg.type_vocab_size, hidden_dropout_prob=0.0,
       attention_probs_dropout_prob=0.0, initializer_range=cfg.init_std, pad_token_id=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-layer attention types (layer_types), and the families built on them: qwen2, qwen3, gemma2,
+# gemma3_text, olmo2
+
+LAYER_TYPES = {"full_attention": "G", "sliding_attention": "L"}
+LAYER_TYPES_BACK = {v: k for k, v in LAYER_TYPES.items()}
+
+
+def shortest_cycle(kinds: str) -> str:
+  """The shortest prefix p of `kinds` with kinds[i] == p[i % len(p)] for every i (its smallest period,
+  from the KMP prefix function: linear in the number of layers). A layer count that is not a multiple
+  of the cycle is fine ('LLLLLG' for Gemma 3 1B's 26 layers); a list with no shorter period is its own
+  cycle (Qwen2's max_window_layers split), every layer then being its own scan step."""
+  n = len(kinds)
+  if n == 0:
+    return ""
+  pi = [0] * n
+  for i in range(1, n):
+    k = pi[i - 1]
+    while k and kinds[i] != kinds[k]:
+      k = pi[k - 1]
+    pi[i] = k + (kinds[i] == kinds[k])
+  return kinds[:n - pi[-1]]
+
+
+def layer_kinds(hf: dict, n: int, default: Callable[[int], str]) -> str:
+  """One 'L' (sliding window) or 'G' (global) per layer: config.json's `layer_types` when it has them,
+  else `default(i)` (what transformers derives from the older keys)."""
+  types = hf.get("layer_types")
+  if types is None:
+    return "".join(default(i) for i in range(n))
+  if not isinstance(types, list) or len(types) != n:
+    what = f"a list of {len(types)}" if isinstance(types, list) else _json_kind_of(types)
+    raise HFConfigError(f"{hf.get('model_type')}: layer_types is {what}, not one entry per layer "
+                        f"(num_hidden_layers={n})")
+  bad = sorted({repr(t) for t in types if not isinstance(t, str) or t not in LAYER_TYPES}, key=str)
+  if bad:
+    raise HFConfigError(f"{hf.get('model_type')}: unsupported layer_types {', '.join(bad[:3])} "
+                        f"(supported: {sorted(LAYER_TYPES)})")
+  return "".join(LAYER_TYPES[t] for t in types)
+
+
+def _json_kind_of(v: Any) -> str:
+  return {dict: "an object", str: "a string", bool: "a boolean"}.get(type(v), "a number")
+
+
+def layer_attention(kinds: str, window: int, max_len: int, local_theta: float, out: dict) -> dict:
+  """window, layer_pattern and local_rope_theta kwargs of per-layer kinds: the shortest cycle of them
+  where the layers differ ('' when every layer attends alike: all global, or all within `window` with
+  the global RoPE); local_theta is the sliding layers' (unscaled) RoPE base, 0 = the global RoPE's."""
+  rope_differs = local_theta not in (0.0, out.get("rope_theta")) or (
+      local_theta and out.get("rope_scaling", {}).get("type", "none") != "none")
+  if not window or "L" not in kinds or (window >= max_len and not rope_differs):
+    return dict(window=0, layer_pattern="", local_rope_theta=0.0)   # a window as long as the context is none
+  if "G" not in kinds and not rope_differs:
+    return dict(window=window, layer_pattern="", local_rope_theta=0.0)
+  return dict(window=window, layer_pattern=shortest_cycle(kinds), local_rope_theta=local_theta if rope_differs else 0.0)
+
+
+def layer_types_back(cfg: ModelConfig) -> list[str]:
+  """transformers' per-layer `layer_types` of a model (every layer sliding when it has a window and no
+  pattern)."""
+  return [LAYER_TYPES_BACK["L" if cfg.is_local_layer(i) else "G"] for i in range(cfg.num_layers)]
+
+
+def _one_attention_bias(cfg: ModelConfig, family: str) -> None:
+  if cfg.qkv_bias != cfg.out_bias:
+    raise HFConfigError(f"{family} cannot represent model.qkv_bias={cfg.qkv_bias} with model.out_bias={cfg.out_bias} "
+                        "(one attention_bias covers both)", "out_bias", {"out_bias": cfg.qkv_bias})
+
+
+def _global_rope_only(cfg: ModelConfig, family: str) -> None:
+  """Families whose sliding layers share the global RoPE (one rope_parameters for every layer)."""
+  if cfg.layer_pattern and cfg.local_rope_theta not in (0.0, cfg.rope_theta):
+    raise HFConfigError(f"{family} cannot represent model.local_rope_theta={cfg.local_rope_theta} (every layer "
+                        "uses the global RoPE)", "local_rope_theta", {"local_rope_theta": 0.0})
+
+
+def _decoder(hf: dict, default_theta: float, *, bias: bool | None = None) -> dict:
+  """The Llama-shaped part of a decoder config (sizes, RMSNorm, RoPE, GLU, tied or not), with
+  `attention_bias` on all four projections unless `bias` fixes it."""
+  out = _llama_like({**hf, "sliding_window": None}, default_theta, window=False)   # windows: per family
+  b = get_bool(hf, "attention_bias", default=False) if bias is None else bias
+  out.update(qkv_bias=b, out_bias=b, mlp_bias=False)
+  return out
+
+
+def _qwen_windows(hf: dict, out: dict) -> dict:
+  """Qwen2/Qwen3: sliding_window applies only with use_sliding_window, to the layers of layer_types
+  (older config.json: every layer from max_window_layers on)."""
+  n = out["num_layers"]
+  window = get_int(hf, "sliding_window", default=0) if get_bool(hf, "use_sliding_window", default=False) else 0
+  start = get_int(hf, "max_window_layers", default=n)
+  kinds = layer_kinds(hf, n, lambda i: "L" if window and i >= start else "G")
+  return layer_attention(kinds, window, out["max_len"], 0.0, out)
+
+
+def _qwen_windows_back(cfg: ModelConfig) -> dict:
+  types = layer_types_back(cfg)
+  first_local = next((i for i, t in enumerate(types) if t == "sliding_attention"), cfg.num_layers)
+  split = all(t == "sliding_attention" for t in types[first_local:])   # the older max_window_layers form
+  return dict(use_sliding_window=bool(cfg.window), sliding_window=cfg.window or None, layer_types=types,
+              max_window_layers=first_local if split else cfg.num_layers)
+
+
+def qwen2_to_model(hf: dict) -> dict:
+  out = _decoder(hf, 10000.0, bias=False)
+  out.update(qkv_bias=True, **_qwen_windows(hf, out))            # q/k/v biases always; none on o_proj
+  return out
+
+
+def qwen2_to_hf(cfg: ModelConfig) -> dict:
+  _global_rope_only(cfg, "qwen2")
+  out = _llama_like_back(cfg, "qwen2", "Qwen2ForCausalLM", window=False)
+  out.update(_qwen_windows_back(cfg))
+  return out
+
+
+def qwen3_to_model(hf: dict) -> dict:
+  out = _decoder(hf, 10000.0)
+  out.update(qk_norm="head", **_qwen_windows(hf, out))
+  return out
+
+
+def qwen3_to_hf(cfg: ModelConfig) -> dict:
+  _one_attention_bias(cfg, "qwen3")
+  _global_rope_only(cfg, "qwen3")
+  out = _llama_like_back(cfg, "qwen3", "Qwen3ForCausalLM", window=False)
+  out.update(attention_bias=cfg.qkv_bias, **_qwen_windows_back(cfg))
+  return out
+
+
+def olmo2_to_model(hf: dict) -> dict:
+  out = _decoder(hf, 10000.0)
+  out.update(qk_norm="proj", norm_position="reordered")
+  return out
+
+
+def olmo2_to_hf(cfg: ModelConfig) -> dict:
+  _one_attention_bias(cfg, "olmo2")
+  out = _llama_like_back(cfg, "olmo2", "Olmo2ForCausalLM", window=False)
+  out.update(attention_bias=cfg.qkv_bias)
+  return out
+
+
+def _gemma_rope(hf: dict, out_theta: float) -> tuple[dict, float]:
+  """(the global RoPE kwargs, the sliding layers' base) of Gemma 3: transformers 5's per-layer-type
+  rope_parameters, or the older rope_theta + rope_scaling (global) and rope_local_base_freq."""
+  rp = hf.get("rope_parameters")
+  if isinstance(rp, dict) and any(isinstance(v, dict) for v in rp.values()):
+    unknown = sorted(set(rp) - set(LAYER_TYPES))
+    if unknown:
+      raise HFConfigError(f"{hf.get('model_type')}: rope_parameters for unknown layer types {unknown}")
+    full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+    if not isinstance(full, dict) or not isinstance(local, dict):
+      raise HFConfigError(f"{hf.get('model_type')}: rope_parameters per layer type are not objects")
+    glob = rope_from_hf({**hf, "rope_parameters": full, "rope_scaling": None, "rope_theta": None},
+                        default_theta=out_theta)
+  else:
+    local = {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}
+    glob = rope_from_hf(hf, default_theta=out_theta)
+  kind = get(local, "rope_type", "type", default="default")
+  if kind != "default":
+    raise HFConfigError(f"{hf.get('model_type')}: unsupported rope_type {kind!r} for the sliding layers "
+                        "(their RoPE is unscaled)")
+  return glob, get_float(local, "rope_theta", default=10000.0)
+
+
+def _gemma(hf: dict, default_theta: float, *, qk_norm: str, local_rope: bool) -> dict:
+  family = hf.get("model_type")
+  if get_bool(hf, "use_bidirectional_attention", default=False):
+    raise HFConfigError(f"{family}: unsupported use_bidirectional_attention=True (an embedding model)")
+  d, h = get_int(hf, "hidden_size"), get_int(hf, "num_attention_heads", minimum=1)
+  hd = get_int(hf, "head_dim", default=d // h)
+  act = get(hf, "hidden_activation", "hidden_act", default="gelu_pytorch_tanh")
+  if act not in GLU_ACTS:
+    raise HFConfigError(f"{family}: unsupported hidden_activation={act!r} (supported: {sorted(GLU_ACTS)})")
+  if local_rope:
+    rope, local_theta = _gemma_rope(hf, default_theta)
+  else:
+    rope, local_theta = rope_from_hf(hf, default_theta=default_theta), 0.0
+  bias = get_bool(hf, "attention_bias", default=False)
+  scalar = get_float(hf, "query_pre_attn_scalar", default=float(hd))
+  if scalar <= 0:
+    raise HFConfigError(f"{family}: query_pre_attn_scalar={scalar} is not positive")
+  out = dict(
+      _common(hf), d_model=d, num_layers=get_int(hf, "num_hidden_layers"), num_heads=h,
+      num_kv_heads=get_int(hf, "num_key_value_heads", default=h), head_dim=hd,
+      d_ff=get_int(hf, "intermediate_size"), activation=GLU_ACTS[act], norm="rmsnorm",
+      norm_eps=get_float(hf, "rms_norm_eps", default=1e-6), norm_bias=False, norm_position="sandwich",
+      norm_unit_offset=True, embed_scale=True, position="rope", rope_layout="half",
+      max_len=get_int(hf, "max_position_embeddings", default=8192),
+      tie_embeddings=get_bool(hf, "tie_word_embeddings", default=True), qkv_bias=bias, out_bias=bias,
+      mlp_bias=False, qk_norm=qk_norm, attention_scale=0.0 if scalar == hd else scalar ** -0.5,
+      attn_softcap=get_float(hf, "attn_logit_softcapping", default=0.0),
+      final_logit_softcap=get_float(hf, "final_logit_softcapping", default=0.0), **rope)
+  for cap in ("attn_softcap", "final_logit_softcap"):
+    if out[cap] < 0:
+      raise HFConfigError(f"{family}: a negative soft cap ({cap}={out[cap]})")
+  n = out["num_layers"]
+  # Without layer_types: Gemma 3 slides except on every sliding_window_pattern-th layer, Gemma 2 alternates.
+  every = get_int(hf, "sliding_window_pattern", "_sliding_window_pattern", default=6, minimum=1) if local_rope else 2
+  kinds = layer_kinds(hf, n, lambda i: "L" if (i + 1) % every else "G")
+  out.update(layer_attention(kinds, get_int(hf, "sliding_window", default=0), out["max_len"], local_theta, out))
+  return out
+
+
+def _gemma_back(cfg: ModelConfig, family: str, arch: str, *, local_rope: bool) -> dict:
+  _one_attention_bias(cfg, family)
+  if cfg.activation not in GLU_ACTS_BACK:
+    raise HFConfigError(f"{family} cannot represent model.activation={cfg.activation!r} "
+                        f"(supported: {sorted(GLU_ACTS_BACK)})", "activation", {"activation": "geglu_tanh"})
+  scale = cfg.attention_scale
+  scalar: float = cfg.hd if not scale else scale ** -2
+  if abs(scalar - round(scalar)) < 1e-6 * scalar:
+    scalar = round(scalar)
+  rope = rope_to_hf(cfg, family)
+  if local_rope:
+    local = cfg.local_rope_theta or cfg.rope_theta
+    if not cfg.local_rope_theta and cfg.layer_pattern and cfg.rope_scaling.type != "none":
+      raise HFConfigError(f"{family} cannot represent model.local_rope_theta=0 with model.rope_scaling (its "
+                          "sliding layers' RoPE is unscaled)", "local_rope_theta",
+                          {"local_rope_theta": cfg.rope_theta})
+    rope = {"full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": local}}
+  else:
+    _global_rope_only(cfg, family)
+  return dict(
+      architectures=[arch], model_type=family, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+      intermediate_size=cfg.ff, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+      num_key_value_heads=cfg.kv_heads, head_dim=cfg.hd, hidden_activation=GLU_ACTS_BACK[cfg.activation],
+      rms_norm_eps=cfg.norm_eps, max_position_embeddings=cfg.max_len, rope_parameters=rope,
+      tie_word_embeddings=cfg.tie_embeddings, attention_bias=cfg.qkv_bias, attention_dropout=0.0,
+      query_pre_attn_scalar=scalar, attn_logit_softcapping=cfg.attn_softcap or None,
+      final_logit_softcapping=cfg.final_logit_softcap or None, sliding_window=cfg.window or None,
+      layer_types=layer_types_back(cfg), initializer_range=cfg.init_std)
+
+
+def gemma2_to_model(hf: dict) -> dict:
+  return _gemma(hf, 10000.0, qk_norm="none", local_rope=False)
+
+
+def gemma2_to_hf(cfg: ModelConfig) -> dict:
+  return _gemma_back(cfg, "gemma2", "Gemma2ForCausalLM", local_rope=False)
+
+
+def gemma3_text_to_model(hf: dict) -> dict:
+  return _gemma(hf, 1e6, qk_norm="head", local_rope=True)
+
+
+def gemma3_text_to_hf(cfg: ModelConfig) -> dict:
+  return _gemma_back(cfg, "gemma3_text", "Gemma3ForCausalLM", local_rope=True)

@@ -1,4 +1,5 @@
-"""Hugging Face interop: import and export weights of gpt2, llama, mistral, mixtral, bloom, gpt_neox, bert.
+"""Hugging Face interop: import and export weights of gpt2, llama, mistral, mixtral, qwen2, qwen3, olmo2, gemma2,
+gemma3_text, bloom, gpt_neox, bert.
 
   model, params = load_hf("path/to/hf_dir")        # or load_hf(transformers_model)
   logits = model.apply({"params": params}, tokens)  # == transformers' logits
@@ -47,6 +48,7 @@ from tformer_jax.interop.hf.model_io import (
 from tformer_jax.interop.hf.tokenizer import (
     TOKENIZER_FILES,
     byte_tokenizer_files,
+    chat_template,
     load_hf_tokenizer,
     special_token_ids,
     tokenizer_files,
@@ -91,6 +93,7 @@ __all__ = [
     "save_hf",
     "write_dir_atomically",
     "byte_tokenizer_files",
+    "chat_template",
     "load_hf_tokenizer",
     "special_token_ids",
     "TOKENIZER_FILES",

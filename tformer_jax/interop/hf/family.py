@@ -90,7 +90,8 @@ _FOLLOW_POSITION = ("rope_theta", "rotary_fraction", "rope_layout", "rope_scalin
 
 
 def infer_family(cfg: ModelConfig) -> str:
-  """The first family (gpt2, llama, mistral, mixtral, bloom, gpt_neox, bert) that reproduces `cfg`.
+  """The first family (gpt2, llama, mistral, mixtral, qwen2, qwen3, olmo2, gemma2, gemma3_text, bloom, gpt_neox,
+  bert) that reproduces `cfg`.
 
   None: HFConfigError in one line naming the architectural fields that the nearest families (fewest
   differences) cannot hold, and the fields the next ones differ in."""
@@ -109,6 +110,8 @@ def infer_family(cfg: ModelConfig) -> str:
   head = ", ".join(f"model.{k}={sig[k]!r}" for k in nearest if k in sig) or "this model"
   kind = [f"{k}={getattr(cfg, k)!r}" for k in _KIND_FIELDS if k not in nearest]
   detail = f"{'/'.join(groups[nearest])}: {'; '.join(reasons[nearest].values())}"
-  nxt = [f"{'/'.join(groups[f])} differ(s) in {', '.join(f)}" for f in ranked[1:3]]
+  # The next nearest that hold what the nearest cannot (those differing in the same fields and more add nothing).
+  others = [f for f in ranked[1:] if not set(nearest) <= set(f)] or ranked[1:]
+  nxt = [f"{'/'.join(groups[f])} differ(s) in {', '.join(f)}" for f in others[:2]]
   raise HFConfigError(f"{head}" + (f" with {' and '.join(kind)}" if kind else "")
                       + f": no Hugging Face family holds this architecture ({'; '.join([detail] + nxt)})")

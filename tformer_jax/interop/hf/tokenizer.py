@@ -111,6 +111,44 @@ def special_token_ids(tokenizer: Any, hf_dir: str | os.PathLike | None = None) -
   return out
 
 
+_MAX_TEMPLATE_BYTES = 4 << 20   # real chat templates are kilobytes
+
+
+def chat_template(d: str | os.PathLike) -> str | None:
+  """The default Jinja chat template of the HF directory `d` (None if it has none), wherever transformers
+  keeps it: chat_template.jinja (what transformers 5 saves), chat_template.json ({"chat_template": ...}),
+  or tokenizer_config.json's "chat_template" (a string, or named templates: the 'default' one). A file
+  that is not UTF-8 / JSON, or too large, counts as no template."""
+  d = pathlib.Path(d)
+  if d.is_file():                      # a tokenizer.json path: its directory
+    d = d.parent
+
+  def read(name: str) -> str | None:
+    f = d / name
+    try:
+      if not f.is_file() or f.stat().st_size > _MAX_TEMPLATE_BYTES:
+        return None
+      return f.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+      return None
+
+  text = read("chat_template.jinja")
+  if text is not None:
+    return text
+  for name in ("chat_template.json", "tokenizer_config.json"):
+    raw = read(name)
+    try:
+      template = json.loads(raw).get("chat_template") if raw is not None else None
+    except (ValueError, AttributeError):
+      template = None
+    if isinstance(template, list):     # named templates: the default one
+      template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                      None)
+    if isinstance(template, str):
+      return template
+  return None
+
+
 def load_hf_tokenizer(path: str | os.PathLike) -> Any:
   """Our tokenizer (tformer_jax.data.tokenizers) of an HF directory's tokenizer.json."""
   return get_tokenizer("hf:" + os.fspath(path))
