@@ -3,7 +3,9 @@
   flops_per_step = 6 * N_matmul * T  +  12 * n_layers * (n_heads * head_dim) * S * T * c
 
   T          tokens per step (batch * seq)
-  S          the attention context (seq; keys every query is scored against)
+  S          the attention context (seq; keys every query is scored against); a sliding-window layer
+             (model.window, every layer or the local layers of model.layer_pattern) counts
+             min(window, seq) keys with the factor 12 under either convention below
   N_matmul   parameters that take part in a matmul for every token: all parameters except the
              token / position / token-type embedding tables (lookups, not matmuls), plus the LM
              head (vocab * d_model) counted once whether or not it is tied to the embedding.
@@ -86,7 +88,9 @@ def flops_per_step(m: ModelConfig, batch: int, seq: int, attn: str = "full") -> 
   t = batch * seq
   dense = 6 * counts["matmul"] * t
   c = 12 if attn == "full" else 6
-  attention = c * m.num_layers * m.num_heads * m.hd * seq * t
+  local = sum(1 for i in range(m.num_layers) if m.is_local_layer(i))
+  # a local (sliding-window) layer's queries see at most `window` keys: 12 x its keys, either convention
+  attention = (c * (m.num_layers - local) * seq + 12 * local * min(m.window, seq)) * m.num_heads * m.hd * t
   return {"flops_per_step": dense + attention, "dense_flops": dense, "attention_flops": attention,
           "tokens_per_step": t, "n_matmul": counts["matmul"], "params": counts["total"],
           "params_nonembed": counts["nonembed"], "formula": FORMULA[attn]}

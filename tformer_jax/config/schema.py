@@ -45,10 +45,44 @@ class MoEConfig:
   jitter: float = 0.0                # multiplicative router-input noise while training
   aux_loss_coef: float = 0.01        # Switch/GShard load balancing
   z_loss_coef: float = 0.001         # router z-loss
-  shared_expert: bool = False        # DeepSeek-style: one always-on expert beside the routed ones
+  shared_expert: bool = False        # one always-on expert beside the routed ones (= num_shared_experts=1)
   ep_buffer_factor: float = 0.0      # expert parallel dropless: rows a device receives = factor x the
-
                                      # balanced load (overflow dropped, counted); 0 = the worst case
+  router: str = "softmax"            # softmax (softmax, top-k, renormalize: Mixtral, Qwen3-MoE) | sigmoid
+                                     # (DeepSeek-V3: sigmoid scores, top-k on score + correction_bias within
+                                     # the n_group/topk_group limit, weights the unbiased scores, renormalize
+                                     # then x routed_scaling_factor) | softmax_topk (GPT-OSS: router bias,
+                                     # top-k on the logits, softmax over the k)
+  n_group: int = 0                   # sigmoid router: experts in n_group groups (0 or 1 = no group limit)
+  topk_group: int = 0                # ... tokens pick among the topk_group groups of highest top-2 score sum
+  routed_scaling_factor: float = 1.0 # sigmoid router: the routing weights times this
+  bias_update_rate: float = 0.0      # sigmoid router: auxiliary-loss-free balancing, each step's
+                                     # correction_bias += rate * sign(mean load - load) (0 = fixed bias)
+  num_shared_experts: int = 0        # always-on experts beside the routed ones (one MLP of their summed width)
+  shared_d_ff: int = 0               # hidden size of each shared expert; 0 = the expert size
+  first_k_dense: int = 0             # the first k layers keep the dense FFN (d_ff), MoE after them
+  expert_bias: bool = False          # biases on the expert matrices (GPT-OSS)
+  swiglu_limit: float = 0.0          # GPT-OSS's clamped SwiGLU in the experts (swiglu only): gate <= limit,
+                                     # |up| <= limit, (up + 1) * gate * sigmoid(swiglu_alpha * gate); 0 = off
+  swiglu_alpha: float = 1.702        # ... its sigmoid's slope
+
+  @property
+  def shared_count(self) -> int:
+    """Shared experts: num_shared_experts, or 1 for the older boolean shared_expert."""
+    return self.num_shared_experts or int(self.shared_expert)
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+  """Multi-head Latent Attention (DeepSeek-V2, section 2.1): K and V from one low-rank latent per token, a
+  RoPE key shared by the heads; decoding caches kv_lora_rank + qk_rope_head_dim values a token and layer."""
+  kv_lora_rank: int = 0              # 0 = MLA off; the joint K/V latent width (DeepSeek-V3: 512)
+  q_lora_rank: int = 0               # 0 = q projected directly; > 0: through a normed bottleneck this wide (1536)
+  qk_nope_head_dim: int = 0          # per-head q/k dims without RoPE, up-projected from the latent (128)
+  qk_rope_head_dim: int = 0          # q/k dims with RoPE (even); the key's part is one per token, shared (64)
+  v_head_dim: int = 0                # per-head value dims, up-projected from the latent (128)
+  mscale_all_dim: float = 0.0        # with rope_scaling: softmax scale x (0.1 this ln(factor) + 1)^2 (DeepSeek's
+                                     # YaRN attention scale); 0 = none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,13 +152,16 @@ class ModelConfig:
   scan_layers: bool = False          # one scanned block (params stacked on a 'layers' axis)
   remat: str = "none"                # none | full | dots | dots_no_batch | save_qkvo | save_mlp_in (REMAT_POLICIES)
   moe: MoEConfig = MoEConfig()       # mixture of experts (model.moe.*)
+  mla: MLAConfig = MLAConfig()       # Multi-head Latent Attention (model.mla.*; off: kv_lora_rank 0)
+  mtp_depth: int = 0                 # DeepSeek-V3 multi-token prediction: D modules after the stack, module d
+                                     # predicting token t+1+d; trained only (train.mtp_loss_weight), 0 = none
 
   @classmethod
   def from_config(cls, cd: Any) -> "ModelConfig":
     d = dict(cd.to_dict() if hasattr(cd, "to_dict") else cd)
     for name in LEGACY_RUNTIME_FIELDS:
       d.pop(name, None)
-    for sub, kind in (("", cls), ("rope_scaling.", RopeScaling), ("moe.", MoEConfig)):
+    for sub, kind in (("", cls), ("rope_scaling.", RopeScaling), ("moe.", MoEConfig), ("mla.", MLAConfig)):
       fields = d.get(sub[:-1], {}) if sub else d
       known = [f.name for f in dataclasses.fields(kind)]
       for name in fields:
@@ -132,12 +169,18 @@ class ModelConfig:
           raise unknown_field_error(f"model.{sub}{name}", known)
     d["rope_scaling"] = RopeScaling(**dict(d.get("rope_scaling", {})))
     d["moe"] = MoEConfig(**dict(d.get("moe", {})))
+    d["mla"] = MLAConfig(**dict(d.get("mla", {})))
     return cls(**d)
 
   # Derived sizes: one place, used by the modules, the estimator and the interop tables.
   @property
   def kv_heads(self) -> int:
     return self.num_kv_heads or self.num_heads
+
+  @property
+  def use_mla(self) -> bool:
+    """Attention is Multi-head Latent Attention (model.mla.kv_lora_rank > 0)."""
+    return self.mla.kv_lora_rank > 0
 
   @property
   def hd(self) -> int:
@@ -153,7 +196,7 @@ class ModelConfig:
     return int(8 * math.ceil(hidden / 8))
 
   def is_moe_layer(self, i: int) -> bool:
-    return self.moe.num_experts > 0 and (i + 1) % self.moe.every == 0
+    return self.moe.num_experts > 0 and i >= self.moe.first_k_dense and (i + 1) % self.moe.every == 0
 
   @property
   def cycle(self) -> int:
@@ -191,14 +234,26 @@ class ModelConfig:
       d.pop("norm_bias")
     if not self.window:
       d.pop("num_global_tokens")
-    if not self.layer_pattern or self.position != "rope":
-      d.pop("local_rope_theta")
+    if (not self.layer_pattern or self.position != "rope"
+        or (self.local_rope_theta == self.rope_theta and self.rope_scaling.type == "none")):
+      d.pop("local_rope_theta")   # the local layers' RoPE is the global one
+    if self.attention_scale == self.hd ** -0.5:
+      d["attention_scale"] = 0.0  # the default scale, spelt out
     if not self.random_blocks:
       d.pop("random_block_size"), d.pop("random_block_seed")
     m = self.moe
     d["moe"] = None if not m.num_experts else dict(
         num_experts=m.num_experts, top_k=m.top_k, every=m.every, d_ff=m.d_ff or self.ff,
-        renormalize=m.renormalize, shared_expert=m.shared_expert)
+        renormalize=m.renormalize, shared_expert=m.shared_count > 0)
+    if d["moe"] is not None and (m.router != "softmax" or m.shared_count > 1 or m.shared_d_ff or m.first_k_dense
+                                 or m.expert_bias or m.swiglu_limit):
+      d["moe"].update(router=m.router, shared_experts=m.shared_count, shared_d_ff=m.shared_d_ff,
+                      first_k_dense=m.first_k_dense, expert_bias=m.expert_bias, swiglu_limit=m.swiglu_limit)
+      if m.router == "sigmoid":
+        d["moe"].update(n_group=m.n_group, topk_group=m.topk_group, routed_scaling_factor=m.routed_scaling_factor)
+      if m.swiglu_limit:
+        d["moe"]["swiglu_alpha"] = m.swiglu_alpha
+    d["mla"] = dataclasses.asdict(self.mla) if self.use_mla else None
     if m.num_experts and all(self.is_moe_layer(i) for i in range(self.num_layers)):
       d.pop("d_ff")  # no dense FFN anywhere: its size is unused
     return d
@@ -276,6 +331,8 @@ def default_config() -> ml_collections.ConfigDict:
       wandb_project="tformer_jax",   # W&B project (wandb logger; offline unless WANDB_MODE=online)
       loss_chunk=0,                  # > 0: the loss holds ~this many tokens' logits at a time (ops/losses.py)
       logit_z_loss=0.0,              # PaLM's z-loss: this * logsumexp(logits)^2 per token added to the loss
+      mtp_loss_weight=0.3,           # model.mtp_depth > 0: lambda x the mean of the D modules' losses is added
+                                     # to the loss (DeepSeek-V3: 0.3, then 0.1), logged as mtp_loss
       branch_from="",                # WORKDIR[@STEP]: start from that run's state at STEP (default its latest):
                                      # parameters, optimizer state, data position; wsd decays from there
       eval_tasks="",                 # lm-evaluation-harness tasks at each evaluation, comma-separated (the eval extra)

@@ -8,6 +8,8 @@ import secrets
 import time
 from typing import Any, Sequence
 
+from tformer_jax.interop import hf
+
 COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "n",
           "user", "presence_penalty", "frequency_penalty", "logprobs", "logit_bias"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
@@ -115,17 +117,13 @@ def completion_prompt(body: dict, tokenizer: Any) -> list[int]:
 
 
 def chat_template(tokenizer: Any) -> str | None:
-  """The Jinja chat template in tokenizer_config.json beside an HF tokenizer.json, if any."""
+  """The Jinja chat template of the HF directory of a tokenizer.json, if any (`interop.hf.chat_template`:
+  chat_template.jinja, chat_template.json or tokenizer_config.json)."""
   path = getattr(tokenizer, "path", None)
   if path is None:
     return None
-  cfg = pathlib.Path(path).parent / "tokenizer_config.json"
-  if not cfg.is_file():
-    return None
-  template = json.loads(cfg.read_text(encoding="utf-8")).get("chat_template")
-  if isinstance(template, list):   # named templates: the default one
-    template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-  return template if isinstance(template, str) else None
+  path = pathlib.Path(path)
+  return hf.chat_template(path if path.is_dir() else path.parent)
 
 
 def check_messages(messages: Any) -> list[dict[str, str]]:
