@@ -31,6 +31,7 @@ import optax
 
 from tformer_jax import backends
 from tformer_jax.nn.attention import visibility
+from tformer_jax.nn.stacking import cycle_of
 from tformer_jax.nn.transformer import sown_per_layer
 from tformer_jax.ops import lora as lora_ops
 from tformer_jax.ops.attention import head_statistics
@@ -42,6 +43,8 @@ def module_name(path: tuple) -> tuple[str, bool]:
   keys = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
   if not keys:
     return "params", False
+  if keys[0] == "layers" and len(keys) > 2 and keys[1].startswith("block_"):   # a layer_pattern's cycle
+    return "layers_{}/" + keys[2], True
   if keys[0] == "layers" and len(keys) > 1:
     return "layers_{}/" + keys[1], True
   if keys[0].startswith("layers_") and len(keys) > 1:
@@ -52,15 +55,19 @@ def module_name(path: tuple) -> tuple[str, bool]:
 def group_sq_norms(tree: Any) -> dict[str, jax.Array]:
   """Squared L2 norm per module (see `module_name`), float32; scanned stacks split per layer."""
   out: dict[str, jax.Array] = {}
-  for path, x in jax.tree_util.tree_flatten_with_path(nn.unbox(tree))[0]:
+  tree = nn.unbox(tree)
+  cycle = cycle_of(tree)
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
     x = jnp.asarray(x, jnp.float32)
     name, scanned = module_name(path)
     if not scanned:
       out[name] = out.get(name, 0.0) + jnp.sum(x * x)
       continue
+    block = next((int(str(k.key)[6:]) for k in path if str(getattr(k, "key", "")).startswith("block_")), 0)
     per_layer = jnp.sum(x * x, axis=tuple(range(1, x.ndim)))
-    for i in range(x.shape[0]):
-      out[name.format(i)] = out.get(name.format(i), 0.0) + per_layer[i]
+    for i in range(x.shape[0]):   # repeat i of a cycle's block j is layer i * cycle + j
+      layer = i * cycle + block if cycle > 1 else i
+      out[name.format(layer)] = out.get(name.format(layer), 0.0) + per_layer[i]
   return out
 
 
@@ -157,12 +164,13 @@ def _attention_stats(cfg: Any, batch: dict, weights: list) -> dict[str, jax.Arra
   if not weights:
     return out
   b, l = batch["inputs"].shape
-  vis = jnp.ones((b, l, l), bool)
-  structural = visibility(cfg).structural(l, l)
-  if structural is not None:
-    vis = vis & structural[None]
+
+  def visible(i: int) -> jax.Array:   # layer i's keys: its window when it is a local layer
+    structural = visibility(cfg, local=cfg.is_local_layer(i)).structural(l, l)
+    return jnp.ones((b, l, l), bool) if structural is None else jnp.broadcast_to(structural[None], (b, l, l))
+
   for i, w in enumerate(weights):
-    st = head_statistics(w, vis)
+    st = head_statistics(w, visible(i))
     out[f"attn_entropy/layer_{i}"] = jnp.mean(st["entropy"])
     out[f"attn_entropy_ratio/layer_{i}"] = jnp.mean(st["entropy_ratio"])
     out[f"attn_max_weight/layer_{i}"] = jnp.mean(st["max_weight"])
