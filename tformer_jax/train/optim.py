@@ -250,11 +250,14 @@ def logical_axes(boxed_params: Any) -> dict[str, tuple]:
 
 
 def muon_labels(params: Any, axes: dict[str, tuple] | None = None) -> Any:
-  """'muon' or 'adam' for each parameter (a tree like `params`, boxes kept): Muon for MUON_NAMES with
-  logical axes known (`axes`, or the params' own boxes), AdamW for everything else."""
+  """'muon' or 'adam' for each parameter (a tree like `params`, boxes kept): Muon for MUON_NAMES, AdamW for
+  everything else; with logical axes known (`axes`, or the params' own boxes), a MUON_NAMES parameter without
+  any (a user's unannotated module) goes to AdamW too."""
   def label(path, x):
-    names = axes.get(_path_key(path)) if axes is not None else (tuple(x.names) if _is_box(x) else None)
-    return "muon" if _param_name(path) in MUON_NAMES and names is not None else "adam"
+    if _param_name(path) not in MUON_NAMES:
+      return "adam"
+    names = axes.get(_path_key(path)) if axes else (tuple(x.names) if _is_box(x) else ())
+    return "muon" if names is not None else "adam"
   return jax.tree_util.tree_map_with_path(label, params, is_leaf=_is_box)
 
 
@@ -266,20 +269,23 @@ def make_muon(optim_cfg: Any, schedule: optax.Schedule, decay: Callable[[PyTree]
   learning rate, weight decay by role (`decay_mask`: every Muon matrix is a decayed kernel).
   optax.contrib.muon itself decays all of its AdamW part (norms and biases too): its pieces are combined
   here the same way, with the decay mask. param_axes None: the logical axes are read from the boxed params
-  that `init` is given (and kept for `update`, which sees plain arrays)."""
+  that `init` is given (and kept for `update`, which sees plain arrays); an init on plain arrays (a state's
+  size) labels by name alone."""
   axes: dict[str, tuple] = dict(param_axes) if param_axes is not None else {}
 
   def labels(params):
     if param_axes is None and any(_is_box(x) for x in jax.tree.leaves(params, is_leaf=_is_box)):
       axes.update(logical_axes(params))
-    if not axes and param_axes is None:
-      raise ValueError("optim.name=muon: the parameters' logical axes are unknown (pass make_optimizer "
-                       "param_axes=logical_axes(boxed params), or init the optimizer on boxed params)")
     return muon_labels(params, axes)
 
   def dims(updates):   # the muon part's tree: MaskedNode where AdamW's parameters are
     def one(path, x):
-      return x if isinstance(x, _masking.MaskedNode) else muon_dims(axes[_path_key(path)])
+      if isinstance(x, _masking.MaskedNode):
+        return x
+      if _path_key(path) not in axes:
+        raise ValueError(f"optim.name=muon: no logical axes for {_path_key(path)!r} (pass make_optimizer "
+                         "param_axes=logical_axes(boxed params), or init the optimizer on boxed params)")
+      return muon_dims(axes[_path_key(path)])
     return jax.tree_util.tree_map_with_path(one, updates, is_leaf=lambda x: isinstance(x, _masking.MaskedNode))
 
   wd, rms = float(optim_cfg["weight_decay"]), float(_opt(optim_cfg, "muon_rms", 0.2))
