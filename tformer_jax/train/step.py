@@ -79,6 +79,14 @@ def moe_log_metrics(mut: Any) -> dict[str, jax.Array]:
   return {k.removeprefix("moe_"): v for k, v in m.items() if k != "moe_load"}
 
 
+def gathered_unembedding(unembed_DxV: jax.Array) -> jax.Array:
+  """The unembedding with its d_model axis whole on every device, for the chunked loss: under FSDP that axis
+  is sharded, and a loop over token chunks would then all-reduce each chunk's partial (chunk x vocab)
+  logits over the shards (30x the step's other collectives on the Qwen3-8B preset, docs/scaling.md)
+  instead of gathering the matrix once. The vocab axis keeps its own sharding (tensor parallelism)."""
+  return nn.with_logical_constraint(unembed_DxV, (None, "vocab"))
+
+
 def loss_sum_fn(model: nn.Module, params: Any, batch: dict, rng: jax.Array | None, *, train: bool,
                 scale: jax.Array | float = 1.0, loss_chunk: int = 0, adapters: Any = None, z_loss: float = 0.0):
   """(scaled sum of token losses incl. aux and z-loss, (token count, aux metrics)) — the sum form that
@@ -94,6 +102,7 @@ def loss_sum_fn(model: nn.Module, params: Any, batch: dict, rng: jax.Array | Non
   count = jnp.sum(mask)
   if loss_chunk > 0:
     h_BxLxD, unembed_DxV = out
+    unembed_DxV = gathered_unembedding(unembed_DxV)
     total, nll_sum, lse_sq_sum = losses.loss_sums(
         h_BxLxD, unembed_DxV, batch["targets"], mask, chunk=loss_chunk, matmul=backends.current().loss_matmul(),
         softcap=float(getattr(model.cfg, "final_logit_softcap", 0.0)), z_loss=z_loss)
@@ -204,6 +213,7 @@ def eval_step(params: Any, batch: dict, *, model: nn.Module, loss_chunk: int = 0
     if loss_chunk > 0:
       h_BxLxD, unembed_DxV = model.apply({"params": params}, batch["inputs"], **document_args(batch),
                                          deterministic=True, return_hidden=True)
+      unembed_DxV = gathered_unembedding(unembed_DxV)
       nll_BxL, correct = losses.nll_and_correct(h_BxLxD, unembed_DxV, batch["targets"], chunk=loss_chunk,
                                                 softcap=float(getattr(model.cfg, "final_logit_softcap", 0.0)))
     else:
