@@ -31,6 +31,7 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
   _check_layer_pattern(m, p)
   _check_logits(m, p)
   _check_moe(m, p)
+  _check_mla(m, p)
 
 
 def _check_sizes(m: ModelConfig, p: str) -> None:
@@ -197,6 +198,50 @@ def _check_logits(m: ModelConfig, p: str) -> None:
       _fail(p + "attention", f"'linear' has no softmax to cap or sink: {', '.join(on)} needs 'softmax'")
   if m.final_logit_softcap and not m.lm_head:
     _fail(p + "final_logit_softcap", "caps the LM head's logits; the model has no head (lm_head=False)")
+
+
+def _check_mla(m: ModelConfig, p: str) -> None:
+  """Multi-head Latent Attention (model.mla) and multi-token prediction (model.mtp_depth)."""
+  a, q = m.mla, p + "mla."
+  for name in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mscale_all_dim"):
+    if getattr(a, name) < 0:
+      _fail(q + name, f"must be >= 0, got {getattr(a, name)}")
+  if not m.use_mla:
+    on = [n for n in ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mscale_all_dim")
+          if getattr(a, n)]
+    if on:
+      _fail(q + on[0], "is an MLA size: set model.mla.kv_lora_rank > 0 (the latent width) to turn MLA on")
+  else:
+    _check_mla_on(m, p)
+  if m.mtp_depth < 0:
+    _fail(p + "mtp_depth", f"must be >= 0 (0 = no multi-token prediction), got {m.mtp_depth}")
+  if m.mtp_depth and (not m.causal or not m.lm_head):
+    _fail(p + "mtp_depth", "multi-token prediction predicts later tokens of a causal LM: needs causal=True and "
+          "lm_head=True")
+
+
+def _check_mla_on(m: ModelConfig, p: str) -> None:
+  """An MLA model's sizes, and what MLA does not combine with."""
+  a, q = m.mla, p + "mla."
+  for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+    if getattr(a, name) <= 0:
+      _fail(q + name, f"MLA (kv_lora_rank={a.kv_lora_rank}) needs it > 0, got {getattr(a, name)}")
+  if a.qk_rope_head_dim % 2:
+    _fail(q + "qk_rope_head_dim", f"rotated in pairs: must be even, got {a.qk_rope_head_dim}")
+  if m.position != "rope":
+    _fail(p + "position", f"MLA's decoupled key is a RoPE key: needs position='rope', got {m.position!r}")
+  if m.rotary_fraction != 1.0:
+    _fail(p + "rotary_fraction", "MLA rotates exactly mla.qk_rope_head_dim dims of each head: leave it at 1")
+  if m.num_kv_heads not in (0, m.num_heads):
+    _fail(p + "num_kv_heads", f"MLA up-projects K and V for every query head: leave it 0, got {m.num_kv_heads}")
+  if m.attention != "softmax" or m.qk_norm != "none":
+    _fail(p + ("attention" if m.attention != "softmax" else "qk_norm"),
+          "MLA is softmax attention without QK-norm (DeepSeek norms the latents: mla.*_lora_rank)")
+  if m.window or m.layer_pattern:
+    _fail(p + ("window" if m.window else "layer_pattern"), "MLA has no sliding window (a ring cache of latents is "
+          "not built): use window=0 and no layer_pattern")
+  if a.mscale_all_dim and m.rope_scaling.type == "none":
+    _fail(q + "mscale_all_dim", "scales attention for a RoPE scaling: set model.rope_scaling (DeepSeek: yarn)")
 
 
 def _check_moe(m: ModelConfig, p: str) -> None:

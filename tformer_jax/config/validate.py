@@ -263,6 +263,8 @@ def _validate_train(t: Any, check_paths: bool) -> None:
     _fail("train.loss_chunk", f"must be >= 0 (tokens of logits per chunk; 0 = the full logits), got {t.loss_chunk}")
   if t.get("logit_z_loss", 0.0) < 0:
     _fail("train.logit_z_loss", f"must be >= 0 (0 = off; PaLM used 1e-4), got {t.logit_z_loss}")
+  if t.get("mtp_loss_weight", 0.0) < 0:
+    _fail("train.mtp_loss_weight", f"must be >= 0 (DeepSeek-V3: 0.3), got {t.mtp_loss_weight}")
   _check_branch_from(t, check_paths)
   _check_loggers(t)
   _check_init_from(t, check_paths)

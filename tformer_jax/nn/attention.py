@@ -32,10 +32,11 @@ from tformer_jax.ops.masks import RandomBlocks, Visibility
 from tformer_jax.ops.rope_scaling import rope_parameters
 
 
-def rope_tables(cfg: ModelConfig, seq_len: int, local: bool = False) -> tuple[jax.Array, float]:
+def rope_tables(cfg: ModelConfig, seq_len: int, local: bool = False, rot_dim: int = 0) -> tuple[jax.Array, float]:
   """(inv_freq, attention_scaling) for this model's RoPE, with its scaling rule applied; a local layer
-  of a model with local_rope_theta > 0 uses that base, unscaled."""
-  rot = pos_ops.rotary_dim(cfg.hd, cfg.rotary_fraction)
+  of a model with local_rope_theta > 0 uses that base, unscaled. rot_dim: the rotated dims (0 = the
+  model's head_dim x rotary_fraction; MLA: mla.qk_rope_head_dim)."""
+  rot = rot_dim or pos_ops.rotary_dim(cfg.hd, cfg.rotary_fraction)
   if local and cfg.local_rope_theta > 0:
     return pos_ops.rope_inv_freq(rot, cfg.local_rope_theta), 1.0
   if cfg.rope_scaling.type == "none":

@@ -9,6 +9,7 @@ from tformer_jax import backends
 from tformer_jax.config import ModelConfig
 from tformer_jax.nn.attention import Attention
 from tformer_jax.nn.common import Norm
+from tformer_jax.nn.mla import MLAttention
 from tformer_jax.nn.mlp import MLP
 from tformer_jax.nn.moe import MoEFFN
 
@@ -29,7 +30,7 @@ class Block(nn.Module):
     # backend hook on the residual stream entering the block: identity on the reference backend; the
     # xla_cpu backend materialises its gradient once per block (docs/runtime.md)
     x_BxLxD = backends.current().residual(x_BxLxD)
-    attn = Attention(cfg, self.decode, self.cache_dtype, self.local, name="attn")
+    attn = (MLAttention if cfg.use_mla else Attention)(cfg, self.decode, self.cache_dtype, self.local, name="attn")
     ffn = MoEFFN(cfg, name="moe") if self.use_moe else MLP(cfg, name="mlp")
     position = cfg.norm_position
     if position != "reordered":

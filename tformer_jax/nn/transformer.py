@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from tformer_jax.config import REMAT_POLICIES, ModelConfig
 from tformer_jax.nn.block import Block
 from tformer_jax.nn.common import Norm, dtypes, normal, param
-from tformer_jax.ops import positions as pos_ops
+from tformer_jax.nn.mtp import MTPModule
+from tformer_jax.ops import mtp as mtp_ops, positions as pos_ops
 from tformer_jax.ops.attention import soft_cap
 from tformer_jax.ops.relative_bias import t5_bias
 
@@ -65,7 +66,8 @@ class Transformer(nn.Module):
                attention_mask_BxL: jax.Array | None = None, segment_ids_BxL: jax.Array | None = None,
                token_types_BxL: jax.Array | None = None,
                inputs_embeds_BxLxD: jax.Array | None = None, deterministic: bool = True,
-               decode: bool = False, return_hidden: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+               decode: bool = False, return_hidden: bool = False,
+               mtp_tokens_BxL: jax.Array | None = None) -> jax.Array | tuple[jax.Array, ...]:
     """Logits (B, L, vocab) in float32, or final hidden states (B, L, d_model) if not cfg.lm_head.
 
     return_hidden=True (needs cfg.lm_head): `(h_BxLxD, unembed_DxV)` instead of the logits: the
@@ -81,6 +83,10 @@ class Transformer(nn.Module):
     decode=True reads and appends to
     the 'cache' collection (create it by calling init with decode=True on a (B, max_len) input).
     inputs_embeds_BxLxD replaces the token lookup (soft prompts, gradient checks).
+    mtp_tokens_BxL (a model with mtp_depth D > 0; the train step passes its targets): runs the D
+    multi-token prediction modules too (nn/mtp.py) and returns `(h_BxLxD, unembed_DxV, [h_1 .. h_D])` as
+    return_hidden does, h_k the final-normed hidden states of depth k (predicting token t+1+k at
+    position t). Without it the modules never run (inference, decoding, export).
     """
     cfg = self.cfg
     valid_BxL = (jnp.ones(tokens_BxL.shape, jnp.bool_) if attention_mask_BxL is None
@@ -94,6 +100,11 @@ class Transformer(nn.Module):
     no_padding = attention_mask_BxL is None and not decode
     x_BxLxD = self._blocks(x_BxLxD, positions_BxL, None if no_padding else kv_valid_BxS, q_offset,
                            bias_BxHxLxS, segment_ids_BxL, deterministic=deterministic, decode=decode)
+    mtp_h = None   # the MTP modules' parameters are made by init (not a decoding cache's)
+    if cfg.mtp_depth and (mtp_tokens_BxL is not None or (self.is_initializing() and not decode)):
+      mtp_h = self._mtp(x_BxLxD, tokens_BxL if mtp_tokens_BxL is None else mtp_tokens_BxL, embed_VxD,
+                        positions_BxL, None if no_padding else kv_valid_BxS, bias_BxHxLxS, segment_ids_BxL,
+                        deterministic=deterministic)
     if cfg.final_norm:
       x_BxLxD = Norm(cfg, name="final_norm")(x_BxLxD)
     if not cfg.lm_head:
@@ -101,6 +112,10 @@ class Transformer(nn.Module):
         raise ValueError("return_hidden=True needs model.lm_head (there is no unembedding matrix)")
       return x_BxLxD.astype(jnp.float32)
     unembed_DxV = self._unembedding(embed_VxD)
+    if mtp_tokens_BxL is not None:
+      if mtp_h is None:
+        raise ValueError("mtp_tokens_BxL needs a model with model.mtp_depth > 0")
+      return x_BxLxD, unembed_DxV, mtp_h
     if return_hidden:
       return x_BxLxD, unembed_DxV
     logits = jnp.einsum("bld,dv->blv", x_BxLxD, unembed_DxV).astype(jnp.float32)
@@ -197,6 +212,23 @@ class Transformer(nn.Module):
       x_BxLxD, _ = cls(cfg, deterministic, decode, cfg.is_moe_layer(i), self.cache_dtype, cfg.is_local_layer(i),
                        name=f"layers_{i}")(x_BxLxD, *args)
     return x_BxLxD
+
+  def _mtp(self, h_BxLxD: jax.Array, next_BxL: jax.Array, embed_VxD: jax.Array, *args,
+           deterministic: bool) -> list[jax.Array]:
+    """The multi-token prediction modules 'mtp_<k-1>', k = 1..D in sequence: depth k at position i takes
+    depth k-1's hidden state (the main stack's, before its final norm, for k = 1) and the embedding of
+    token t_{i+k} (next_BxL: t_{i+1}, shifted); returns each depth's final-normed hidden states."""
+    cfg = self.cfg
+    dt = dtypes(cfg)[0]
+    out = []
+    for k in range(1, cfg.mtp_depth + 1):
+      emb_BxLxD = jnp.take(embed_VxD, mtp_ops.depth_inputs(next_BxL, k), axis=0).astype(dt)
+      if cfg.embed_scale:
+        emb_BxLxD = emb_BxLxD * jnp.asarray(cfg.d_model ** 0.5, dt)
+      h_BxLxD, normed_BxLxD = MTPModule(cfg, block_class(cfg), deterministic, cfg.is_moe_layer(cfg.num_layers + k - 1),
+                                        name=f"mtp_{k - 1}")(h_BxLxD, emb_BxLxD, *args)
+      out.append(normed_BxLxD)
+    return out
 
   def _unembedding(self, embed_VxD: jax.Array) -> jax.Array:
     """The (D, V) unembedding in the compute dtype: the head, or embed.T when tied."""

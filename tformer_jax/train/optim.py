@@ -49,10 +49,11 @@ PARAM_ROLES = {
     "kernel": frozenset({"wq", "wk", "wv", "wo", "wi", "wg", "head", "router", "w_up", "w_gate", "w_down",
                          "w_in", "w_out", "shared_w_in", "shared_w_out", "shared_w_up", "shared_w_gate",
                          "shared_w_down",                                   # MoE experts, shared expert
+                         "wq_a", "wq_b", "wkv_a", "wkv_b", "eh_proj",       # MLA, multi-token prediction
                          "kernel"}),                  # (flax's own nn.Dense / DenseGeneral name)
     "embedding": frozenset({"embed", "pos_embed", "type_embed", "rel_bias",
                             "embedding"}),            # (flax's nn.Embed)
-    "bias": frozenset({"bq", "bk", "bv", "bo", "bi", "bg"}),
+    "bias": frozenset({"bq_a", "bkv_a", "bq", "bk", "bv", "bo", "bi", "bg"}),
     "norm": frozenset({"scale", "bias"}),
 }
 
@@ -220,6 +221,9 @@ def make_optimizer(optim_cfg: Any, total_steps: int, backend: backends.Backend |
 # embeddings, the LM head, the MoE router, norms and biases train with AdamW (as MaxText and the papers split).
 MUON_NAMES = PARAM_ROLES["kernel"] - {"head", "router", "kernel"}
 BATCH_AXES = ("layers", "expert")    # logical axes of a stack of matrices: each slice orthogonalised alone
+# a matrix whose first (non-batch) axis is one of these reads it: the residual stream, MLA's latents, the MTP
+# modules' concatenated [embedding ; hidden]
+READS_FIRST = ("embed", "q_lora", "kv_lora", "embed_concat")
 
 
 def muon_dims(names: tuple) -> optax_contrib.MuonDimensionNumbers:
@@ -230,7 +234,7 @@ def muon_dims(names: tuple) -> optax_contrib.MuonDimensionNumbers:
   rest = [i for i, n in enumerate(names) if n not in BATCH_AXES]
   if len(rest) < 2:
     raise ValueError(f"muon: a weight with logical axes {names} is not a matrix (or a stack of matrices)")
-  if names[rest[0]] == "embed":
+  if names[rest[0]] in READS_FIRST:
     return optax_contrib.MuonDimensionNumbers(reduction_axis=(rest[0],), output_axis=tuple(rest[1:]))
   return optax_contrib.MuonDimensionNumbers(reduction_axis=tuple(rest[:-1]), output_axis=(rest[-1],))
 

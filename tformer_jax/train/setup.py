@@ -148,9 +148,11 @@ def step_options(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
 
 
 def train_step_options(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
-  """step_options, plus what only the train step takes: train.logit_z_loss > 0."""
+  """step_options, plus what only the train step takes: train.logit_z_loss > 0, and train.mtp_loss_weight
+  for a model with multi-token prediction (model.mtp_depth > 0)."""
   z = float(cfg.train.get("logit_z_loss", 0.0) or 0.0)
-  return {**step_options(cfg), **({"z_loss": z} if z > 0 else {})}
+  mtp = float(cfg.train.get("mtp_loss_weight", 0.0) or 0.0) if int(cfg.model.get("mtp_depth", 0) or 0) > 0 else 0.0
+  return {**step_options(cfg), **({"z_loss": z} if z > 0 else {}), **({"mtp_weight": mtp} if mtp > 0 else {})}
 
 
 def batch_spec(data_cfg: Any) -> dict[str, tuple[tuple[int, ...], Any]]:

@@ -31,7 +31,8 @@ import optax
 from tformer_jax import backends
 from tformer_jax.nn import moe as moe_nn
 from tformer_jax.nn.common import LORA
-from tformer_jax.ops import context_parallel as cp_ops, lora as lora_ops, losses
+from tformer_jax.ops import context_parallel as cp_ops, lora as lora_ops, losses, mtp as mtp_ops
+from tformer_jax.ops.attention import soft_cap
 from tformer_jax.train import objectives, optim, precision
 from tformer_jax.train.state import TrainState
 
@@ -50,7 +51,8 @@ def _stripable(m: Any) -> bool:
   """A causal softmax model whose outputs do not depend on the token order (an MoE that drops tokens,
   by capacity or a bounded expert-parallel buffer, drops them in token order: it stays contiguous)."""
   drops = m.moe.num_experts > 0 and (m.moe.dispatch == "capacity" or m.moe.ep_buffer_factor > 0)
-  return m.causal and m.attention == "softmax" and not drops
+  mtp = getattr(m, "mtp_depth", 0) > 0   # multi-token prediction shifts the targets along the sequence
+  return m.causal and m.attention == "softmax" and not drops and not mtp
 
 
 @contextlib.contextmanager
@@ -88,15 +90,23 @@ def gathered_unembedding(unembed_DxV: jax.Array) -> jax.Array:
 
 
 def loss_sum_fn(model: nn.Module, params: Any, batch: dict, rng: jax.Array | None, *, train: bool,
-                scale: jax.Array | float = 1.0, loss_chunk: int = 0, adapters: Any = None, z_loss: float = 0.0):
+                scale: jax.Array | float = 1.0, loss_chunk: int = 0, adapters: Any = None, z_loss: float = 0.0,
+                mtp_weight: float = 0.0):
   """(scaled sum of token losses incl. aux and z-loss, (token count, aux metrics)) — the sum form that
   `optim.accumulate_gradients` needs. loss_chunk, z_loss: see the module docstring. adapters: LoRA adapters
-  (B already scaled, `ops.lora.scaled`) that the model applies unmerged on `params`."""
+  (B already scaled, `ops.lora.scaled`) that the model applies unmerged on `params`. mtp_weight > 0 (a
+  model with mtp_depth > 0): plus mtp_weight x `mtp_loss` per token, the mean logged as 'mtp_loss'."""
   rngs = {"dropout": rng} if (train and rng is not None) else {}
   hidden = {"return_hidden": True} if loss_chunk > 0 else {}
+  mtp = mtp_weight > 0 and getattr(model.cfg, "mtp_depth", 0) > 0
+  if mtp:   # the main and the MTP modules' hidden states, one unembedding (nn/transformer.py)
+    hidden = {"mtp_tokens_BxL": batch["targets"]}
   variables = {"params": params} if adapters is None else {"params": params, LORA: adapters}
   out, mut = model.apply(variables, batch["inputs"], **document_args(batch), deterministic=not train,
                          rngs=rngs, mutable=list(AUX_COLLECTIONS), **hidden)
+  if mtp:
+    h_BxLxD, unembed_DxV, mtp_h = out
+    out = (h_BxLxD, unembed_DxV) if loss_chunk > 0 else _logits(model, h_BxLxD, unembed_DxV)
   mask = batch.get("loss_mask")
   mask = jnp.ones(batch["targets"].shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
   count = jnp.sum(mask)
@@ -115,14 +125,44 @@ def loss_sum_fn(model: nn.Module, params: Any, batch: dict, rng: jax.Array | Non
     nll_sum, lse_sq_sum = jax.lax.stop_gradient((nll_sum, lse_sq_sum))
   aux_loss = moe_nn.collect_aux_loss(mut)
   metrics = {"nll_sum": nll_sum, "lse_sq_sum": lse_sq_sum, "aux_loss": aux_loss}
+  if mtp:
+    mtp_mean = mtp_loss(model, mtp_h, unembed_DxV, batch, mask, loss_chunk)
+    total = total + mtp_weight * mtp_mean * count
+    metrics["mtp_loss"] = jax.lax.stop_gradient(mtp_mean)
   metrics.update({f"moe/{k}": v for k, v in moe_log_metrics(mut).items()})
   return (total + aux_loss * count) * scale, (count, metrics)
+
+
+def _logits(model: nn.Module, h_BxLxD: jax.Array, unembed_DxV: jax.Array) -> jax.Array:
+  """The model's float32 logits from its hidden states, as `Transformer` forms them (its soft cap)."""
+  logits = jnp.einsum("bld,dv->blv", h_BxLxD, unembed_DxV).astype(jnp.float32)
+  return soft_cap(logits, float(getattr(model.cfg, "final_logit_softcap", 0.0)))
+
+
+def mtp_loss(model: nn.Module, mtp_h: list[jax.Array], unembed_DxV: jax.Array, batch: dict, mask_BxL: jax.Array,
+             loss_chunk: int = 0) -> jax.Array:
+  """Multi-token prediction's loss (DeepSeek-V3, section 2.2): the mean over the D depths of each depth's
+  token-mean cross-entropy, depth k (1-based) predicting token t+1+k at position t from its hidden states
+  mtp_h[k-1] (`ops.mtp.depth_targets`: the targets shifted by k, the last k positions and a target in
+  another packed document masked); the chunked loss when loss_chunk > 0."""
+  means = []
+  for k, h_BxLxD in enumerate(mtp_h, start=1):
+    targets_BxL, m_BxL = mtp_ops.depth_targets(batch["targets"], mask_BxL, k, batch.get("segment_ids"))
+    if loss_chunk > 0:
+      nll_sum = losses.loss_sums(h_BxLxD, unembed_DxV, targets_BxL, m_BxL, chunk=loss_chunk,
+                                 matmul=backends.current().loss_matmul(),
+                                 softcap=float(getattr(model.cfg, "final_logit_softcap", 0.0)))[0]
+    else:
+      nll_sum = jnp.sum(losses.nll_and_lse_logits(_logits(model, h_BxLxD, unembed_DxV), targets_BxL)[0] * m_BxL)
+    means.append(nll_sum / jnp.maximum(jnp.sum(m_BxL), 1.0))
+  return jnp.mean(jnp.stack(means))
 
 
 def train_step(state: TrainState, batch: dict, *, model: nn.Module, tx: optax.GradientTransformation,
                schedule: optax.Schedule, grad_accum: int = 1, clip_norm: float = 0.0,
                axis_name: str | None = None, loss_chunk: int = 0, cast_params: bool | None = None,
-               lora_scale: float = 1.0, z_loss: float = 0.0) -> tuple[TrainState, dict[str, jax.Array]]:
+               lora_scale: float = 1.0, z_loss: float = 0.0, mtp_weight: float = 0.0
+               ) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer step. `axis_name` (pmap): `batch` is this device's shard; token counts, losses and
   gradients are summed over the axis, so the loss is the same token-weighted global mean as under jit.
   loss_chunk: see the module docstring. cast_params (a no-op in float32): the matmul weights cast to
@@ -150,7 +190,8 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, tx: optax.Gr
     if state.frozen is not None:   # LoRA: the adapters, applied unmerged on the frozen base
       base, adapters = state.frozen, lora_ops.scaled(params, lora_scale)
     loss_sum, (count, metrics) = loss_sum_fn(model, base, mb, r, train=True, scale=ls.scale / tokens,
-                                             loss_chunk=loss_chunk, adapters=adapters, z_loss=z_loss)
+                                             loss_chunk=loss_chunk, adapters=adapters, z_loss=z_loss,
+                                             mtp_weight=mtp_weight)
     return loss_sum, (psum(count), metrics)  # normalised by the global token count
 
   value_and_grad = jax.value_and_grad(f, has_aux=True)
@@ -185,6 +226,7 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, tx: optax.Gr
       "logit_lse_sq": aux["lse_sq_sum"] / tokens_seen,   # mean logsumexp(logits)^2: what the z-loss pulls to 0
       "z_loss": z_loss * aux["lse_sq_sum"] / tokens_seen,
       "aux_loss": aux["aux_loss"],
+      **({"mtp_loss": aux["mtp_loss"]} if "mtp_loss" in aux else {}),   # MTP's mean loss, before its weight
       "lr": schedule(state.step),
       "grad_norm": gnorm,
       "grad_norm_clipped": gnorm_clipped,
@@ -227,10 +269,11 @@ def eval_step(params: Any, batch: dict, *, model: nn.Module, loss_chunk: int = 0
 
 
 def make_train_step(model, tx, schedule, optim_cfg, axis_name: str | None = None, *, loss_chunk: int = 0,
-                    cast_params: bool | None = None, lora_scale: float = 1.0, z_loss: float = 0.0):
+                    cast_params: bool | None = None, lora_scale: float = 1.0, z_loss: float = 0.0,
+                    mtp_weight: float = 0.0):
   """train_step with the optimizer settings bound; loss_chunk: train.loss_chunk (0 = full logits);
-  lora_scale: alpha / rank of a LoRA run; z_loss: train.logit_z_loss."""
+  lora_scale: alpha / rank of a LoRA run; z_loss: train.logit_z_loss; mtp_weight: train.mtp_loss_weight."""
   return functools.partial(train_step, model=model, tx=tx, schedule=schedule,
                            grad_accum=int(optim_cfg.grad_accum), clip_norm=float(optim_cfg.clip_norm),
                            axis_name=axis_name, loss_chunk=int(loss_chunk), cast_params=cast_params,
-                           lora_scale=float(lora_scale), z_loss=float(z_loss))
+                           lora_scale=float(lora_scale), z_loss=float(z_loss), mtp_weight=float(mtp_weight))
