@@ -132,16 +132,18 @@ class Backend:
 
   def moe_ffn(self, x_TxD: Array, params: dict[str, Array], weights_TxK: Array, experts_TxK: Array, *,
               activation: str, dispatch: str, capacity: int, buffer_factor: float = 0.0,
-              capacity_impl: str = "einsum", param_axes: dict[str, tuple[str, ...]]
-              ) -> tuple[Array, Array]:
+              capacity_impl: str = "einsum", param_axes: dict[str, tuple[str, ...]],
+              swiglu_limit: float = 0.0, swiglu_alpha: float = 1.702) -> tuple[Array, Array]:
     """The routed experts' FFN of the (T, D) tokens: (y_TxD, dropped_fraction of the T*K assignments).
 
     Expert parallel (a shard_map exchanging rows over the mesh's expert axis) when moe_exchange is not
     'global' and the traced mesh has an expert axis > 1, else `ops.moe`'s global dispatch
-    (backends/moe.py). param_axes: each expert weight's logical axis names."""
+    (backends/moe.py). param_axes: each expert weight's (and bias's) logical axis names; swiglu_limit,
+    swiglu_alpha: GPT-OSS's clamped SwiGLU (`ops.moe.glu`)."""
     return moe_backend.moe_ffn(self, x_TxD, params, weights_TxK, experts_TxK, activation=activation,
                                dispatch=dispatch, capacity=capacity, buffer_factor=buffer_factor,
-                               capacity_impl=capacity_impl, param_axes=param_axes)
+                               capacity_impl=capacity_impl, param_axes=param_axes, swiglu_limit=swiglu_limit,
+                               swiglu_alpha=swiglu_alpha)
 
   def wrap_optimizer(self, tx: optax.GradientTransformation, spec: AdamWSpec
                      ) -> optax.GradientTransformation:

@@ -51,23 +51,26 @@ def expert_parallel_layout(num_tokens: int, num_experts: int,
 def moe_ffn(backend: Any, x_TxD: Array, params: Mapping[str, Array], weights_TxK: Array,
             experts_TxK: Array, *, activation: str, dispatch: str, capacity: int,
             buffer_factor: float, capacity_impl: str,
-            param_axes: Mapping[str, tuple[str, ...]]) -> tuple[Array, Array]:
+            param_axes: Mapping[str, tuple[str, ...]], swiglu_limit: float = 0.0,
+            swiglu_alpha: float = 1.702) -> tuple[Array, Array]:
   """(y_TxD, dropped_fraction): see `Backend.moe_ffn`."""
   if dispatch not in ("dropless", "capacity"):
     raise ValueError(f"unknown moe.dispatch {dispatch!r}; expected 'dropless' or 'capacity'")
   names = moe_ops.expert_param_names(activation)
   num_experts = params[names[0]].shape[0]
+  names = names + tuple(moe_ops.bias_name(n) for n in names if moe_ops.bias_name(n) in params)
+  ffn = dict(swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
   layout = None
   if backend.moe_exchange != "global":
     layout = expert_parallel_layout(x_TxD.shape[0], num_experts, {n: param_axes[n] for n in names})
   if layout is None:
     if dispatch == "dropless":
-      y = moe_ops.moe_ffn_dropless(x_TxD, params, weights_TxK, experts_TxK, activation=activation)
+      y = moe_ops.moe_ffn_dropless(x_TxD, params, weights_TxK, experts_TxK, activation=activation, **ffn)
       return y, jnp.zeros((), jnp.float32)
     return moe_ops.moe_ffn_capacity(x_TxD, params, weights_TxK, experts_TxK, activation=activation,
-                                    capacity=capacity, impl=capacity_impl)
+                                    capacity=capacity, impl=capacity_impl, **ffn)
   kw = dict(activation=activation, exchange=backend.moe_exchange, gmm=backend.moe_gmm,
-            interpret=backend.moe_interpret, **layout)
+            interpret=backend.moe_interpret, **layout, **ffn)
   if dispatch == "dropless":
     return moe_parallel.moe_ffn_expert_parallel(x_TxD, params, weights_TxK, experts_TxK,
                                                 buffer_factor=buffer_factor, **kw)

@@ -33,7 +33,7 @@ from tformer_jax.checkpoint.common import (
 from tformer_jax.checkpoint.integrity import _check_items, _verify_arrays
 from tformer_jax.checkpoint.logs import _NOISE, _debug_log_path, _short
 from tformer_jax.checkpoint.manager import _first_good, _registry, _state_tree
-from tformer_jax.nn.stacking import cycle_of
+from tformer_jax.nn.stacking import cycle_of, dense_of
 
 CONFIG_FILE = "config.json"
 BASE_FILE = "lora_base.json"     # a LoRA run's base: {"source", "step", "sha256"}
@@ -150,7 +150,7 @@ def merge_lora(config: Any, adapters: PyTree, workdir: str | os.PathLike | None 
     check_base(workdir, record, source, base, used)
   if "layers" in adapters and "layers" not in base and "layers_0" in base:
     # an unscanned base, a scanned run
-    base = decode.stack_layers(base, int(config.model.num_layers), cycle_of(adapters))
+    base = decode.stack_layers(base, int(config.model.num_layers), cycle_of(adapters), dense_of(adapters))
   try:
     merged = lora_ops.merge(base, adapters, scale)
   except (ValueError, TypeError) as e:

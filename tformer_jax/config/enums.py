@@ -24,6 +24,7 @@ REMAT_POLICIES = {"none": None, "full": None, "dots": "checkpoint_dots",
                   "save_mlp_in": ("mlp_in", "mlp_gate")}
 DTYPES = ("float32", "bfloat16", "float16")
 MOE_DISPATCH = ("dropless", "capacity")
+MOE_ROUTERS = ("softmax", "sigmoid", "softmax_topk")   # model.moe.router (ops/moe.py route_by)
 RUNTIME_BACKENDS = ("auto", "reference", "xla_cpu")
 # Which model features each runtime.attention implementation lacks: the one table that config validation
 # (`supports`), resolve_runtime's 'auto' and the backend's per-call choice (backends/base.py) read.

@@ -7,6 +7,7 @@ from tformer_jax.config.enums import (
   DTYPES,
   LAYER_KINDS,
   MOE_DISPATCH,
+  MOE_ROUTERS,
   NORM_POSITIONS,
   NORMS,
   POSITIONS,
@@ -266,3 +267,52 @@ def _check_moe(m: ModelConfig, p: str) -> None:
       _fail(p + "moe." + name, f"loss coefficients must be >= 0, got {getattr(moe, name)}")
   if moe.num_experts and m.scan_layers and moe.every != 1:
     _fail(p + "moe.every", "scan_layers needs identical layers: use moe.every=1 or scan_layers=False")
+  _check_moe_variants(m, p)
+
+
+def _check_moe_variants(m: ModelConfig, p: str) -> None:
+  """Routers, shared experts, dense first layers and GPT-OSS's expert extras."""
+  moe, q = m.moe, p + "moe."
+  _check_choice(q + "router", moe.router, MOE_ROUTERS)
+  for name in ("n_group", "topk_group", "num_shared_experts", "shared_d_ff", "first_k_dense"):
+    if getattr(moe, name) < 0:
+      _fail(q + name, f"must be >= 0, got {getattr(moe, name)}")
+  if moe.shared_expert and moe.num_shared_experts not in (0, 1):
+    _fail(q + "shared_expert", f"is num_shared_experts=1; it contradicts num_shared_experts={moe.num_shared_experts} "
+          "(set only num_shared_experts)")
+  if moe.n_group > 1 or moe.topk_group:
+    if moe.router != "sigmoid":
+      _fail(q + "n_group", f"group-limited routing is the sigmoid router's (router={moe.router!r})")
+    if moe.n_group < 2 or moe.num_experts % moe.n_group or moe.num_experts // moe.n_group < 2:
+      _fail(q + "n_group", f"must divide num_experts={moe.num_experts} into groups of at least 2 experts, "
+            f"got {moe.n_group}")
+    if not 1 <= moe.topk_group <= moe.n_group:
+      _fail(q + "topk_group", f"must be in [1, n_group={moe.n_group}], got {moe.topk_group}")
+    if moe.topk_group * (moe.num_experts // moe.n_group) < moe.top_k:
+      _fail(q + "topk_group", f"topk_group={moe.topk_group} groups of {moe.num_experts // moe.n_group} experts "
+            f"hold fewer than top_k={moe.top_k}")
+  if moe.routed_scaling_factor <= 0:
+    _fail(q + "routed_scaling_factor", f"must be > 0, got {moe.routed_scaling_factor}")
+  if moe.bias_update_rate < 0:
+    _fail(q + "bias_update_rate", f"must be >= 0, got {moe.bias_update_rate}")
+  if moe.bias_update_rate and moe.router != "sigmoid":
+    _fail(q + "bias_update_rate", f"the correction bias is the sigmoid router's (router={moe.router!r})")
+  _check_moe_layers(m, p)
+
+
+def _check_moe_layers(m: ModelConfig, p: str) -> None:
+  """Dense first layers and the experts' clamped SwiGLU."""
+  moe, q = m.moe, p + "moe."
+  if moe.first_k_dense:
+    if not moe.num_experts:
+      _fail(q + "first_k_dense", "needs moe.num_experts > 0")
+    if moe.first_k_dense >= m.num_layers:
+      _fail(q + "first_k_dense", f"must be below num_layers={m.num_layers} (some layers must be MoE), "
+            f"got {moe.first_k_dense}")
+    if m.scan_layers and moe.first_k_dense % m.cycle:
+      _fail(q + "first_k_dense", f"scan_layers: must be a multiple of the layer_pattern's {m.cycle} layers, "
+            f"got {moe.first_k_dense}")
+  if moe.swiglu_limit < 0:
+    _fail(q + "swiglu_limit", f"must be >= 0 (0 = off), got {moe.swiglu_limit}")
+  if moe.swiglu_limit and m.activation != "swiglu":
+    _fail(q + "swiglu_limit", f"clamps SwiGLU experts; model.activation is {m.activation!r}")

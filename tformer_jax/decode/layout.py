@@ -13,9 +13,16 @@ from tformer_jax.decode.request import _cfg
 from tformer_jax.nn.stacking import stack_layers, unstack_layers
 
 
+def _dense_first(cfg: Any) -> int:
+  """The dense first layers scanned apart (moe.first_k_dense; 0 for other models)."""
+  return cfg.moe.first_k_dense if cfg.moe.num_experts else 0
+
+
 def _uniform_layers(cfg: Any) -> bool:
-  """All blocks alike (a scan needs one body): not the case for MoE every k-th layer."""
-  return len({cfg.is_moe_layer(i) for i in range(cfg.num_layers)}) <= 1
+  """All blocks alike past the dense first layers (a scan needs one body): not the case for MoE every
+  k-th layer."""
+  return (len({cfg.is_moe_layer(i) for i in range(_dense_first(cfg), cfg.num_layers)}) <= 1
+          and _dense_first(cfg) % cfg.cycle == 0)
 
 
 _LAYOUT: list[tuple[Any, list[Any], Any]] = []   # (key, the source leaves kept alive, result): one entry
@@ -52,5 +59,7 @@ def decode_layout(model: nn.Module, params: Any, scan: bool | None = None) -> tu
   if cfg.scan_layers == scan:
     return out_model, params
   if scan:
-    return out_model, _converted(model, params, lambda: stack_layers(params, cfg.num_layers, cfg.cycle))
-  return out_model, _converted(model, params, lambda: unstack_layers(params, cfg.num_layers, cfg.cycle))
+    return out_model, _converted(model, params, lambda: stack_layers(params, cfg.num_layers, cfg.cycle,
+                                                                     _dense_first(cfg)))
+  return out_model, _converted(model, params, lambda: unstack_layers(params, cfg.num_layers, cfg.cycle,
+                                                                     _dense_first(cfg)))

@@ -4,8 +4,9 @@ final norm and LM head. Every variant in the articles is a field of `ModelConfig
 A layer_pattern model (local/global layers, e.g. Gemma 3's 'LLLLLG') scans one repeat of the pattern
 (`Cycle`: params 'layers/block_<j>' with a leading (num_layers // cycle,) axis), and the layers left
 over when num_layers is not a multiple of the cycle run after it as 'layers_<i>' (fewer than one
-cycle), so compile time and memory are one cycle's. Unrolled, every layer is 'layers_<i>'
-(`nn.stacking` converts between the two layouts)."""
+cycle), so compile time and memory are one cycle's. An MoE model's dense first layers (moe.first_k_dense)
+are a scanned stack of their own, 'dense_layers', before the MoE layers' 'layers'. Unrolled, every layer
+is 'layers_<i>' (`nn.stacking` converts between the two layouts)."""
 from __future__ import annotations
 
 from typing import Any
@@ -193,21 +194,25 @@ class Transformer(nn.Module):
 
   def _blocks(self, x_BxLxD: jax.Array, *args, deterministic: bool, decode: bool) -> jax.Array:
     """The stack of blocks, scanned (one 'layers' module: a Block, or a Cycle of the layer pattern,
-    then the layers past the last whole cycle as 'layers_<i>') or unrolled ('layers_<i>')."""
+    then the layers past the last whole cycle as 'layers_<i>'; moe.first_k_dense dense layers first as
+    'dense_layers', a multiple of the cycle) or unrolled ('layers_<i>')."""
     cfg = self.cfg
     cls = block_class(cfg)
     first = 0   # the first layer not in the scan
     if cfg.scan_layers:
-      repeats = cfg.num_layers // cfg.cycle
       body = cls if cfg.cycle == 1 else Cycle
       local = (cfg.is_local_layer(0),) if cfg.cycle == 1 else ()
-      if repeats:
-        scanned = nn.scan(body, variable_axes={c: 0 for c in SCANNED_COLLECTIONS},
-                          split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * len(args),
-                          length=repeats, metadata_params={nn.PARTITION_NAME: "layers"})
-        x_BxLxD, _ = scanned(cfg, deterministic, decode, cfg.moe.num_experts > 0, self.cache_dtype, *local,
-                             name="layers")(x_BxLxD, *args)
-      first = repeats * cfg.cycle
+      dense = cfg.moe.first_k_dense if cfg.moe.num_experts else 0
+      repeats = (cfg.num_layers - dense) // cfg.cycle
+      for name, length, moe in (("dense_layers", dense // cfg.cycle, False),
+                                ("layers", repeats, cfg.moe.num_experts > 0)):
+        if length:
+          scanned = nn.scan(body, variable_axes={c: 0 for c in SCANNED_COLLECTIONS},
+                            split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * len(args),
+                            length=length, metadata_params={nn.PARTITION_NAME: "layers"})
+          x_BxLxD, _ = scanned(cfg, deterministic, decode, moe, self.cache_dtype, *local,
+                               name=name)(x_BxLxD, *args)
+      first = dense + repeats * cfg.cycle
     for i in range(first, cfg.num_layers):
       x_BxLxD, _ = cls(cfg, deterministic, decode, cfg.is_moe_layer(i), self.cache_dtype, cfg.is_local_layer(i),
                        name=f"layers_{i}")(x_BxLxD, *args)
@@ -244,7 +249,8 @@ def sown_per_layer(tree: Any, name: str) -> list[jax.Array]:
   """Values sown as `name` (e.g. in the 'intermediates' collection), in layer order. Unrolled layers
   live under 'layers_<i>'; a scanned stack under 'layers' holds arrays with a leading axis, one entry
   per layer (or per cycle under 'layers/block_<j>': layer k * cycle + j), split here into one per layer;
-  the layers after the scanned cycles ('layers_<i>') follow them."""
+  a model's scanned dense first layers ('dense_layers') come before them and the layers after the scanned
+  cycles ('layers_<i>') after them."""
   found: list[tuple[tuple[int, ...], jax.Array]] = []
   for path, value in jax.tree_util.tree_flatten_with_path(tree)[0]:
     keys = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
@@ -252,11 +258,12 @@ def sown_per_layer(tree: Any, name: str) -> list[jax.Array]:
       continue
     layer = next((int(k[7:]) for k in keys if k.startswith("layers_") and k[7:].isdigit()), None)
     block = next((int(k[6:]) for k in keys if k.startswith("block_") and k[6:].isdigit()), None)
-    if layer is None and "layers" in keys:   # scanned: (repeat, block) orders them
-      found.extend(((0, i, block or 0, len(found)), value[i]) for i in range(value.shape[0]))
+    if layer is None and ("layers" in keys or "dense_layers" in keys):   # scanned: (repeat, block) orders them
+      stack = 0 if "dense_layers" in keys else 1
+      found.extend(((0, stack, i, block or 0, len(found)), value[i]) for i in range(value.shape[0]))
     elif layer is None:
-      found.append(((-1, 0, 0, len(found)), value))
+      found.append(((-1, 0, 0, 0, len(found)), value))
     else:
-      found.append(((1, layer, 0, len(found)), value))
+      found.append(((1, 0, layer, 0, len(found)), value))
   found.sort(key=lambda t: t[0])
   return [v for _, v in found]

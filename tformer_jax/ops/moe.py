@@ -13,8 +13,13 @@ K = top_k of them. Two dispatch strategies compute the same function when nothin
 
 Expert parameters are dicts of stacked weights:
   GLU experts (swiglu, geglu): w_gate, w_up (E, D, F), w_down (E, F, D);
-  plain experts (gelu, gelu_tanh, relu, silu): w_in (E, D, F), w_out (E, F, D).
-`moe_ffn_naive` is a per-token reference used by the tests.
+  plain experts (gelu, gelu_tanh, relu, silu): w_in (E, D, F), w_out (E, F, D);
+  optional biases (GPT-OSS) b_<name> for w_<name>: b_gate, b_up (E, F), b_down (E, D) (or b_in, b_out).
+`swiglu_limit` > 0: GPT-OSS's clamped SwiGLU (`glu`). `moe_ffn_naive` is a per-token reference used by the tests.
+
+Routers (`route_by`): 'softmax' (`route`: Mixtral, Qwen3-MoE), 'sigmoid' (`route_sigmoid`: DeepSeek-V3's
+sigmoid scores, a correction bias for the choice only, group-limited top-k, scaled weights) and
+'softmax_topk' (`route_softmax_topk`: GPT-OSS, top-k on the logits, softmax over the k).
 """
 from __future__ import annotations
 
@@ -55,6 +60,37 @@ def expert_param_names(activation: str) -> tuple[str, ...]:
   return ("w_gate", "w_up", "w_down") if glu else ("w_in", "w_out")
 
 
+def bias_name(weight: str) -> str:
+  """The optional bias of an expert weight: w_gate -> b_gate, w_down -> b_down, ..."""
+  return "b_" + weight[2:]
+
+
+def glu(g: Array, u: Array, activation: str, swiglu_limit: float = 0.0, swiglu_alpha: float = 1.702) -> Array:
+  """A GLU's hidden act(g) * u; with swiglu_limit > 0 GPT-OSS's clamped form: g clamped to <= limit,
+  u to [-limit, limit], then (u + 1) * g * sigmoid(alpha * g)."""
+  if swiglu_limit > 0:
+    g = jnp.minimum(g, swiglu_limit)
+    u = jnp.clip(u, -swiglu_limit, swiglu_limit)
+    return (u + 1) * (g * jax.nn.sigmoid(swiglu_alpha * g))
+  return activation_fn(activation)[0](g) * u
+
+
+def apply_experts(x: Array, mm: Callable[[Array, str], Array], bias: Callable[[str], Array | None],
+                  activation: str, swiglu_limit: float = 0.0, swiglu_alpha: float = 1.702) -> Array:
+  """An expert FFN on rows x, whatever holds the weights: mm(h, 'w_gate') is h times that weight (per row's
+  expert), bias('w_gate') its bias broadcast to mm's output, or None."""
+  act, is_glu = activation_fn(activation)
+
+  def lin(h: Array, name: str) -> Array:
+    y = mm(h, name)
+    b = bias(name)
+    return y if b is None else y + b.astype(y.dtype)
+
+  if is_glu:
+    return lin(glu(lin(x, "w_gate"), lin(x, "w_up"), activation, swiglu_limit, swiglu_alpha), "w_down")
+  return lin(act(lin(x, "w_in")), "w_out")
+
+
 def _check_params(params: Params, activation: str) -> bool:
   _, glu = activation_fn(activation)
   need = expert_param_names(activation)
@@ -79,6 +115,68 @@ def route(logits_TxE: Array, *, top_k: int, renormalize: bool = True) -> tuple[A
   if renormalize:
     weights_TxK = weights_TxK / jnp.sum(weights_TxK, axis=-1, keepdims=True)
   return weights_TxK, experts_TxK.astype(jnp.int32), probs_TxE
+
+
+def route_sigmoid(logits_TxE: Array, correction_bias_E: Array | None = None, *, top_k: int, n_group: int = 0,
+                  topk_group: int = 0, renormalize: bool = True,
+                  routed_scaling_factor: float = 1.0) -> tuple[Array, Array, Array]:
+  """DeepSeek-V3's router (float32): scores s = sigmoid(logits); the choice ranks s + correction_bias
+  (the bias steers selection only, no gradient); with n_group > 1 the experts form n_group equal groups,
+  each group scored by the sum of its two best biased scores, and a token picks its top_k among the
+  topk_group best groups only. Weights: the chosen experts' unbiased s, divided by their sum (+1e-20)
+  when `renormalize` (norm_topk_prob), times routed_scaling_factor.
+
+  Returns (weights_TxK, experts_TxK int32, probs_TxE: s normalised per token, for the aux loss and entropy).
+  """
+  scores_TxE = jax.nn.sigmoid(logits_TxE.astype(jnp.float32))
+  t, e = scores_TxE.shape
+  choice_TxE = scores_TxE
+  if correction_bias_E is not None:
+    choice_TxE = choice_TxE + jax.lax.stop_gradient(correction_bias_E.astype(jnp.float32))
+  choice_TxE = jax.lax.stop_gradient(choice_TxE)
+  if n_group > 1:
+    per = e // n_group
+    top2_TxGx2, _ = jax.lax.top_k(choice_TxE.reshape(t, n_group, per), 2)
+    _, groups_TxG = jax.lax.top_k(jnp.sum(top2_TxGx2, axis=-1), topk_group)
+    keep_TxG = jnp.zeros((t, n_group), bool).at[jnp.arange(t)[:, None], groups_TxG].set(True)
+    choice_TxE = jnp.where(jnp.repeat(keep_TxG, per, axis=-1), choice_TxE, -jnp.inf)
+  _, experts_TxK = jax.lax.top_k(choice_TxE, top_k)
+  weights_TxK = jnp.take_along_axis(scores_TxE, experts_TxK, axis=-1)
+  if renormalize:
+    weights_TxK = weights_TxK / (jnp.sum(weights_TxK, axis=-1, keepdims=True) + 1e-20)
+  weights_TxK = weights_TxK * routed_scaling_factor
+  probs_TxE = scores_TxE / jnp.sum(scores_TxE, axis=-1, keepdims=True)
+  return weights_TxK, experts_TxK.astype(jnp.int32), probs_TxE
+
+
+def route_softmax_topk(logits_TxE: Array, *, top_k: int) -> tuple[Array, Array, Array]:
+  """GPT-OSS's router (float32): top-k of the logits, softmax over those k. Returns (weights_TxK,
+  experts_TxK int32, probs_TxE = softmax over all experts, for the aux loss and entropy)."""
+  logits_TxE = logits_TxE.astype(jnp.float32)
+  top_TxK, experts_TxK = jax.lax.top_k(logits_TxE, top_k)
+  return jax.nn.softmax(top_TxK, axis=-1), experts_TxK.astype(jnp.int32), jax.nn.softmax(logits_TxE, axis=-1)
+
+
+def route_by(router: str, logits_TxE: Array, *, top_k: int, renormalize: bool = True,
+             correction_bias_E: Array | None = None, n_group: int = 0, topk_group: int = 0,
+             routed_scaling_factor: float = 1.0) -> tuple[Array, Array, Array]:
+  """(weights_TxK, experts_TxK, probs_TxE) of the router named by model.moe.router."""
+  if router == "softmax":
+    return route(logits_TxE, top_k=top_k, renormalize=renormalize)
+  if router == "sigmoid":
+    return route_sigmoid(logits_TxE, correction_bias_E, top_k=top_k, n_group=n_group, topk_group=topk_group,
+                         renormalize=renormalize, routed_scaling_factor=routed_scaling_factor)
+  if router == "softmax_topk":
+    return route_softmax_topk(logits_TxE, top_k=top_k)
+  raise ValueError(f"unknown router {router!r}; expected softmax, sigmoid or softmax_topk")
+
+
+def bias_update(bias_E: Array, load_E: Array, rate: float) -> Array:
+  """Auxiliary-loss-free balancing (DeepSeek-V3): bias + rate * sign(mean load - load), float32. An
+  overloaded expert's bias falls, an underloaded one's rises; `load_E` any per-expert load measure
+  (fractions or counts: only its sign against its mean counts)."""
+  load_E = load_E.astype(jnp.float32)
+  return bias_E + rate * jnp.sign(jnp.mean(load_E, axis=-1, keepdims=True) - load_E).astype(bias_E.dtype)
 
 
 def jitter(x: Array, rng: Array, eps: float) -> Array:
@@ -174,21 +272,23 @@ def kept_assignments(experts_TxK: Array, num_experts: int, capacity: int) -> Arr
 # ----------------------------------------------------------------------------------------------
 # Expert FFNs
 
-def _expert_ffn_dense(x_ExCxD: Array, params: Params, activation: str) -> Array:
+def _bias_of(params: Params, index: Callable[[Array], Array]) -> Callable[[str], Array | None]:
+  """bias(weight name) for `apply_experts`: the expert bias indexed per row by `index`, or None."""
+  return lambda name: index(params[bias_name(name)]) if bias_name(name) in params else None
+
+
+def _expert_ffn_dense(x_ExCxD: Array, params: Params, activation: str, swiglu_limit: float = 0.0,
+                      swiglu_alpha: float = 1.702) -> Array:
   """All experts on their (E, C, D) buffers with batched einsums."""
-  act, glu = activation_fn(activation)
   dt = x_ExCxD.dtype
-  if glu:
-    g = jnp.einsum("ecd,edf->ecf", x_ExCxD, params["w_gate"].astype(dt))
-    u = jnp.einsum("ecd,edf->ecf", x_ExCxD, params["w_up"].astype(dt))
-    return jnp.einsum("ecf,efd->ecd", act(g) * u, params["w_down"].astype(dt))
-  h = jnp.einsum("ecd,edf->ecf", x_ExCxD, params["w_in"].astype(dt))
-  return jnp.einsum("ecf,efd->ecd", act(h), params["w_out"].astype(dt))
+  mm = lambda h, n: jnp.einsum("ecd,edf->ecf", h, params[n].astype(dt))  # noqa: E731
+  return apply_experts(x_ExCxD, mm, _bias_of(params, lambda b: b[:, None, :]), activation, swiglu_limit,
+                       swiglu_alpha)
 
 
 def moe_ffn_capacity(x_TxD: Array, params: Params, weights_TxK: Array, experts_TxK: Array, *,
-                     activation: str, capacity: int,
-                     impl: str = "einsum") -> tuple[Array, Array]:
+                     activation: str, capacity: int, impl: str = "einsum", swiglu_limit: float = 0.0,
+                     swiglu_alpha: float = 1.702) -> tuple[Array, Array]:
   """Capacity-dispatch MoE FFN. Returns (y_TxD in x's dtype, dropped_fraction).
 
   impl 'einsum' (GShard): one-hot (T, E, C) dispatch/combine einsums, O(T*E*C*D) flops — dense
@@ -199,20 +299,21 @@ def moe_ffn_capacity(x_TxD: Array, params: Params, weights_TxK: Array, experts_T
   num_experts = params[expert_param_names(activation)[0]].shape[0]
   if impl == "scatter":
     return _capacity_scatter(x_TxD, params, weights_TxK, experts_TxK, activation, capacity,
-                             num_experts)
+                             num_experts, swiglu_limit, swiglu_alpha)
   if impl != "einsum":
     raise ValueError(f"unknown capacity impl {impl!r}; expected 'einsum' or 'scatter'")
   dispatch_TxExC, combine_TxExC, dropped = capacity_dispatch(
       weights_TxK, experts_TxK, num_experts, capacity)
   dt = x_TxD.dtype
   x_ExCxD = jnp.einsum("tec,td->ecd", dispatch_TxExC.astype(dt), x_TxD)
-  y_ExCxD = _expert_ffn_dense(x_ExCxD, params, activation)
+  y_ExCxD = _expert_ffn_dense(x_ExCxD, params, activation, swiglu_limit, swiglu_alpha)
   y_TxD = jnp.einsum("tec,ecd->td", combine_TxExC.astype(dt), y_ExCxD)
   return y_TxD, dropped
 
 
 def _capacity_scatter(x_TxD: Array, params: Params, weights_TxK: Array, experts_TxK: Array,
-                      activation: str, capacity: int, num_experts: int) -> tuple[Array, Array]:
+                      activation: str, capacity: int, num_experts: int, swiglu_limit: float,
+                      swiglu_alpha: float) -> tuple[Array, Array]:
   t, k = experts_TxK.shape
   slot_KxT = _slots(experts_TxK, num_experts)
   keep_KxT = slot_KxT < capacity
@@ -222,7 +323,7 @@ def _capacity_scatter(x_TxD: Array, params: Params, weights_TxK: Array, experts_
   upd_KxTxD = jnp.broadcast_to(x_TxD[None], (k, t, x_TxD.shape[-1]))
   buf = jnp.zeros((n_slots + 1, x_TxD.shape[-1]), x_TxD.dtype).at[row_KxT].add(upd_KxTxD)
   x_ExCxD = buf[:n_slots].reshape(num_experts, capacity, -1)
-  y_ExCxD = _expert_ffn_dense(x_ExCxD, params, activation)
+  y_ExCxD = _expert_ffn_dense(x_ExCxD, params, activation, swiglu_limit, swiglu_alpha)
   y_buf = jnp.concatenate([y_ExCxD.reshape(n_slots, -1), jnp.zeros_like(y_ExCxD[0, :1])], axis=0)
   y_KxTxD = jnp.take(y_buf, row_KxT, axis=0)
   w_KxT = jnp.where(keep_KxT, weights_TxK.T, 0.0).astype(y_KxTxD.dtype)
@@ -235,9 +336,8 @@ def _ragged(x_NxD: Array, w_ExDxF: Array, group_sizes_E: Array) -> Array:
 
 
 def moe_ffn_dropless(x_TxD: Array, params: Params, weights_TxK: Array, experts_TxK: Array, *,
-                     activation: str) -> Array:
+                     activation: str, swiglu_limit: float = 0.0, swiglu_alpha: float = 1.702) -> Array:
   """Dropless MoE FFN: sort assignments by expert, grouped matmuls, unsort, weighted sum over k."""
-  act, glu = activation_fn(activation)
   _check_params(params, activation)
   num_experts = params[expert_param_names(activation)[0]].shape[0]
   t, k = experts_TxK.shape
@@ -245,25 +345,23 @@ def moe_ffn_dropless(x_TxD: Array, params: Params, weights_TxK: Array, experts_T
   order_N = jnp.argsort(experts_N, stable=True)            # sorted position -> assignment
   group_sizes_E = jnp.zeros((num_experts,), jnp.int32).at[experts_N].add(1)
   x_NxD = jnp.take(x_TxD, order_N // k, axis=0)
-  if glu:
-    g = _ragged(x_NxD, params["w_gate"], group_sizes_E)
-    u = _ragged(x_NxD, params["w_up"], group_sizes_E)
-    y_NxD = _ragged(act(g) * u, params["w_down"], group_sizes_E)
-  else:
-    h = _ragged(x_NxD, params["w_in"], group_sizes_E)
-    y_NxD = _ragged(act(h), params["w_out"], group_sizes_E)
+  sorted_N = jnp.take(experts_N, order_N)
+  y_NxD = apply_experts(x_NxD, lambda h, n: _ragged(h, params[n], group_sizes_E),
+                        _bias_of(params, lambda b: jnp.take(b, sorted_N, axis=0)), activation, swiglu_limit,
+                        swiglu_alpha)
   inverse_N = jnp.argsort(order_N)                         # assignment -> sorted position
   y_TxKxD = jnp.take(y_NxD, inverse_N, axis=0).reshape(t, k, -1)
   return jnp.einsum("tk,tkd->td", weights_TxK.astype(y_TxKxD.dtype), y_TxKxD)
 
 
 def moe_ffn_naive(x_TxD: Array, params: Params, weights_TxK: Array, experts_TxK: Array, *,
-                  activation: str, keep_TxK: Array | None = None) -> Array:
+                  activation: str, keep_TxK: Array | None = None, swiglu_limit: float = 0.0,
+                  swiglu_alpha: float = 1.702) -> Array:
   """Reference: for each token (vmap) and each of its k choices (Python loop), gather that
   expert's weights and apply it. `keep_TxK` (bool) zeroes dropped assignments."""
-  act, glu = activation_fn(activation)
   _check_params(params, activation)
   names = expert_param_names(activation)
+  names = names + tuple(bias_name(n) for n in names if bias_name(n) in params)
   k = experts_TxK.shape[1]
   if keep_TxK is None:
     keep_TxK = jnp.ones(experts_TxK.shape, bool)
@@ -272,11 +370,8 @@ def moe_ffn_naive(x_TxD: Array, params: Params, weights_TxK: Array, experts_TxK:
     y_D = jnp.zeros_like(x_D)
     for j in range(k):
       w = {n: params[n][e_K[j]].astype(x_D.dtype) for n in names}
-      if glu:
-        h = act(x_D @ w["w_gate"]) * (x_D @ w["w_up"])
-        out = h @ w["w_down"]
-      else:
-        out = act(x_D @ w["w_in"]) @ w["w_out"]
+      out = apply_experts(x_D, lambda h, n, w=w: h @ w[n], lambda n, w=w: w.get(bias_name(n)), activation,
+                          swiglu_limit, swiglu_alpha)
       y_D = y_D + jnp.where(keep_K[j], w_K[j].astype(x_D.dtype), 0.0) * out
     return y_D
 

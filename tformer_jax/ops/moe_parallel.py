@@ -108,17 +108,18 @@ def grouped_matmul(x_MxD: Array, w_GxDxF: Array, group_sizes_G: Array, *, gmm: s
   return jax.lax.ragged_dot(x_MxD, w, group_sizes_G)
 
 
-def _experts(x_MxD: Array, params: Params, group_sizes_G: Array, valid_M: Array, activation: str,
-             gmm: str, interpret: bool) -> Array:
-  act, glu = moe_ops.activation_fn(activation)
-
+def _experts(x_MxD: Array, params: Params, group_sizes_G: Array, valid_M: Array, group_M: Array,
+             activation: str, gmm: str, interpret: bool, swiglu_limit: float, swiglu_alpha: float) -> Array:
+  """The local experts on their sorted rows; group_M: each row's local expert (for the expert biases)."""
   def mm(h, name):
     y = grouped_matmul(h, params[name], group_sizes_G, gmm=gmm, interpret=interpret)
     return jnp.where(valid_M[:, None], y, 0)   # rows past the groups: zero (megablox leaves them unset)
 
-  if glu:
-    return mm(act(mm(x_MxD, "w_gate")) * mm(x_MxD, "w_up"), "w_down")
-  return mm(act(mm(x_MxD, "w_in")), "w_out")
+  def bias(name):
+    b = params.get(moe_ops.bias_name(name))
+    return None if b is None else jnp.take(b, jnp.clip(group_M, 0, b.shape[0] - 1), axis=0)
+
+  return moe_ops.apply_experts(x_MxD, mm, bias, activation, swiglu_limit, swiglu_alpha)
 
 
 def _gather_weights(params: Params, specs: Mapping[str, P]) -> dict[str, Array]:
@@ -153,7 +154,8 @@ def _plan(e_N: Array, num_experts: int, p: int, rows: int, axis: str):
 
 def _local_ffn(x_TxD: Array, w_TxK: Array, e_TxK: Array, keep_TxK: Array, params: Params, *,
                specs: Mapping[str, P], activation: str, num_experts: int, p: int, rows: int,
-               axis: str, exchange: str, gmm: str, interpret: bool, token_axes: Sequence[str]):
+               axis: str, exchange: str, gmm: str, interpret: bool, token_axes: Sequence[str],
+               swiglu_limit: float = 0.0, swiglu_alpha: float = 1.702):
   """One device's part: see the module docstring. Returns (y_TxD, dropped rows of the whole mesh)."""
   t, k = e_TxK.shape
   n, e_l = t * k, num_experts // p
@@ -178,7 +180,7 @@ def _local_ffn(x_TxD: Array, w_TxK: Array, e_TxK: Array, keep_TxK: Array, params
   sizes_L = jnp.sum(a_SxL, axis=0)
   valid_sorted_R = jnp.arange(rows) < jnp.sum(sizes_L)
   y_sorted_RxD = _experts(jnp.take(recv_RxD, order_R, axis=0), params, sizes_L, valid_sorted_R,
-                          activation, gmm, interpret)
+                          jnp.take(l_R, order_R), activation, gmm, interpret, swiglu_limit, swiglu_alpha)
   y_RxD = jnp.zeros_like(y_sorted_RxD).at[order_R].set(y_sorted_RxD, unique_indices=True)
   back = (pl["out_off"][:, me], pl["allowed"][:, me], pl["in_off"][:, me], pl["allowed"][me])
   ys_NxD = _exchange(exchange, chunk, axis, y_RxD, jnp.zeros_like(xs_NxD), *back)
@@ -194,17 +196,20 @@ def moe_ffn_expert_parallel(x_TxD: Array, params: Params, weights_TxK: Array, ex
                             token_axes: Sequence[str] = (), param_specs: Mapping[str, P] | None = None,
                             keep_TxK: Array | None = None, capacity: int | None = None,
                             buffer_factor: float = 0.0, exchange: str = "all_to_all",
-                            gmm: str = "ragged_dot", interpret: bool = False) -> tuple[Array, Array]:
+                            gmm: str = "ragged_dot", interpret: bool = False, swiglu_limit: float = 0.0,
+                            swiglu_alpha: float = 1.702) -> tuple[Array, Array]:
   """The MoE FFN of the global (T, D) tokens, expert parallel over `mesh` (a Mesh or AbstractMesh).
 
   token_axes: mesh axes splitting T (the expert axis is added last when absent); param_specs: each
   expert weight's PartitionSpec (dim 0 must be `expert_axis`; default: experts split, the rest
-  whole). keep_TxK + capacity: capacity dispatch (the kept assignments, the slots per expert).
+  whole). keep_TxK + capacity: capacity dispatch (the kept assignments, the slots per expert). Expert
+  biases (b_gate, ..., present in params) are split like their weights; swiglu_limit: see `ops.moe.glu`.
   Returns (y_TxD, dropped_fraction of the T*K assignments lost to the receive buffer)."""
   if exchange not in EXCHANGES:
     raise ValueError(f"unknown exchange {exchange!r}; expected one of {EXCHANGES}")
   names = moe_ops.expert_param_names(activation)
   num_experts = params[names[0]].shape[0]
+  names = names + tuple(moe_ops.bias_name(n) for n in names if moe_ops.bias_name(n) in params)
   t, k = experts_TxK.shape
   p = mesh.shape[expert_axis]
   token_axes = tuple(a for a in token_axes if a != expert_axis) + (expert_axis,)
@@ -213,7 +218,7 @@ def moe_ffn_expert_parallel(x_TxD: Array, params: Params, weights_TxK: Array, ex
     raise ValueError(f"expert parallelism: {num_experts} experts over {p} devices and {t} tokens over "
                      f"{shards} shards must divide evenly")
   specs = {n: (param_specs or {}).get(n, P(expert_axis)) for n in names}
-  specs = {n: P(*(tuple(s) + (None,) * 3)[:3]) for n, s in specs.items()}
+  specs = {n: P(*(tuple(s) + (None,) * 3)[:params[n].ndim]) for n, s in specs.items()}
   if any(s[0] != expert_axis for s in specs.values()):
     raise ValueError(f"expert weights must be split over {expert_axis!r} along dim 0, got {specs}")
   rows = receive_rows(t, num_experts, k, p, shards, capacity=capacity, buffer_factor=buffer_factor)
@@ -224,7 +229,8 @@ def moe_ffn_expert_parallel(x_TxD: Array, params: Params, weights_TxK: Array, ex
   def local(x, w, e, keep, prm):
     return _local_ffn(x, w, e, keep, prm, specs=specs, activation=activation, num_experts=num_experts,
                       p=p, rows=rows, axis=expert_axis, exchange=exchange, gmm=gmm,
-                      interpret=interpret, token_axes=token_axes)
+                      interpret=interpret, token_axes=token_axes, swiglu_limit=swiglu_limit,
+                      swiglu_alpha=swiglu_alpha)
 
   # the Pallas kernel's outputs carry no varying-axes annotation, so megablox runs unchecked
   fn = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, tok, {n: specs[n] for n in names}),

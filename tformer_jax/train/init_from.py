@@ -27,7 +27,7 @@ from tformer_jax import checkpoint, config as config_lib, decode
 from tformer_jax.checkpoint import CheckpointError, restore_params
 from tformer_jax.data import pipeline, prepared
 from tformer_jax.interop import hf
-from tformer_jax.nn.stacking import cycle_of
+from tformer_jax.nn.stacking import cycle_of, dense_of
 
 log = logging.getLogger("tformer_jax")
 HF_PREFIX = "hf:"
@@ -213,7 +213,8 @@ def load_lora_base(source: str, abstract_params: Any, num_layers: int, workdir: 
 def fit_params(source: str, params: Any, abstract_params: Any, num_layers: int) -> Any:
   """Host `params` of train.init_from in the layout and shardings of `abstract_params`, checked shape by shape."""
   if "layers" in abstract_params and "layers" not in params and "layers_0" in params:
-    params = decode.stack_layers(params, num_layers, cycle_of(abstract_params))   # an unscanned source, a scanned run
+    # an unscanned source, a scanned run
+    params = decode.stack_layers(params, num_layers, cycle_of(abstract_params), dense_of(abstract_params))
   flat = lambda t: {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(t)[0]}  # noqa: E731
   ours, theirs = flat(abstract_params), flat(params)
   diffs = [f"{k}: ours {a.shape} vs {theirs[k].shape if k in theirs else 'missing'}"

@@ -53,7 +53,8 @@ PARAM_ROLES = {
                          "kernel"}),                  # (flax's own nn.Dense / DenseGeneral name)
     "embedding": frozenset({"embed", "pos_embed", "type_embed", "rel_bias",
                             "embedding"}),            # (flax's nn.Embed)
-    "bias": frozenset({"bq_a", "bkv_a", "bq", "bk", "bv", "bo", "bi", "bg"}),
+    "bias": frozenset({"bq_a", "bkv_a", "bq", "bk", "bv", "bo", "bi", "bg",
+                       "router_bias", "correction_bias", "b_gate", "b_up", "b_down", "b_in", "b_out"}),   # MoE
     "norm": frozenset({"scale", "bias"}),
 }
 

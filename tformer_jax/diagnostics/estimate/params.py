@@ -31,7 +31,7 @@ def compute_cast_params(m: ModelConfig) -> int:
 
 
 def layer_params(m: ModelConfig) -> int:
-  return sum(math.prod(x.shape) for keys, x in _leaves(m) if keys[0].startswith("layers"))
+  return sum(math.prod(x.shape) for keys, x in _leaves(m) if keys[0].startswith(("layers", "dense_layers")))
 
 
 def optimizer_state_bytes(m: ModelConfig, optim_cfg: Any = None) -> int:
