@@ -31,6 +31,7 @@ import optax
 from tformer_jax import backends
 from tformer_jax.nn import moe as moe_nn
 from tformer_jax.nn.common import LORA
+from tformer_jax.nn.transformer import sown_per_layer
 from tformer_jax.ops import context_parallel as cp_ops, lora as lora_ops, losses, mtp as mtp_ops
 from tformer_jax.ops.attention import soft_cap
 from tformer_jax.train import objectives, optim, precision
@@ -79,6 +80,25 @@ def moe_log_metrics(mut: Any) -> dict[str, jax.Array]:
   coefficient-weighted aux losses, summed over layers). Empty for dense models."""
   m = moe_nn.collect_moe_metrics(mut)
   return {k.removeprefix("moe_"): v for k, v in m.items() if k != "moe_load"}
+
+
+def moe_layer_metrics(cfg: Any, mut: Any) -> dict[str, jax.Array]:
+  """Per MoE layer i (the model's layer index): 'layer_<i>/load_max_mean' (its busiest expert's load over
+  the mean load, 1.0 = balanced; the global batch's routing choices) and 'layer_<i>/dropped_fraction'.
+  Empty for dense models."""
+  metrics = mut.get("moe_metrics", {})
+  loads = sown_per_layer(metrics, "load")
+  if not loads:
+    return {}
+  layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+  dropped = sown_per_layer(metrics, "dropped_fraction")
+  out = {}
+  for j, (i, load) in enumerate(zip(layers, loads)):
+    load = jnp.asarray(load, jnp.float32).reshape(-1)
+    out[f"layer_{i}/load_max_mean"] = jnp.max(load) / jnp.maximum(jnp.mean(load), 1e-12)
+    if j < len(dropped):
+      out[f"layer_{i}/dropped_fraction"] = jnp.asarray(dropped[j], jnp.float32).reshape(())
+  return out
 
 
 def gathered_unembedding(unembed_DxV: jax.Array) -> jax.Array:
@@ -130,7 +150,14 @@ def loss_sum_fn(model: nn.Module, params: Any, batch: dict, rng: jax.Array | Non
     total = total + mtp_weight * mtp_mean * count
     metrics["mtp_loss"] = jax.lax.stop_gradient(mtp_mean)
   metrics.update({f"moe/{k}": v for k, v in moe_log_metrics(mut).items()})
+  metrics.update({f"moe/{k}": v for k, v in moe_layer_metrics(model.cfg, mut).items()})
+  if _updates_biases(model.cfg):   # this batch's expert loads, for the auxiliary-loss-free bias update
+    metrics["moe_bias_loads"] = moe_nn.correction_loads(mut)
   return (total + aux_loss * count) * scale, (count, metrics)
+
+
+def _updates_biases(cfg: Any) -> bool:
+  return cfg.moe.num_experts > 0 and cfg.moe.router == "sigmoid" and cfg.moe.bias_update_rate > 0
 
 
 def _logits(model: nn.Module, h_BxLxD: jax.Array, unembed_DxV: jax.Array) -> jax.Array:
@@ -172,7 +199,11 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, tx: optax.Gr
   once per step already and the step-long half-precision copy only costs memory).
   A LoRA state (state.frozen set): state.params are the adapters; the model runs on state.frozen with
   them applied unmerged in each adapted projection (x W + lora_scale (x A) B, nn.common.project), so only
-  the adapters get gradients, and those cost O(rank) a token (no merged kernel's x^T dy)."""
+  the adapters get gradients, and those cost O(rank) a token (no merged kernel's x^T dy).
+  A sigmoid-router MoE's 'correction_bias' params never take the optimizer's update: each moves by
+  model.moe.bias_update_rate * sign(mean load - load) from this step's global expert loads (the routing
+  choices of the whole batch, every micro-batch and data shard; DeepSeek-V3's auxiliary-loss-free
+  balancing), and stays as it was on a non-finite step or with rate 0 (a LoRA run keeps its base's)."""
   rng = jax.random.fold_in(state.rng, state.step)
   if axis_name is not None:  # distinct dropout masks per device
     rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
@@ -215,6 +246,10 @@ def train_step(state: TrainState, batch: dict, *, model: nn.Module, tx: optax.Gr
   # a non-finite step: zero updates and the old optimizer state (optim.skip_nonfinite)
   updates, opt_state = tx.update(grads, state.opt_state, state.params, finite=finite, grad_norm=gnorm)
   params = optax.apply_updates(state.params, updates)
+  if model.cfg.moe.num_experts and model.cfg.moe.router == "sigmoid" and state.frozen is None:
+    # the correction biases: outside the optimizer, moved by this step's loads (model.moe.bias_update_rate)
+    params = moe_nn.update_correction_biases(params, state.params, aux.get("moe_bias_loads", {}),
+                                             float(model.cfg.moe.bias_update_rate), finite)
   bad = jnp.where(finite, 0, state.bad_steps + 1)
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                             loss_scale=ls.adjust(finite), bad_steps=bad,
