@@ -20,6 +20,7 @@ from tformer_jax.config.schema import MLAConfig, RopeScaling
 from tformer_jax.nn import Transformer
 from tformer_jax.nn.mla import MLAttention
 from tformer_jax.ops import masks, mla as mla_ops
+from tformer_jax.train import optim
 
 from train_utils import tiny_config
 
@@ -241,6 +242,21 @@ def test_transformers_deepseek_v3_gives_our_logits():
     want = hf(torch.tensor(tokens)).logits.numpy()
   got = np.asarray(jax.jit(model.apply)({"params": params}, jnp.asarray(tokens)))
   np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_every_mla_and_mtp_parameter_has_a_role_and_muon_reads_the_latents():
+  """Weight decay by role (strict: a name outside the tables fails), and Muon orthogonalises the latent
+  up-projections and the MTP projection with their input (latent, [embedding ; hidden]) as the reduction."""
+  boxed = _model(mtp_depth=1).init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
+  for path, x in jax.tree_util.tree_flatten_with_path(nn.unbox(boxed))[0]:
+    optim.param_role(path, x, strict=True)
+  axes = optim.logical_axes(boxed)
+  for name, reduction, output in (("layers_0/attn/wq_b", (0,), (1, 2)), ("layers_0/attn/wkv_b", (0,), (1, 2)),
+                                  ("layers_0/attn/wkv_a", (0,), (1,)), ("mtp_0/eh_proj", (0,), (1,))):
+    dims = optim.muon_dims(axes[name])
+    assert (tuple(dims.reduction_axis), tuple(dims.output_axis)) == (reduction, output), name
+  labels = optim.muon_labels(nn.unbox(boxed), axes)
+  assert {labels["layers_0"]["attn"][k] for k in ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo")} == {"muon"}
 
 
 @pytest.mark.parametrize("field,value,needle", [

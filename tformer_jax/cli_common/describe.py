@@ -12,7 +12,8 @@ import ml_collections
 
 from tformer_jax import config as config_lib
 
-_SECTION_CLASSES = {"ModelConfig": "model.", "RopeScaling": "model.rope_scaling.", "MoEConfig": "model.moe."}
+_SECTION_CLASSES = {"ModelConfig": "model.", "RopeScaling": "model.rope_scaling.", "MoEConfig": "model.moe.",
+                    "MLAConfig": "model.mla."}
 _FIELD = re.compile(r"^\s+(\w+)(?:\s*:\s*[^=]+)?\s*=")
 _SECTION = re.compile(r"^\s+c\.(\w+)\s*=\s*ml_collections\.ConfigDict")
 
