@@ -8,6 +8,7 @@ model with its bias updates, and a kill -9 resumed bitwise with them."""
 import dataclasses
 import signal
 import subprocess
+import time
 
 import flax.linen as nn
 import jax
@@ -332,6 +333,9 @@ def test_bias_updates_survive_kill_9_and_resume_bitwise(tmp_path):
   proc = subprocess.Popen(train_cmd(crash, *flags), env=env(), stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)
   _wait_for_step(crash, 5, proc)
+  t0 = time.time()   # step 4's asynchronous save finished (a loaded machine may lag), then the kill
+  while not (crash / "checkpoints" / "4").is_dir() and proc.poll() is None and time.time() - t0 < 120:
+    time.sleep(0.1)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   resumed = run(train_cmd(crash, *flags))
