@@ -268,6 +268,32 @@ def to_configdict(dc: Any) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(out)
 
 
+def _optim_section() -> ml_collections.ConfigDict:
+  """default_config()'s `optim` section."""
+  return ml_collections.ConfigDict(dict(
+      name="adamw",                  # adamw | adafactor | lion | sgd | muon (optax; see train/optim.py)
+      peak_lr=1e-3,                  # learning rate after warmup
+      b1=0.9,                        # Adam/Lion first-moment decay
+      b2=0.95,                       # Adam/Lion second-moment decay
+      eps=1e-8,                      # Adam epsilon (added to sqrt(v))
+      weight_decay=0.1,              # on kernels (and embeddings, below); never on biases or norms
+      decay_embeddings=True,         # token/position/type/relative-bias tables decay too (GPT-2 style)
+      momentum=0.9,                  # sgd only (0 = plain SGD)
+      schedule="cosine",             # cosine | rsqrt | constant | wsd (all after linear warmup)
+      warmup_steps=100,              # linear warmup from 0 to peak_lr (not shorter than train.steps: a tenth of them)
+      warmup_fraction=0.0,           # > 0 overrides warmup_steps with this fraction of train.steps
+      min_lr_ratio=0.1,              # cosine floor as a fraction of peak_lr (wsd: where the decay ends)
+      decay_fraction=0.2,            # wsd: the decay is the last fraction of train.steps (0 = none: warmup + stable)
+      decay_shape="linear",          # wsd: linear | cosine | 1-sqrt (Hägele et al. 2024)
+      muon_beta=0.95,                # muon: momentum of the hidden matrices (Nesterov)
+      muon_ns_steps=5,               # muon: Newton-Schulz iterations
+      muon_rms=0.2,                  # muon: update RMS matched to AdamW's (Moonshot), so one peak_lr serves
+                                     # both parts; 0 = Keller Jordan's sqrt(max(1, out / in)) scaling
+      clip_norm=1.0,                 # 0 = no clipping
+      grad_accum=1,                  # micro-batches per step
+  ))
+
+
 def default_config() -> ml_collections.ConfigDict:
   """The whole schema with defaults. Experiment files override fields of this."""
   c = ml_collections.ConfigDict()
@@ -291,28 +317,7 @@ def default_config() -> ml_collections.ConfigDict:
       worker_count=0,                # grain worker processes (0 = in the main process)
       seed=0,                        # window order / sampling seed
   ))
-  c.optim = ml_collections.ConfigDict(dict(
-      name="adamw",                  # adamw | adafactor | lion | sgd | muon (optax; see train/optim.py)
-      peak_lr=1e-3,                  # learning rate after warmup
-      b1=0.9,                        # Adam/Lion first-moment decay
-      b2=0.95,                       # Adam/Lion second-moment decay
-      eps=1e-8,                      # Adam epsilon (added to sqrt(v))
-      weight_decay=0.1,              # on kernels (and embeddings, below); never on biases or norms
-      decay_embeddings=True,         # token/position/type/relative-bias tables decay too (GPT-2 style)
-      momentum=0.9,                  # sgd only (0 = plain SGD)
-      schedule="cosine",             # cosine | rsqrt | constant | wsd (all after linear warmup)
-      warmup_steps=100,              # linear warmup from 0 to peak_lr (not shorter than train.steps: a tenth of them)
-      warmup_fraction=0.0,           # > 0 overrides warmup_steps with this fraction of train.steps
-      min_lr_ratio=0.1,              # cosine floor as a fraction of peak_lr (wsd: where the decay ends)
-      decay_fraction=0.2,            # wsd: the decay is the last fraction of train.steps (0 = none: warmup + stable)
-      decay_shape="linear",          # wsd: linear | cosine | 1-sqrt (Hägele et al. 2024)
-      muon_beta=0.95,                # muon: momentum of the hidden matrices (Nesterov)
-      muon_ns_steps=5,               # muon: Newton-Schulz iterations
-      muon_rms=0.2,                  # muon: update RMS matched to AdamW's (Moonshot), so one peak_lr serves
-                                     # both parts; 0 = Keller Jordan's sqrt(max(1, out / in)) scaling
-      clip_norm=1.0,                 # 0 = no clipping
-      grad_accum=1,                  # micro-batches per step
-  ))
+  c.optim = _optim_section()
   c.train = ml_collections.ConfigDict(dict(
       steps=1000,                    # optimizer steps
       seed=0,                        # init and dropout seed
