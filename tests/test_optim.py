@@ -273,7 +273,8 @@ def test_decay_mask_by_role_on_every_preset(preset):
       name = str(path[-1].key)
       role = optim.param_role(path, strict=True)
       roles_seen.add(role)
-      if name in ("scale", "bias") or (len(name) == 2 and name[0] == "b"):   # norms and every bias
+      if (name in ("scale", "bias") or (len(name) == 2 and name[0] == "b")   # norms and every bias
+          or name.endswith("_bias") or name.startswith("b_")):              # (MoE: router, correction, experts)
         assert role in ("norm", "bias") and not decayed, (preset, path)
       elif name.endswith("embed") or name == "rel_bias":
         assert role == "embedding" and decayed == decay_embeddings, (preset, path)
