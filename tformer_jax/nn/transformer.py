@@ -254,7 +254,7 @@ def sown_per_layer(tree: Any, name: str) -> list[jax.Array]:
   found: list[tuple[tuple[int, ...], jax.Array]] = []
   for path, value in jax.tree_util.tree_flatten_with_path(tree)[0]:
     keys = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
-    if name not in keys:
+    if name not in keys or any(k.startswith("mtp_") for k in keys):   # the main stack's layers only
       continue
     layer = next((int(k[7:]) for k in keys if k.startswith("layers_") and k[7:].isdigit()), None)
     block = next((int(k[6:]) for k in keys if k.startswith("block_") and k[6:].isdigit()), None)
