@@ -71,9 +71,9 @@ class Attention(nn.Module):
     """Slots of this layer's ring cache: the window of a local layer decoding, else 0 (a cache of
     every slot)."""
     cfg = self.cfg
-    local = self.local if self.local is not None else cfg.window > 0
-    return cfg.window if self.decode and local and cfg.window and not (cfg.num_global_tokens or cfg.random_blocks) \
-        else 0
+    local = cfg.window > 0 and (self.local is None or self.local)
+    widened = cfg.num_global_tokens or cfg.random_blocks   # keys outside the window stay visible: no ring
+    return cfg.window if self.decode and local and not widened else 0
 
   @nn.compact
   def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, kv_valid_BxS: jax.Array | None,
@@ -135,7 +135,8 @@ class Attention(nn.Module):
     else:
       k_BxSxKxDh, v_BxSxKxDh, q_offset = k_BxLxKxDh, v_BxLxKxDh, 0
 
-    vis = visibility(cfg, q_offset, kv_valid_BxS, segment_ids_BxL, local=self.local, kv_positions_BxS=kv_positions_BxS)
+    vis = visibility(cfg, q_offset, kv_valid_BxS, segment_ids_BxL, local=self.local,
+                     kv_positions_BxS=kv_positions_BxS)
     sinks_H = (param(self, "sinks", nn.initializers.zeros, (h,), ("heads",), pdt).astype(jnp.float32)
                if cfg.attention_sinks else None)
     dropout_rate = 0.0 if deterministic else cfg.attn_dropout
