@@ -158,6 +158,21 @@ MIXTRAL = LLAMA_OUTER + LLAMA_ATTN + (OneOf((
      Rule(f"{_M}.mlp.experts.down_proj", f"{_E}/w_down", "e d x", "e x d")),
 )),)
 
+# -- qwen3_moe, gpt_oss, deepseek_v3 ---------------------------------------------------------------
+# Qwen3-MoE's (and DeepSeek-V3's) experts: one tensor per expert in the files (gate_proj/up_proj/down_proj),
+# fused in transformers 5's modules (gate rows before up rows), as Mixtral's.
+def _glu_experts(router: tuple[Rule, ...]) -> OneOf:
+  return OneOf((
+      router + (Rule(f"{_M}.mlp.experts.{{e}}.gate_proj.weight", f"{_E}/w_gate", "x d", "e d x"),
+                Rule(f"{_M}.mlp.experts.{{e}}.up_proj.weight", f"{_E}/w_up", "x d", "e d x"),
+                Rule(f"{_M}.mlp.experts.{{e}}.down_proj.weight", f"{_E}/w_down", "d x", "e x d")),
+      router + (Rule(f"{_M}.mlp.experts.gate_up_proj", (f"{_E}/w_gate", f"{_E}/w_up"), "e (2 x) d", "e d x"),
+                Rule(f"{_M}.mlp.experts.down_proj", f"{_E}/w_down", "e d x", "e x d")),
+  ))
+
+
+QWEN3_MOE = LLAMA + HEAD_QK_NORM + (_glu_experts((Rule(f"{_M}.mlp.gate.weight", f"{_E}/router", "e d", "d e"),)),)
+
 # -- bloom ---------------------------------------------------------------------------------------
 _B = "transformer.h.{i}"
 BLOOM = (
@@ -224,6 +239,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            ignore_tied=(r"^lm_head\.weight$",)),
     Family("gemma3_text", GEMMA3, C.gemma3_text_to_model, C.gemma3_text_to_hf, prefix="model.",
            ignore=(_ROTARY,), ignore_tied=(r"^lm_head\.weight$",)),
+    Family("qwen3_moe", QWEN3_MOE, C.qwen3_moe_to_model, C.qwen3_moe_to_hf, prefix="model.", ignore=(_ROTARY,),
+           ignore_tied=(r"^lm_head\.weight$",)),
     Family("bloom", BLOOM, C.bloom_to_model, C.bloom_to_hf, prefix="transformer.",
            ignore_tied=(r"^lm_head\.weight$",)),
     Family("gpt_neox", GPT_NEOX, C.gpt_neox_to_model, C.gpt_neox_to_hf, prefix="gpt_neox.",

@@ -621,3 +621,59 @@ def gemma3_text_to_model(hf: dict) -> dict:
 
 def gemma3_text_to_hf(cfg: ModelConfig) -> dict:
   return _gemma_back(cfg, "gemma3_text", "Gemma3ForCausalLM", local_rope=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixture-of-experts families: qwen3_moe, gpt_oss, deepseek_v3
+
+def _moe_common(hf: dict, experts: str, d_ff: str) -> dict:
+  """The MoEConfig kwargs every MoE family shares: sizes, top-k, the auxiliary loss coefficient
+  (transformers' router_aux_loss_coef; no z-loss, no jitter), dropless dispatch."""
+  return dict(num_experts=get_int(hf, experts, "num_local_experts", "num_experts"),
+              top_k=get_int(hf, "num_experts_per_tok", minimum=1), d_ff=get_int(hf, d_ff), dispatch="dropless",
+              aux_loss_coef=get_float(hf, "router_aux_loss_coef", default=0.001), z_loss_coef=0.0, jitter=0.0)
+
+
+def _first_dense(hf: dict, n: int, listed: str) -> int:
+  """k of a config.json's list of dense layers that must be the first k (our moe.first_k_dense)."""
+  layers = hf.get(listed) or []
+  k = len(layers)
+  if not isinstance(layers, list) or sorted(layers) != list(range(k)) or k > n:
+    raise HFConfigError(f"{hf.get('model_type')}: unsupported {listed}={layers!r} (only the first k layers "
+                        "can be dense: model.moe.first_k_dense)")
+  return k
+
+
+def _one_window(hf: dict, out: dict) -> dict:
+  """Mistral-style: one sliding window on every layer (Qwen3-MoE: only with use_sliding_window)."""
+  if not get_bool(hf, "use_sliding_window", default=False):
+    return dict(window=0)
+  w = get_int(hf, "sliding_window", default=0)
+  return dict(window=0 if w >= out["max_len"] else w)
+
+
+def qwen3_moe_to_model(hf: dict) -> dict:
+  out = _decoder(hf, 10000.0)
+  out.update(qk_norm="head", **_one_window(hf, out))
+  n = out["num_layers"]
+  if get_int(hf, "num_experts", "num_local_experts", default=0):
+    out["moe"] = dict(_moe_common(hf, "num_experts", "moe_intermediate_size"), router="softmax",
+                      renormalize=get_bool(hf, "norm_topk_prob", default=False),
+                      every=get_int(hf, "decoder_sparse_step", default=1, minimum=1),
+                      first_k_dense=_first_dense(hf, n, "mlp_only_layers"))
+  return out
+
+
+def qwen3_moe_to_hf(cfg: ModelConfig) -> dict:
+  _one_attention_bias(cfg, "qwen3_moe")
+  if cfg.layer_pattern:
+    raise HFConfigError(f"qwen3_moe cannot represent model.layer_pattern={cfg.layer_pattern!r} (one window on "
+                        "every layer)", "layer_pattern", {"layer_pattern": ""})
+  m = cfg.moe
+  out = _llama_like_back(cfg, "qwen3_moe", "Qwen3MoeForCausalLM", window=False)
+  out.update(attention_bias=cfg.qkv_bias, use_sliding_window=bool(cfg.window), sliding_window=cfg.window or None,
+             num_experts=m.num_experts, num_experts_per_tok=m.top_k, moe_intermediate_size=m.d_ff or cfg.ff,
+             norm_topk_prob=m.renormalize, decoder_sparse_step=m.every,
+             mlp_only_layers=list(range(m.first_k_dense)), router_aux_loss_coef=m.aux_loss_coef,
+             output_router_logits=False)
+  return out

