@@ -40,13 +40,24 @@ CONFIGS = {
         moe_intermediate_size=24, num_experts=5, num_experts_per_tok=3, norm_topk_prob=False,
         mlp_only_layers=[0], attention_bias=True, use_sliding_window=True, sliding_window=5,
         tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 5000.0}),
+    # sinks, attention and expert biases, a router bias, interleaved gate/up, a SwiGLU clamp that bites
+    # (|gate|, |up| reach past 0.4 here), the sliding/full alternation 'LG' over 3 layers.
+    "gpt_oss": lambda: transformers.GptOssConfig(
+        **SIZES, num_hidden_layers=3, num_key_value_heads=2, head_dim=12, intermediate_size=24,
+        num_local_experts=5, num_experts_per_tok=3, sliding_window=5, swiglu_limit=0.4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0}),
 }
 EXPECT = {
     "qwen3_moe": dict(window=5, layer_pattern="", qk_norm="head", qkv_bias=True, out_bias=True, tie_embeddings=False,
                       rope_theta=5000.0),
+    "gpt_oss": dict(window=5, layer_pattern="LG", attention_sinks=True, qkv_bias=True, out_bias=True,
+                    tie_embeddings=False),
 }
 EXPECT_MOE = {
     "qwen3_moe": dict(router="softmax", num_experts=5, top_k=3, d_ff=24, renormalize=False, first_k_dense=1, every=1),
+    "gpt_oss": dict(router="softmax_topk", num_experts=5, top_k=3, d_ff=24, expert_bias=True, swiglu_limit=0.4,
+                    swiglu_alpha=1.702),
 }
 
 
@@ -153,3 +164,30 @@ def test_moe_config_spellings_and_refusals():
   assert [cfg.is_moe_layer(i) for i in range(4)] == [False, False, False, True]
   with pytest.raises(HFConfigError, match=r"mlp_only_layers=\[1\].*first k layers"):
     hfi.model_config_from_hf({**qwen, "mlp_only_layers": [1]})
+  # gpt-oss-20b/120b's own RoPE: YaRN without truncating its correction range, which ours does not build.
+  oss = transformers.GptOssConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=8, intermediate_size=16, num_local_experts=4,
+                                  num_experts_per_tok=2).to_dict()
+  with pytest.raises(HFConfigError, match="truncate=False"):
+    hfi.model_config_from_hf(oss)
+  cfg = hfi.model_config_from_hf({**oss, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+  assert (cfg.layer_pattern, cfg.window, cfg.moe.swiglu_limit, cfg.moe.router) == ("LG", 128, 7.0, "softmax_topk")
+
+
+def test_features_matter():
+  """The routing, clamp, sink and window choices each change these models' logits, so the parity above
+  tests them."""
+  tokens = batch(LENGTH)
+  for family, changes in (("qwen3_moe", [dict(renormalize=True), dict(first_k_dense=0)]),
+                          ("gpt_oss", [dict(swiglu_limit=0.0), dict(router="softmax"), dict(attention_sinks=False),
+                                       dict(layer_pattern="")])):
+    model, params = load_hf(build(CONFIGS[family]()))
+    base = ours(model, params, tokens)
+    for change in changes:
+      moe = {k: v for k, v in change.items() if hasattr(model.cfg.moe, k)}
+      top = {k: v for k, v in change.items() if k not in moe}
+      cfg = dataclasses.replace(model.cfg, moe=dataclasses.replace(model.cfg.moe, **moe), **top)
+      p = params
+      if moe.get("first_k_dense") == 0:   # layer 0 as an MoE layer: layer 1's experts
+        p = {**params, "layers_0": {**params["layers_0"], "moe": params["layers_1"]["moe"]}}
+      assert np.abs(ours(hfi.Transformer(cfg), p, tokens) - base).max() > 1e-3, (family, change)

@@ -173,6 +173,18 @@ def _glu_experts(router: tuple[Rule, ...]) -> OneOf:
 
 QWEN3_MOE = LLAMA + HEAD_QK_NORM + (_glu_experts((Rule(f"{_M}.mlp.gate.weight", f"{_E}/router", "e d", "d e"),)),)
 
+# GPT-OSS: attention biases and sinks; a router with a bias; the experts fused on disk too, gate and up
+# interleaved along the last axis (gate = [..., ::2], up = [..., 1::2]), with biases.
+GPT_OSS = LLAMA_OUTER + LLAMA_ATTN + (
+    Rule(f"{_M}.self_attn.sinks", f"{L}/attn/sinks", "h", "h"),
+    Rule(f"{_M}.mlp.router.weight", f"{_E}/router", "e d", "d e"),
+    Rule(f"{_M}.mlp.router.bias", f"{_E}/router_bias", "e", "e"),
+    Rule(f"{_M}.mlp.experts.gate_up_proj", (f"{_E}/w_gate", f"{_E}/w_up"), "e d (x 2)", "e d x"),
+    Rule(f"{_M}.mlp.experts.gate_up_proj_bias", (f"{_E}/b_gate", f"{_E}/b_up"), "e (x 2)", "e x"),
+    Rule(f"{_M}.mlp.experts.down_proj", f"{_E}/w_down", "e x d", "e x d"),
+    Rule(f"{_M}.mlp.experts.down_proj_bias", f"{_E}/b_down", "e d", "e d"),
+)
+
 # -- bloom ---------------------------------------------------------------------------------------
 _B = "transformer.h.{i}"
 BLOOM = (
@@ -240,6 +252,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gemma3_text", GEMMA3, C.gemma3_text_to_model, C.gemma3_text_to_hf, prefix="model.",
            ignore=(_ROTARY,), ignore_tied=(r"^lm_head\.weight$",)),
     Family("qwen3_moe", QWEN3_MOE, C.qwen3_moe_to_model, C.qwen3_moe_to_hf, prefix="model.", ignore=(_ROTARY,),
+           ignore_tied=(r"^lm_head\.weight$",)),
+    Family("gpt_oss", GPT_OSS, C.gpt_oss_to_model, C.gpt_oss_to_hf, prefix="model.", ignore=(_ROTARY,),
            ignore_tied=(r"^lm_head\.weight$",)),
     Family("bloom", BLOOM, C.bloom_to_model, C.bloom_to_hf, prefix="transformer.",
            ignore_tied=(r"^lm_head\.weight$",)),

@@ -677,3 +677,30 @@ def qwen3_moe_to_hf(cfg: ModelConfig) -> dict:
              mlp_only_layers=list(range(m.first_k_dense)), router_aux_loss_coef=m.aux_loss_coef,
              output_router_logits=False)
   return out
+
+
+def gpt_oss_to_model(hf: dict) -> dict:
+  out = _decoder(hf, 150000.0, bias=get_bool(hf, "attention_bias", default=True))
+  kinds = layer_kinds(hf, out["num_layers"], lambda i: "L" if (i + 1) % 2 else "G")
+  out.update(attention_sinks=True, **layer_attention(kinds, get_int(hf, "sliding_window", default=0),
+                                                     out["max_len"], 0.0, out))
+  out["moe"] = dict(_moe_common(hf, "num_local_experts", "intermediate_size"), router="softmax_topk",
+                    renormalize=True, every=1, expert_bias=True,
+                    swiglu_limit=get_float(hf, "swiglu_limit", default=7.0),
+                    swiglu_alpha=get_float(hf, "swiglu_alpha", default=1.702))
+  if out["activation"] != "swiglu" or out["moe"]["swiglu_limit"] <= 0:
+    raise HFConfigError(f"gpt_oss: unsupported hidden_act={hf.get('hidden_act')!r} with "
+                        f"swiglu_limit={hf.get('swiglu_limit')!r} (its experts are a clamped SwiGLU)")
+  return out
+
+
+def gpt_oss_to_hf(cfg: ModelConfig) -> dict:
+  _one_attention_bias(cfg, "gpt_oss")
+  _global_rope_only(cfg, "gpt_oss")
+  m = cfg.moe
+  out = _llama_like_back(cfg, "gpt_oss", "GptOssForCausalLM", window=False)
+  out.update(attention_bias=cfg.qkv_bias, sliding_window=cfg.window or None, layer_types=layer_types_back(cfg),
+             intermediate_size=m.d_ff or cfg.ff, num_local_experts=m.num_experts, num_experts_per_tok=m.top_k,
+             swiglu_limit=m.swiglu_limit, swiglu_alpha=m.swiglu_alpha, router_aux_loss_coef=m.aux_loss_coef,
+             output_router_logits=False)
+  return out
