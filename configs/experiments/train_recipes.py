@@ -5,8 +5,8 @@ Shakespeare, seq 128 x batch 8, evaluated every 25 steps. One run:
   tformer-train --config=configs/experiments/train_recipes.py --config.optim.name=muon --workdir=runs/muon
 
 The grid (each arm over 3 peak learning rates x 2 seeds) and its JSON (docs/results/):
-  python benchmarks/train_recipes.py --steps 300 --out runs/exp/recipes
-Measured: docs/experiments.md, "Muon, WSD and the z-loss".
+  python benchmarks/train_recipes.py --steps 200 --out runs/exp/recipes
+Measured (200 steps, 2 seeds): Muon reaches AdamW's best final val loss in 1.8x fewer steps; docs/experiments.md.
 """
 from tformer_jax.experiments.presets import small_shakespeare
 
