@@ -1,8 +1,11 @@
 """The issue-55 grid on configs/experiments/train_recipes.py: Muon vs AdamW, WSD vs cosine, two cooldowns
 branched from one stable run, and the z-loss at high learning rates; every arm over --lrs x --seeds.
 
-  python benchmarks/train_recipes.py --steps 300 --out runs/exp/recipes \
+  python benchmarks/train_recipes.py --steps 200 --zloss-lrs 1.6e-2,3.2e-2 --out runs/exp/recipes \
       --json docs/results/train_recipes_DATE.json [--arms adamw,muon,wsd,cooldown,zloss]
+
+A second call with more --lrs / --muon-lrs and the same --json adds runs (those already there are kept:
+docs/experiments.md's brackets).
 
 Arms (all AdamW + cosine unless named):
   adamw     the baseline, at each lr and seed
@@ -141,7 +144,7 @@ def _cooldowns(T, lr, seeds, out, results, save) -> None:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--steps", type=int, default=300)
+  ap.add_argument("--steps", type=int, default=200)
   ap.add_argument("--lrs", default="1e-3,2e-3,4e-3")
   ap.add_argument("--muon-lrs", default="4e-3,8e-3,1.6e-2")
   ap.add_argument("--zloss-lrs", default="8e-3,1.6e-2,3.2e-2")
