@@ -112,7 +112,7 @@ def _not_rerun(m: ModelConfig) -> int:
   outputs weigh the router's gradient) are rerun too."""
   if m.norm_position != "pre" and not m.parallel_residual:
     return 0
-  dense = m.num_layers - (m.num_layers // m.moe.every if m.moe.num_experts else 0)   # layers with a dense FFN
+  dense = sum(not m.is_moe_layer(i) for i in range(m.num_layers))   # layers with a dense FFN
   out_proj = m.num_heads * m.hd * m.d_model if m.parallel_residual else 0
   return dense * m.ff * m.d_model + m.num_layers * out_proj
 

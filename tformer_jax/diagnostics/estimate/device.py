@@ -101,7 +101,7 @@ def moe_kept_bytes(m: ModelConfig, ex: Execution, batch: int, seq: int) -> tuple
   t, w, mo = batch * seq, _act_bytes(m, ex), m.moe
   e, k, d, f = mo.num_experts, mo.top_k, m.d_model, mo.d_ff or m.ff
   router = 3 * t * e * F32                                   # logits, probabilities, the aux losses' inputs
-  shared = ffn_kept_bytes(m, ex, batch, seq, f) if mo.shared_expert else 0
+  shared = ffn_kept_bytes(m, ex, batch, seq, mo.shared_count * (mo.shared_d_ff or f)) if mo.shared_count else 0
   if mo.dispatch == "capacity":
     c = moe_capacity(t, e, k, mo.capacity_factor)
     onehots = int(CAPACITY_KEPT * t * e * c * F32) + k * t * c * F32   # dispatch/combine, slot one-hots
