@@ -217,6 +217,26 @@ def test_kernel_flops_are_counted_from_their_operand_shapes():
   assert parts["total"] == parts["splash_attention"] and not parts["uncounted"]
 
 
+
+def test_a_sliding_window_kernel_counts_the_tiles_its_mask_visits():
+  """backends/splash.py names a windowed kernel's calls by the tiles its mask visits, and the HLO count takes
+  that share of the square: window 256 over 1024 keys in 128 x 128 tiles visits 21 of 64 (the diagonal and two
+  tiles back per query block); the causal kernel's square stays whole (the formula's convention)."""
+  from tformer_jax.backends import splash as splash_lib
+  from tformer_jax.ops.masks import Visibility
+  b, seq, heads, hd = 1, 1024, 2, 128
+
+  def grads(window):
+    def loss(q, k, v):
+      out = splash_lib.splash_attention(q, k, v, Visibility(causal=True, window=window), scale=None, block_q=128,
+                                        block_kv=128, interpret=False)
+      return out.astype(jnp.float32).sum()
+    return lambda q, k, v: jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+  qkv = ((b, seq, heads, hd), jnp.bfloat16)
+  square = 12 * b * heads * hd * seq * seq
+  assert aot.hlo_flops(_compiled_hlo(grads(0), qkv, qkv, qkv))["splash_attention"] == square
+  assert aot.hlo_flops(_compiled_hlo(grads(256), qkv, qkv, qkv))["splash_attention"] == square * 21 / 64
+
 DYNAMIC_LOOP_HLO = """
 %body (p: (s32[], f32[8,16], s32[])) -> (s32[], f32[8,16], s32[]) {
   %p = (s32[], f32[8,16], s32[]) parameter(0)

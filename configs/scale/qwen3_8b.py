@@ -5,6 +5,8 @@ k before RoPE), SwiGLU d_ff 12288, RoPE theta 1e6, RMSNorm, untied head, vocab 1
 sequence a chip. bf16 compute, float32 parameters and AdamW moments, scanned layers with full remat.
 
   tformer-aot --config=configs/scale/qwen3_8b.py --topology=v5p:4x4x4
+
+Fits at 12.2 GiB a chip, HLO FLOPs 1.00x the formula, roofline MFU 62.6% (75.5% with perfect overlap).
 """
 from tformer_jax.config import default_config
 
@@ -18,7 +20,7 @@ def get_config():
   m.tie_embeddings, m.qkv_bias, m.out_bias, m.mlp_bias = False, False, False, False
   m.scan_layers, m.remat = True, "full"
   c.data.seq_len, c.data.batch_size = 8192, 64
-  c.train.precision, c.train.loss_chunk = "bf16", 2048
+  c.train.precision = "bf16"   # the full logits (8192 x 151936 float32, 5 GiB) fit: no loss_chunk
   c.mesh.shape, c.mesh.rules = (1, -1, 1), "fsdp"
   o = c.optim
   o.peak_lr, o.b1, o.b2, o.weight_decay, o.clip_norm, o.warmup_steps = 3e-4, 0.9, 0.95, 0.1, 1.0, 2000

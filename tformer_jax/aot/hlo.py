@@ -328,8 +328,10 @@ def _kernel_flops(name: str, shape: str, rest: str, operand_shapes: str) -> tupl
     splash attention                  per Sq x Skv x head_dim matmul unit 2 x q elements x Skv: forward 2
                                       units (QK^T, PV), the dq kernel 2 (dP, dQ), dkv 2 (dK, dV; 4 when it
                                       also forms dq, the fused backward): the formula's convention (c = 1, the
-                                      whole square; the kernel's skipped masked blocks and its recompute of the
-                                      scores in the backward are not counted)
+                                      whole square; the kernel's skipped causal blocks and its recompute of the
+                                      scores in the backward are not counted); a sliding-window kernel, named
+                                      'splash_window_blocks_<v>_of_<n>' by backends/splash.py, counts the v
+                                      tiles of n its mask visits
     any other kernel                  its Pallas cost estimate (backend_config cost_estimate.flops)."""
   op_name = re.search(r'op_name="([^"]*)"', rest)
   label = f"{name} {op_name.group(1) if op_name else ''}"
@@ -343,6 +345,9 @@ def _kernel_flops(name: str, shape: str, rest: str, operand_shapes: str) -> tupl
     k_layout = re.search(r'k_layout\W+(\d)', rest)
     s_kv = k[-1] if k_layout and k_layout.group(1) == "2" else k[-2]
     unit = 2.0 * math.prod(q) * s_kv
+    band = re.search(r"splash_window_blocks_(\d+)_of_(\d+)", label)   # a sliding window's visited tiles
+    if band:
+      unit *= int(band.group(1)) / int(band.group(2))
     if phase == "dkv":
       grads = sum(1 for o in out if o[-len(q):] == q or o[-len(k):] == k)
       return "splash_attention", unit * (4 if grads >= 3 else 2)

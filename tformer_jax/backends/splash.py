@@ -197,6 +197,7 @@ def splash_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, vis: 
   kernel = make_kernel(bool(vis.causal), int(vis.window), l, s, h, head_shards, q_shards, block_q,
                        block_kv, bool(interpret), stripes, softcap)
   sinks = None if sinks_H is None else sinks_H.astype(jnp.float32)
+  scope = _window_scope(vis, l, s, block_size(block_q, l), block_size(block_kv, s)) if vis.window else "splash"
   segs = _segments(vis, b, l, s)
   seen_BxL = _seen(vis, l, stripes)
   q_BxHxLxD = jnp.transpose(q_BxLxHxD * jnp.asarray(scale, q_BxLxHxD.dtype), (0, 2, 1, 3))
@@ -213,18 +214,38 @@ def splash_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, vis: 
 
     return jax.vmap(run, in_axes=(0, 0, 0, None if seg is None else 0))(q, k, v, seg)
 
-  if mesh is None or not mesh.shape:
-    out_BxHxLxD = per_shard(kernel, q_BxHxLxD, k_BxKxSxD, v_BxKxSxD, segs, sinks)
-  else:
-    q_spec = P(batch_axes, head_axes, context_axes, None)
-    kv_spec = P(batch_axes, head_axes, None, None)
-    kern_spec = kernel.manual_sharding_spec(NamedSharding(mesh, P(head_axes, context_axes)))
-    seg_spec = None if segs is None else (P(batch_axes, context_axes), P(batch_axes, None))
-    sink_spec = None if sinks is None else P(head_axes)
-    specs = (kern_spec, q_spec, kv_spec, kv_spec, seg_spec, sink_spec)
-    out_BxHxLxD = jax.shard_map(per_shard, mesh=mesh, in_specs=specs, out_specs=q_spec,
-                                check_vma=False)(kernel, q_BxHxLxD, k_BxKxSxD, v_BxKxSxD, segs, sinks)
+  with jax.named_scope(scope):
+    out_BxHxLxD = _run(per_shard, kernel, q_BxHxLxD, k_BxKxSxD, v_BxKxSxD, segs, sinks, mesh, batch_axes,
+                       head_axes, context_axes)
   out_BxLxHxD = jnp.transpose(out_BxHxLxD, (0, 2, 1, 3))
   if seen_BxL is not None:
     out_BxLxHxD = jnp.where(seen_BxL[:, :, None, None], out_BxLxHxD, 0.0).astype(q_BxLxHxD.dtype)
   return out_BxLxHxD
+
+
+def _window_scope(vis: Visibility, l: int, s: int, block_q: int, block_kv: int) -> str:
+  """The name scope of a sliding-window kernel's calls: 'splash_window_blocks_<visited>_of_<all>', the
+  (query tile, key tile) pairs its band reaches against the whole grid, so `aot.hlo` counts the band the
+  kernel computes, not the (L x S) square (a causal kernel's skipped half stays counted: the FLOP formula's
+  'full' convention)."""
+  q0 = np.arange(0, l, block_q)[:, None]            # each tile's first and last query, first and last key
+  q1 = np.minimum(q0 + block_q, l) - 1
+  k0 = np.arange(0, s, block_kv)[None, :]
+  k1 = np.minimum(k0 + block_kv, s) - 1
+  w = vis.window
+  visited = (k1 > q0 - w) & ((k0 <= q1) if vis.causal else (k0 < q1 + w))
+  return f"splash_window_blocks_{int(visited.sum())}_of_{visited.size}"
+
+
+def _run(per_shard, kernel, q, k, v, segs, sinks, mesh, batch_axes, head_axes, context_axes) -> Array:
+  """per_shard over the whole arrays (no mesh), or per mesh shard in a shard_map."""
+  if mesh is None or not mesh.shape:
+    return per_shard(kernel, q, k, v, segs, sinks)
+  q_spec = P(batch_axes, head_axes, context_axes, None)
+  kv_spec = P(batch_axes, head_axes, None, None)
+  kern_spec = kernel.manual_sharding_spec(NamedSharding(mesh, P(head_axes, context_axes)))
+  seg_spec = None if segs is None else (P(batch_axes, context_axes), P(batch_axes, None))
+  sink_spec = None if sinks is None else P(head_axes)
+  specs = (kern_spec, q_spec, kv_spec, kv_spec, seg_spec, sink_spec)
+  return jax.shard_map(per_shard, mesh=mesh, in_specs=specs, out_specs=q_spec,
+                       check_vma=False)(kernel, q, k, v, segs, sinks)
