@@ -47,15 +47,29 @@ CONFIGS = {
         num_local_experts=5, num_experts_per_tok=3, sliding_window=5, swiglu_limit=0.4,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 5000.0}),
+    # MLA with the q bottleneck, interleaved RoPE with YaRN and mscale_all_dim, a dense first layer, 8 experts
+    # in 4 groups of which 2 are kept (test_features_matter: the limit changes the choice), a correction bias,
+    # 2 shared experts, scaled and renormalised weights.
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **SIZES, num_hidden_layers=3, num_key_value_heads=4, intermediate_size=40, moe_intermediate_size=12,
+        q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, first_k_dense_replace=1,
+        n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=2,
+        routed_scaling_factor=1.7, norm_topk_prob=True, rope_interleave=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                         "original_max_position_embeddings": 16, "mscale_all_dim": 1.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0}),
 }
 EXPECT = {
     "qwen3_moe": dict(window=5, layer_pattern="", qk_norm="head", qkv_bias=True, out_bias=True, tie_embeddings=False,
                       rope_theta=5000.0),
+    "deepseek_v3": dict(rope_layout="interleaved", qkv_bias=False, tie_embeddings=False, mtp_depth=0),
     "gpt_oss": dict(window=5, layer_pattern="LG", attention_sinks=True, qkv_bias=True, out_bias=True,
                     tie_embeddings=False),
 }
 EXPECT_MOE = {
     "qwen3_moe": dict(router="softmax", num_experts=5, top_k=3, d_ff=24, renormalize=False, first_k_dense=1, every=1),
+    "deepseek_v3": dict(router="sigmoid", num_experts=8, top_k=3, d_ff=12, n_group=4, topk_group=2,
+                        num_shared_experts=2, routed_scaling_factor=1.7, renormalize=True, first_k_dense=1),
     "gpt_oss": dict(router="softmax_topk", num_experts=5, top_k=3, d_ff=24, expert_bias=True, swiglu_limit=0.4,
                     swiglu_alpha=1.702),
 }
@@ -178,7 +192,9 @@ def test_features_matter():
   """The routing, clamp, sink and window choices each change these models' logits, so the parity above
   tests them."""
   tokens = batch(LENGTH)
-  for family, changes in (("qwen3_moe", [dict(renormalize=True), dict(first_k_dense=0)]),
+  for family, changes in (("deepseek_v3", [dict(n_group=0, topk_group=0), dict(routed_scaling_factor=1.0),
+                                           dict(first_k_dense=0)]),
+                          ("qwen3_moe", [dict(renormalize=True), dict(first_k_dense=0)]),
                           ("gpt_oss", [dict(swiglu_limit=0.0), dict(router="softmax"), dict(attention_sinks=False),
                                        dict(layer_pattern="")])):
     model, params = load_hf(build(CONFIGS[family]()))

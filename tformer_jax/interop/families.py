@@ -185,6 +185,30 @@ GPT_OSS = LLAMA_OUTER + LLAMA_ATTN + (
     Rule(f"{_M}.mlp.experts.down_proj_bias", f"{_E}/b_down", "e d", "e d"),
 )
 
+# DeepSeek-V3: MLA (q directly or through its normed bottleneck, the joint K/V latent with the shared RoPE
+# key, kv_b's per-head key then value dims), dense first layers (Llama's mlp rows), a sigmoid router with
+# its correction bias (a buffer), shared experts as one MLP of n_shared_experts x moe_intermediate_size.
+_A = f"{L}/attn"
+_SA = f"{_M}.self_attn"
+_SH = f"{_M}.mlp.shared_experts"
+DEEPSEEK_V3 = LLAMA_OUTER + GLU_MLP + (
+    *norm(f"{_M}.input_layernorm", f"{L}/ln1", bias=False),
+    *norm(f"{_M}.post_attention_layernorm", f"{L}/ln2", bias=False),
+    Rule(f"{_SA}.q_proj.weight", f"{_A}/wq", "(h j) d", "d h j"),
+    *linear(f"{_SA}.q_a_proj", f"{_A}/wq_a", "q d", "d q", "q", ours_bias=f"{_A}/bq_a"),
+    Rule(f"{_SA}.q_a_layernorm.weight", f"{_A}/q_a_norm/scale", "q", "q"),
+    Rule(f"{_SA}.q_b_proj.weight", f"{_A}/wq_b", "(h j) q", "q h j"),
+    *linear(f"{_SA}.kv_a_proj_with_mqa", f"{_A}/wkv_a", "c d", "d c", "c", ours_bias=f"{_A}/bkv_a"),
+    Rule(f"{_SA}.kv_a_layernorm.weight", f"{_A}/kv_a_norm/scale", "l", "l"),
+    Rule(f"{_SA}.kv_b_proj.weight", f"{_A}/wkv_b", "(h u) l", "l h u"),
+    *linear(f"{_SA}.o_proj", f"{_A}/wo", "d (h w)", "h w d", "d", ours_bias=f"{_A}/bo"),
+    Rule(f"{_SH}.gate_proj.weight", f"{_E}/shared_w_gate", "s d", "d s"),
+    Rule(f"{_SH}.up_proj.weight", f"{_E}/shared_w_up", "s d", "d s"),
+    Rule(f"{_SH}.down_proj.weight", f"{_E}/shared_w_down", "d s", "s d"),
+    _glu_experts((Rule(f"{_M}.mlp.gate.weight", f"{_E}/router", "e d", "d e"),
+                  Rule(f"{_M}.mlp.gate.e_score_correction_bias", f"{_E}/correction_bias", "e", "e"))),
+)
+
 # -- bloom ---------------------------------------------------------------------------------------
 _B = "transformer.h.{i}"
 BLOOM = (
@@ -255,6 +279,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            ignore_tied=(r"^lm_head\.weight$",)),
     Family("gpt_oss", GPT_OSS, C.gpt_oss_to_model, C.gpt_oss_to_hf, prefix="model.", ignore=(_ROTARY,),
            ignore_tied=(r"^lm_head\.weight$",)),
+    Family("deepseek_v3", DEEPSEEK_V3, C.deepseek_v3_to_model, C.deepseek_v3_to_hf, prefix="model.",
+           ignore=(_ROTARY,), ignore_tied=(r"^lm_head\.weight$",)),
     Family("bloom", BLOOM, C.bloom_to_model, C.bloom_to_hf, prefix="transformer.",
            ignore_tied=(r"^lm_head\.weight$",)),
     Family("gpt_neox", GPT_NEOX, C.gpt_neox_to_model, C.gpt_neox_to_hf, prefix="gpt_neox.",

@@ -704,3 +704,57 @@ def gpt_oss_to_hf(cfg: ModelConfig) -> dict:
              swiglu_limit=m.swiglu_limit, swiglu_alpha=m.swiglu_alpha, router_aux_loss_coef=m.aux_loss_coef,
              output_router_logits=False)
   return out
+
+
+def deepseek_v3_to_model(hf: dict) -> dict:
+  d, h = get_int(hf, "hidden_size"), get_int(hf, "num_attention_heads", minimum=1)
+  rope = rope_from_hf(hf, default_theta=10000.0)
+  rp = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+  scaled = rope.get("rope_scaling", {}).get("type", "none") != "none"
+  bias = get_bool(hf, "attention_bias", default=False)
+  n_group = get_int(hf, "n_group", default=1)
+  out = dict(
+      _common(hf), d_model=d, num_layers=get_int(hf, "num_hidden_layers"), num_heads=h,
+      d_ff=get_int(hf, "intermediate_size"), activation=activation(hf, "hidden_act", "silu", glu=True),
+      norm="rmsnorm", norm_eps=get_float(hf, "rms_norm_eps", default=1e-6), norm_bias=False, position="rope",
+      rope_layout="interleaved" if get_bool(hf, "rope_interleave", default=True) else "half",
+      max_len=get_int(hf, "max_position_embeddings", default=4096),
+      tie_embeddings=get_bool(hf, "tie_word_embeddings", default=False), qkv_bias=bias, out_bias=bias,
+      mlp_bias=False, **rope,
+      mla=dict(kv_lora_rank=get_int(hf, "kv_lora_rank", minimum=1), q_lora_rank=get_int(hf, "q_lora_rank", default=0),
+               qk_nope_head_dim=get_int(hf, "qk_nope_head_dim"), qk_rope_head_dim=get_int(hf, "qk_rope_head_dim"),
+               v_head_dim=get_int(hf, "v_head_dim"),
+               mscale_all_dim=get_float(rp, "mscale_all_dim", default=0.0) if scaled else 0.0))
+  out["moe"] = dict(
+      _moe_common(hf, "n_routed_experts", "moe_intermediate_size"), router="sigmoid",
+      renormalize=get_bool(hf, "norm_topk_prob", default=True), every=1,
+      n_group=0 if n_group == 1 else n_group, topk_group=0 if n_group == 1 else get_int(hf, "topk_group", default=1),
+      routed_scaling_factor=get_float(hf, "routed_scaling_factor", default=1.0),
+      num_shared_experts=get_int(hf, "n_shared_experts", default=0),
+      first_k_dense=min(get_int(hf, "first_k_dense_replace", default=0), get_int(hf, "num_hidden_layers")))
+  return out
+
+
+def deepseek_v3_to_hf(cfg: ModelConfig) -> dict:
+  if not cfg.use_mla:
+    raise HFConfigError("deepseek_v3 cannot represent a model without MLA (model.mla.kv_lora_rank=0)", "mla")
+  m, a = cfg.moe, cfg.mla
+  if m.shared_d_ff and m.shared_d_ff != (m.d_ff or cfg.ff):
+    raise HFConfigError(f"deepseek_v3 cannot represent model.moe.shared_d_ff={m.shared_d_ff} (its shared experts "
+                        "are as wide as the routed ones)", "moe.shared_d_ff")
+  rope = rope_to_hf(cfg, "deepseek_v3")
+  if a.mscale_all_dim:
+    rope["mscale_all_dim"] = a.mscale_all_dim
+  groups = m.n_group if m.n_group > 1 else 1
+  return dict(
+      architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=cfg.vocab_size,
+      hidden_size=cfg.d_model, intermediate_size=cfg.ff, moe_intermediate_size=m.d_ff or cfg.ff,
+      num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+      n_shared_experts=m.shared_count, n_routed_experts=m.num_experts, num_experts_per_tok=m.top_k,
+      routed_scaling_factor=m.routed_scaling_factor, n_group=groups, topk_group=m.topk_group if groups > 1 else 1,
+      first_k_dense_replace=m.first_k_dense, norm_topk_prob=m.renormalize, kv_lora_rank=a.kv_lora_rank,
+      q_lora_rank=a.q_lora_rank or None, qk_rope_head_dim=a.qk_rope_head_dim, qk_nope_head_dim=a.qk_nope_head_dim,
+      v_head_dim=a.v_head_dim, hidden_act=activation_back(cfg, "deepseek_v3", glu=True), rms_norm_eps=cfg.norm_eps,
+      max_position_embeddings=cfg.max_len, tie_word_embeddings=cfg.tie_embeddings, rope_parameters=rope,
+      rope_interleave=cfg.rope_layout == "interleaved", attention_bias=cfg.qkv_bias, attention_dropout=0.0,
+      router_aux_loss_coef=m.aux_loss_coef, num_nextn_predict_layers=0, initializer_range=cfg.init_std)

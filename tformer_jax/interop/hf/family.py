@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tformer_jax.config import ConfigError, ModelConfig, MoEConfig, RopeScaling, validate_model
+from tformer_jax.config.schema import MLAConfig
 from tformer_jax.interop.families import FAMILIES, Family, get_family
 from tformer_jax.interop.hf_config import HFConfigError
 
@@ -19,6 +20,8 @@ def model_config(**kwargs: Any) -> ModelConfig:
     kwargs["rope_scaling"] = RopeScaling(**kwargs["rope_scaling"])
   if isinstance(kwargs.get("moe"), Mapping):
     kwargs["moe"] = MoEConfig(**kwargs["moe"])
+  if isinstance(kwargs.get("mla"), Mapping):
+    kwargs["mla"] = MLAConfig(**kwargs["mla"])
   cfg = ModelConfig(**kwargs)
   validate_model(cfg)
   return cfg

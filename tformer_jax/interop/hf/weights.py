@@ -18,7 +18,7 @@ from tformer_jax.interop.families import MIXTRAL, Family, OneOf, Rule
 from tformer_jax.interop.hf.common import _MAX_LISTED, HFWeightsError, log
 from tformer_jax.interop.hf_config import HFConfigError
 from tformer_jax.nn import Transformer
-from tformer_jax.nn.moe import expert_hidden
+from tformer_jax.nn.moe import expert_hidden, shared_hidden
 from tformer_jax.nn.stacking import unstack_layers
 
 # ----------------------------------------------------------------------------------------------
@@ -54,9 +54,13 @@ def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _sizes(cfg: ModelConfig) -> dict[str, int]:
+  a = cfg.mla
   return dict(d=cfg.d_model, h=cfg.num_heads, g=cfg.kv_heads, k=cfg.hd, f=cfg.ff, v=cfg.vocab_size,
               e=cfg.moe.num_experts, x=expert_hidden(cfg) if cfg.moe.num_experts else 0, p=cfg.max_len,
-              t=cfg.type_vocab_size)
+              t=cfg.type_vocab_size, s=shared_hidden(cfg) if cfg.moe.num_experts else 0,
+              # MLA: q bottleneck, K/V latent, latent + RoPE key, q/k head, k + v head, v head
+              q=a.q_lora_rank, l=a.kv_lora_rank, c=a.kv_lora_rank + a.qk_rope_head_dim,
+              j=a.qk_nope_head_dim + a.qk_rope_head_dim, u=a.qk_nope_head_dim + a.v_head_dim, w=a.v_head_dim)
 
 
 def _expand(template: str, layer: int | None) -> str:
@@ -111,11 +115,17 @@ def _listed(names: list[str]) -> str:
 _CONFIG_KEYS = {"num_layers": ("n_layer", "num_hidden_layers"), "d_model": ("n_embd", "hidden_size", "n_embed"),
                 "num_heads": ("n_head", "num_attention_heads"), "num_kv_heads": ("num_key_value_heads",),
                 "head_dim": ("head_dim",), "d_ff": ("n_inner", "intermediate_size"), "vocab_size": ("vocab_size",),
-                "moe.num_experts": ("num_local_experts",), "moe.d_ff": ("intermediate_size",),
+                "moe.num_experts": ("num_local_experts", "num_experts", "n_routed_experts"),
+                "moe.d_ff": ("moe_intermediate_size", "intermediate_size"),
+                "moe.shared_d_ff": ("moe_intermediate_size",), "mla.q_lora_rank": ("q_lora_rank",),
+                "mla.kv_lora_rank": ("kv_lora_rank",), "mla.qk_rope_head_dim": ("qk_rope_head_dim",),
+                "mla.qk_nope_head_dim": ("qk_nope_head_dim",), "mla.v_head_dim": ("v_head_dim",),
                 "max_len": ("n_positions", "max_position_embeddings", "seq_length"),
                 "type_vocab_size": ("type_vocab_size",)}
 _LETTER_FIELDS = {"d": "d_model", "h": "num_heads", "g": "num_kv_heads", "k": "head_dim", "f": "d_ff",
-                  "v": "vocab_size", "e": "moe.num_experts", "x": "moe.d_ff", "p": "max_len", "t": "type_vocab_size"}
+                  "v": "vocab_size", "e": "moe.num_experts", "x": "moe.d_ff", "p": "max_len", "t": "type_vocab_size",
+                  "s": "moe.shared_d_ff", "q": "mla.q_lora_rank", "l": "mla.kv_lora_rank", "c": "mla.qk_rope_head_dim",
+                  "j": "mla.qk_nope_head_dim", "u": "mla.v_head_dim", "w": "mla.v_head_dim"}
 _MAX_INDEX_DIGITS = 9
 
 
