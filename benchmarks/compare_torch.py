@@ -11,7 +11,7 @@ XLA's default options, as in the training loop (--xla-option NAME=VALUE adds som
 tokens/s = all timed tokens / all timed seconds, and the median over rounds; the ratios also as the
 median of per-round pairs (adjacent in time) and per process CPU-second (less sensitive to other
 programs' load; torch's OpenMP spin-waiting counts as its CPU time). The FLOP count per step is the
-same formula for all (tformer_jax/bench/flops.py). MFU = achieved FLOP/s over the fastest single
+same formula for all (tformer_jax/analysis/flops.py). MFU = achieved FLOP/s over the fastest single
 matmul call of the run (strict: a lucky moment on a loaded machine raises it);
 'MFU sust.' = over the sustained matmul rate (all matmul FLOPs / all matmul time, every round).
 torch.set_num_threads(--threads, default all cores); XLA uses all cores
@@ -33,7 +33,8 @@ import torch_gpt2  # noqa: E402
 from absl import flags  # noqa: E402
 
 from tformer_jax import cli_common  # noqa: E402
-from tformer_jax.bench import emit, flops as flops_lib, train as jbench  # noqa: E402
+from tformer_jax.analysis import flops as flops_lib  # noqa: E402
+from tformer_jax.bench import emit, train as jbench  # noqa: E402
 
 
 def define_flags(fv: flags.FlagValues) -> None:

@@ -31,7 +31,7 @@ What bounds the ratio: `matmul_gflops` holds each library's best matmul rate at 
 operands, float32 accumulation; our kernel on MKL and oneDNN, the BLASes with a bfloat16 gemm) (a 2048^3 product and
 the model's FFN products at batch x seq tokens; `by_shape` each: XLA's dot, torch's and our C++ matmul on each
 BLAS installed, `ours` the best of XLA and those), timed before the contenders; each
-contender's `mflop_per_token` is the matmul work its step executes (bench.flops.finetune_flops: theirs at no
+contender's `mflop_per_token` is the matmul work its step executes (analysis.flops.finetune_flops: theirs at no
 recompute, ours at its remat; LoRA without the frozen weights' gradients); per mode, `theirs_gflops` is
 their step's FLOP rate, `theirs_share_of_torch_matmul` that rate over torch's matmul rate, and
 `ceiling_ratio` our best matmul rate over theirs: the ratio ours would reach executing no more FLOPs than
@@ -67,7 +67,8 @@ import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 
 from tformer_jax import backends, cli_common  # noqa: E402
-from tformer_jax.bench import emit, flops as flops_lib  # noqa: E402
+from tformer_jax.analysis import flops as flops_lib  # noqa: E402
+from tformer_jax.bench import emit  # noqa: E402
 from tformer_jax.cli_common import load_config_file  # noqa: E402
 from tformer_jax.config import validate  # noqa: E402
 from tformer_jax.ops import cpu_kernel  # noqa: E402
@@ -230,7 +231,7 @@ def run_torch(mode: str, cfg: Any, args: Any, batches: Sequence[np.ndarray]) -> 
 
 
 def mflop_per_token(cfg: Any, args: Any, adapter_params: int, remat: str | None = None) -> float:
-  """Matmul MFLOP a token that a step of `cfg`'s model executes at its remat (or `remat`): bench.flops.
+  """Matmul MFLOP a token that a step of `cfg`'s model executes at its remat (or `remat`): analysis.flops.
   finetune_flops, the attention counted causal (the lower triangle, what a flash kernel that skips masked
   blocks computes: torch's SDPA; our chunked kernel computes whole 64-query tiles, a little more), LoRA over
   a frozen base when adapter_params > 0."""

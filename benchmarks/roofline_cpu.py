@@ -36,8 +36,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from tformer_jax import cli_common  # noqa: E402
+from tformer_jax.analysis import flops as flops_lib  # noqa: E402
 from tformer_jax.aot import roofline  # noqa: E402
-from tformer_jax.bench import flops as flops_lib  # noqa: E402
 from tformer_jax.bench.train import TrainBench, machine_info, matmul_rates  # noqa: E402
 
 

@@ -12,7 +12,7 @@ embeddings included; none on norms and biases), as tformer_jax.train.optim does;
 the faster of torch's CPU implementations here (--foreach-adam for the other).
 Attention: --attn sdpa (F.scaled_dot_product_attention(is_causal=True), the fast path a PyTorch user
 gets) or naive (masked softmax(QK^T)V, what tformer_jax's 'reference' impl computes).
-FLOPs: the same formula as tformer_jax/bench/flops.py: 6*N_matmul*T + 12*n_layers*d_model*seq*T.
+FLOPs: the same formula as tformer_jax/analysis/flops.py: 6*N_matmul*T + 12*n_layers*d_model*seq*T.
 torch.set_num_threads(--threads, default: all cores). torch.compile failures are caught and reported.
 """
 from __future__ import annotations
@@ -108,7 +108,7 @@ def param_count(model: nn.Module) -> int:
 
 
 def flops_per_step(c: GPTConfig) -> dict[str, Any]:
-  """The formula of tformer_jax/bench/flops.py ('full' attention term) for this architecture."""
+  """The formula of tformer_jax/analysis/flops.py ('full' attention term) for this architecture."""
   d, f, t = c.d_model, c.mlp_ratio * c.d_model, c.batch * c.seq
   per_layer = (4 * d * d + 4 * d) + (2 * d * f + f + d) + 4 * d     # attn, mlp, two LayerNorms
   n_matmul = c.num_layers * per_layer + 2 * d + c.vocab_size * d     # + final norm + tied head

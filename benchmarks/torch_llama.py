@@ -13,7 +13,7 @@ as tformer_jax.train.optim does. Synthetic random tokens already on the device; 
 data.batch_size x data.seq_len unless --batch.
 Timing: the first step (torch.compile builds here) is `first_step_s`, then --warmup untimed steps, then
 --steps timed steps dispatched back to back with one device synchronisation at the end: tokens_per_s =
-steps * batch * seq / that wall time. FLOPs: the formula of tformer_jax/bench/flops.py ('full' attention
+steps * batch * seq / that wall time. FLOPs: the formula of tformer_jax/analysis/flops.py ('full' attention
 term), counted from this model's own parameters: 6 * N_matmul * T + 12 * layers * heads * head_dim * seq * T,
 N_matmul = every parameter but the token embedding (plus the head again when tied).
 --mode both runs eager, then a fresh model under torch.compile (--compile-backend, default inductor), in one
@@ -100,7 +100,7 @@ def build_model(lc: transformers.LlamaConfig, device: torch.device, seed: int,
 
 
 def flops_per_step(model: torch.nn.Module, lc: transformers.LlamaConfig, batch: int, seq: int) -> dict[str, Any]:
-  """tformer_jax/bench/flops.py's formula ('full' attention term) from this model's parameters."""
+  """tformer_jax/analysis/flops.py's formula ('full' attention term) from this model's parameters."""
   total = sum(p.numel() for p in model.parameters())
   embed = model.get_input_embeddings().weight.numel()
   n_matmul = total - embed + (embed if lc.tie_word_embeddings else 0)

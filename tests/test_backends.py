@@ -7,8 +7,8 @@
 - One visibility rule: every attention implementation, given the same `ops.masks.Visibility`, equals
   softmax attention under a mask built independently from the `ops.masks` builders (1e-5).
 - `resolve_runtime` logs one line; the layering holds (every unit in LAYERS, ops < config < backends < nn <
-  services < train < cli_common < serve/eval/tools < cli; imports only downward) and `nn/` holds no speed
-  machinery.
+  services < train < analysis < cli_common < serve/eval < tools < cli; imports only downward, no tool imports
+  another) and `nn/` holds no speed machinery.
 """
 import ast
 import logging
@@ -224,13 +224,17 @@ LAYERS = (
     ("nn",),
     ("data", "parallel", "checkpoint", "decode", "decode_io", "interop"),           # services
     ("train",),
+    ("analysis",),                                # what the tools share: FLOP formula, HLO reader, estimator
     ("cli_common",),                              # the commands' flags, loaders and errors (tools use them too)
-    ("serve", "eval", "bench", "diagnostics", "doctor", "aot", "experiments"),     # the tools on top
+    ("serve", "eval"),                            # the server and the harness adapters (bench, ablate use them)
+    ("bench", "diagnostics", "doctor", "aot", "experiments"),                      # the tools on top
     ("cli",),                                     # and a package's __main__.py: `python -m` is a command line
 )
 LAYER = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
-# Within its layer, what a unit may import besides itself (the rest of its layer otherwise).
-SAME_LAYER = {"ops": set(), "config": set(), "host_alloc": set(), "parallel": set()}
+# Within its layer, what a unit may import besides itself (the rest of its layer otherwise): no tool imports
+# another tool; what two of them share belongs in analysis/ (or lower).
+SAME_LAYER = {"ops": set(), "config": set(), "host_alloc": set(), "parallel": set(), "serve": set(), "eval": set(),
+              **{tool: set() for tool in LAYERS[-2]}}
 
 
 def _unit(path: pathlib.Path) -> str:
@@ -259,11 +263,11 @@ def test_the_layer_table_catches_an_upward_import(tmp_path, monkeypatch):
   (fake / "train" / "loop.py").write_text("from tformer_jax.eval.in_training import HarnessEval\n")
   (fake / "eval" / "in_training.py").write_text("from tformer_jax.train import loop\n")
   monkeypatch.setitem(globals(), "PKG", fake)
-  with pytest.raises(AssertionError, match="train/loop.py imports tformer_jax.eval: layer 7 above its own 5"):
+  with pytest.raises(AssertionError, match="train/loop.py imports tformer_jax.eval: layer 8 above its own 5"):
     test_imports_run_downward()
 
 
-TOOLS = set(LAYERS[-3] + LAYERS[-2] + LAYERS[-1]) - {"serve", "eval"}   # used by nothing but each other
+TOOLS = set(LAYERS[-2] + LAYERS[-1])   # used by nothing but the command lines
 
 
 def test_serve_sits_above_decode():

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from tformer_jax import cli_common
-from tformer_jax.bench import flops, train as train_bench
+from tformer_jax.analysis import flops
+from tformer_jax.bench import train as train_bench
 from tformer_jax.config import ModelConfig
 from tformer_jax.train import setup as setup_lib
 
@@ -244,7 +245,7 @@ def test_finetune_vs_peft_bad_input_is_one_line_before_any_model_loads(tmp_path,
 
 def test_finetune_vs_peft_runs_and_bounds_the_ratio(tmp_path):
   """benchmarks/finetune_vs_peft.py end to end on a small Llama (full mode, one timed step, both contenders):
-  the JSON's ratio is ours / theirs, each contender's MFLOP a token is bench.flops.finetune_flops at its
+  the JSON's ratio is ours / theirs, each contender's MFLOP a token is analysis.flops.finetune_flops at its
   remat (theirs: none), and the ceiling is our best measured matmul rate (XLA's, or the C++ kernels' on each
   BLAS that loads) over theirs' FLOP rate."""
   pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""The memory/FLOPs estimator (tformer_jax/diagnostics/estimate/) against XLA's compiled analysis of the
+"""The memory/FLOPs estimator (tformer_jax/analysis/estimate/) against XLA's compiled analysis of the
 very train step a run compiles (train/setup.py, one device, cfg.runtime resolved on this CPU): a dense
 model and both MoE dispatchers within 15% of XLA's arguments + temporaries, the exact terms exact, the
 estimate following the runtime it models, and the command's report with its ratio."""
@@ -7,8 +7,8 @@ import re
 import pytest
 
 from tformer_jax import cli_common
+from tformer_jax.analysis import estimate as est_lib
 from tformer_jax.cli import estimate_memory as cli
-from tformer_jax.diagnostics import estimate as est_lib
 from tformer_jax.train import setup as setup_lib
 
 TOLERANCE = 0.15     # the issue's bar: estimate within 15% of XLA's compiled memory analysis
@@ -120,8 +120,8 @@ def test_layout_gives_the_per_device_state_of_the_run_shardings():
 
 def test_per_device_estimate_follows_the_mesh():
   """No compile: more devices split the state and the batch; a tensor axis splits the logits and FFN;
-  the peak phase is named; the FLOPs are bench/flops.py's with the remat recompute."""
-  from tformer_jax.bench import flops as flops_lib
+  the peak phase is named; the FLOPs are analysis/flops.py's with the remat recompute."""
+  from tformer_jax.analysis import flops as flops_lib
   cfg = _config("dense", **{"model.remat": "full", "model.scan_layers": True, "train.precision": "bf16",
                             "mesh.shape": "(1,-1,1)", "mesh.rules": "fsdp"})
   one, four = est_lib.estimate_on_mesh(cfg, 1), est_lib.estimate_on_mesh(cfg, 4, platform="tpu")

@@ -4,8 +4,8 @@ import subprocess
 import sys
 
 from tformer_jax import host_alloc
+from tformer_jax.analysis import estimate as est_lib
 from tformer_jax.cli_common import load_config_file
-from tformer_jax.diagnostics import estimate as est_lib
 
 from train_utils import tiny_config
 

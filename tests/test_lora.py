@@ -305,12 +305,12 @@ def test_lora_stats_are_the_merged_models(hf_dir, tmp_path):
 
 @pytest.mark.parametrize("rank,remat", [(8, "none"), (8, "full"), (8, "save_mlp_in"), (0, "full")])
 def test_step_flops_formula_matches_the_compiled_step(hf_dir, rank, remat):
-  """bench.flops.finetune_flops, the count the fine-tuning benchmark reports: within 2% of the matmul FLOPs in
+  """analysis.flops.finetune_flops, the count the fine-tuning benchmark reports: within 2% of the matmul FLOPs in
   the compiled train step's HLO (aot.hlo_matmul_flops), for LoRA over the frozen base (no weight gradients of
   the base, the adapters' products, the recompute) and for a full fine-tune under remat 'full' (which does not
   rerun the FFN's output projection). The formula counts the norms' scales as matmul weights (~0.3% here)."""
   from tformer_jax import aot  # noqa: PLC0415
-  from tformer_jax.bench import flops  # noqa: PLC0415
+  from tformer_jax.analysis import flops  # noqa: PLC0415
   c = _cfg(hf_dir, 2, rank, **{"model.remat": remat})
   c.runtime.attention = "xla"   # the dense kernel: the formula's 'full' attention term
   c = init_from.resolve(c)

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tformer_jax.aot import hlo, roofline
+from tformer_jax.analysis import hlo
+from tformer_jax.aot import roofline
 
 PEAK, HBM, LINK, DCN = 1e12, 1e11, 1e10, 1e9
 # device i of the program = mesh position (data, fsdp) = divmod(i, 4) = torus coordinates (x, y)

@@ -10,9 +10,7 @@ tformer_jax/cli/aot.py, describes what it reports).
   roofline.py  `predict`: compute, HBM and per-collective time, the step under no / perfect overlap, MFU
   report.py    `Report`, its table and its JSON summary
 """
-from tformer_jax.aot.chips import CHIPS, Chip
-from tformer_jax.aot.driver import EXIT_CONFIG, EXIT_FITS, EXIT_NO_FIT, compile_for_topology, formula_flops
-from tformer_jax.aot.hlo import (
+from tformer_jax.analysis.hlo import (
     COLLECTIVES,
     HLO_FLOPS_PARTS,
     hlo_collectives,
@@ -22,6 +20,8 @@ from tformer_jax.aot.hlo import (
     parse_hlo,
     replica_groups,
 )
+from tformer_jax.aot.chips import CHIPS, Chip
+from tformer_jax.aot.driver import EXIT_CONFIG, EXIT_FITS, EXIT_NO_FIT, compile_for_topology, formula_flops
 from tformer_jax.aot.report import REPLICATED_RATIO, Report, format_report, summary
 from tformer_jax.aot.roofline import Machine, predict, tpu_machine
 from tformer_jax.aot.topology import (

@@ -11,13 +11,12 @@ import jax
 import ml_collections
 
 from tformer_jax import backends, cli_common
+from tformer_jax.analysis import estimate as estimate_lib, flops as flops_lib
+from tformer_jax.analysis.hlo import hlo_collectives, hlo_flops
 from tformer_jax.aot import roofline
-from tformer_jax.aot.hlo import hlo_collectives, hlo_flops
 from tformer_jax.aot.report import Report
 from tformer_jax.aot.topology import GiB, devices_per_chip, hbm_bytes_per_device, topology_devices
-from tformer_jax.bench import flops as flops_lib
 from tformer_jax.config import ConfigError, validate
-from tformer_jax.diagnostics import estimate as estimate_lib
 from tformer_jax.parallel import mesh as mesh_lib
 from tformer_jax.train import setup as setup_lib
 
@@ -42,7 +41,7 @@ def _hbm_figure(text: str, pattern: str) -> int | None:
 
 
 def formula_flops(m: Any, batch: int, seq: int) -> dict[str, Any]:
-  """bench/flops.py's step FLOPs (6*N_matmul*T + 12*n*h*hd*S*T: the attention scores over all S keys, as
+  """analysis/flops.py's step FLOPs (6*N_matmul*T + 12*n*h*hd*S*T: the attention scores over all S keys, as
   the 'xla' attention computes them) and `with_recompute`: what the compiled step executes with the
   remat policy's recomputed forward (remat 'full': x 4/3 on the layers)."""
   return flops_lib.with_recompute(m, batch, seq, "full")
@@ -50,7 +49,7 @@ def formula_flops(m: Any, batch: int, seq: int) -> dict[str, Any]:
 
 
 def _estimate(cfg: ml_collections.ConfigDict, devices: int, state: dict[str, int]) -> dict[str, Any]:
-  """tformer-estimate's per-device peak for this mesh (diagnostics/estimate/mesh.py: nothing compiled),
+  """tformer-estimate's per-device peak for this mesh (analysis/estimate/mesh.py: nothing compiled),
   with the exact state this build computed."""
   try:
     layout = dataclasses.replace(estimate_lib.layout_of(cfg, devices), params=state["params"],

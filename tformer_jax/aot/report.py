@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tformer_jax.aot.hlo import HLO_FLOPS_PARTS
+from tformer_jax.analysis.hlo import HLO_FLOPS_PARTS
 from tformer_jax.aot.roofline import format_roofline
 from tformer_jax.aot.topology import GiB
 
@@ -95,7 +95,7 @@ def format_report(r: Report) -> str:
               f"  formula                     {f['flops_per_step'] / n:10.4g}   ({f['formula']}, / {n} devices)"]
     if f["with_recompute"] != f["flops_per_step"]:
       lines.append(f"  formula with recompute      {f['with_recompute'] / n:10.4g}   (remat {f['remat']!r}: the "
-                   "recomputed forward, bench/flops.py)")
+                   "recomputed forward, analysis/flops.py)")
     if r.flops_hlo is not None:
       which = "formula with recompute" if f["with_recompute"] != f["flops_per_step"] else "formula"
       lines.append(f"  HLO matmuls and kernels     {r.flops_hlo:10.4g}   (loops trip-counted; / {which}: "

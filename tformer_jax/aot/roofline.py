@@ -22,7 +22,7 @@
               time, compute + HBM + collectives. Perfect overlap (max): each op's compute and HBM traffic
               overlap (its roofline) and communication is hidden under them, max(local, collectives).
               The bound: the largest of compute-bound ops, HBM-bound ops and collectives in the max.
-  MFU         the model's FLOPs (bench/flops.py's formula, no recompute) per device / step / peak.
+  MFU         the model's FLOPs (analysis/flops.py's formula, no recompute) per device / step / peak.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from tformer_jax.aot import hlo
+from tformer_jax.analysis import hlo
 from tformer_jax.aot.chips import Chip, chip_for
 
 

@@ -225,7 +225,7 @@ def splash_attention(q_BxLxHxD: Array, k_BxSxKxD: Array, v_BxSxKxD: Array, vis: 
 
 def _window_scope(vis: Visibility, l: int, s: int, block_q: int, block_kv: int) -> str:
   """The name scope of a sliding-window kernel's calls: 'splash_window_blocks_<visited>_of_<all>', the
-  (query tile, key tile) pairs its band reaches against the whole grid, so `aot.hlo` counts the band the
+  (query tile, key tile) pairs its band reaches against the whole grid, so `analysis.hlo` counts the band the
   kernel computes, not the (L x S) square (a causal kernel's skipped half stays counted: the FLOP formula's
   'full' convention)."""
   q0 = np.arange(0, l, block_q)[:, None]            # each tile's first and last query, first and last key

@@ -24,11 +24,11 @@ import os
 import re
 from typing import Any
 
-from tformer_jax.aot.hlo import parse_hlo
+from tformer_jax.analysis.hlo import parse_hlo
 
 
 def hlo_op_kinds(hlo_text: str) -> dict[str, str]:
-  """{instruction name: kind} for the instructions of an HLO module's text (`aot.hlo.parse_hlo`). Kinds:
+  """{instruction name: kind} for the instructions of an HLO module's text (`analysis.hlo.parse_hlo`). Kinds:
   'matmul' (a dot or convolution, or a fusion whose computation holds one), 'elementwise/reduce fusion'
   (any other fusion), 'custom call <target>', or the opcode."""
   comps, _ = parse_hlo(hlo_text)

@@ -11,7 +11,7 @@ before the previous step's metrics are read (the training loop's pattern), block
 metrics and, at the end, on the state. tokens_per_s = steps * batch * seq / wall time of the timed
 steps; step_ms_median is the median interval between consecutive step completions.
 
-FLOPs (tformer_jax/bench/flops.py): flops = 6*N_matmul*T + 12*n_layers*n_heads*head_dim*seq*T
+FLOPs (tformer_jax/analysis/flops.py): flops = 6*N_matmul*T + 12*n_layers*n_heads*head_dim*seq*T
 (causal-naive attention, fwd + bwd; --attn-flops causal halves the attention term), T = batch*seq.
 peak_gflops is a jitted float32 (or --peak-dtype) NxN @ NxN matmul measured in the same process,
 interleaved with the timed steps (--chunks chunks, --peak-reps calls before each and after the last):
@@ -38,7 +38,8 @@ import numpy as np
 from absl import flags
 
 from tformer_jax import backends, cli_common
-from tformer_jax.bench import emit, flops as flops_lib, op_profile
+from tformer_jax.analysis import flops as flops_lib
+from tformer_jax.bench import emit, op_profile
 from tformer_jax.host_alloc import loaded_allocator
 from tformer_jax.nn import Transformer
 from tformer_jax.ops.cpu_kernel.build import cpu_field

@@ -17,8 +17,8 @@ Printed, per device: XLA's memory analysis (argument, output, aliased, temporary
 XLA:TPU's own peak, which `per_device_bytes` and `fits` use) against the chip's HBM (`HBM_GIB_PER_CHIP`);
 the state's share of the arguments (parameters, optimizer, rest: sharded sizes computed from the
 shardings; the remainder is TPU tile padding); tformer-estimate's per-device figure for the same mesh
-(diagnostics/estimate/mesh.py `estimate_on_mesh`, nothing compiled) and its ratio to the peak; the step's
-FLOPs from bench/flops.py's formula (with the remat policy's recompute), from the compiled HLO's dots,
+(analysis/estimate/mesh.py `estimate_on_mesh`, nothing compiled) and its ratio to the peak; the step's
+FLOPs from analysis/flops.py's formula (with the remat policy's recompute), from the compiled HLO's dots,
 convolutions and TPU kernels (`aot.hlo_flops`: ragged_dot, megablox gmm, splash attention, by their operand
 shapes; loops trip-counted) and from XLA's cost analysis (which counts a while-loop body once: scanned
 layers, collective matmuls); their ratio HLO / formula per device, with a one-line WARNING above

@@ -11,7 +11,7 @@ r"""Memory and FLOPs of a training step, from the config (formulas) and from XLA
 With train.init_from the model is the source's (its architecture, max_len and vocabulary: the
 config is resolved before anything reads it), and the report names it. --batch_size / --seq_len are
 short for --config.data.batch_size / seq_len (--batch / --seq: their old, deprecated spellings).
-The estimate is a pure function of the config (tformer_jax/diagnostics/estimate/: exact parameter and
+The estimate is a pure function of the config (tformer_jax/analysis/estimate/: exact parameter and
 optimizer-state sizes from jax.eval_shape, formulas for what the compiled step keeps), for the runtime
 the run resolves from cfg.runtime on --platform (default this machine's): backend, attention
 implementation, C++ kernels, train.loss_chunk, train.precision, optim.name/grad_accum, remat and
@@ -31,8 +31,8 @@ import jax
 from absl import flags
 
 from tformer_jax import cli_common
+from tformer_jax.analysis import estimate as est_lib
 from tformer_jax.config import ConfigError
-from tformer_jax.diagnostics import estimate as est_lib
 from tformer_jax.train import setup as setup_lib
 
 PLATFORMS = ("cpu", "gpu", "tpu")

@@ -22,8 +22,8 @@ import numpy as np
 from tformer_jax import backends
 from tformer_jax.config import ModelConfig, RopeScaling
 from tformer_jax.decode import init_cache
-from tformer_jax.diagnostics.attention_maps import sown
 from tformer_jax.nn.attention import Attention
+from tformer_jax.nn.transformer import sown_per_layer
 from tformer_jax.ops import attention as attn_ops
 
 AttentionFn = Callable[..., Any]
@@ -111,6 +111,13 @@ def padded_batch(m: ModelConfig, length: int = 12, seed: int = 0) -> tuple[jax.A
   mask[0, :4] = False
   mask[1, length - 3:] = False
   return tokens, jnp.asarray(mask)
+
+
+def sown(model: nn.Module, params: Any, tokens_BxL: jax.Array, name: str, **apply_kwargs: Any
+         ) -> tuple[jax.Array, list[jax.Array]]:
+  """(model output, the per-layer values sown under `name` in 'intermediates')."""
+  out, mut = model.apply({"params": params}, tokens_BxL, mutable=["intermediates"], **apply_kwargs)
+  return out, sown_per_layer(mut.get("intermediates", {}), name)
 
 
 def model_attention(model: nn.Module, params: Any, tokens: jax.Array, mask: jax.Array | None = None,

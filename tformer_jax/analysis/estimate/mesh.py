@@ -10,10 +10,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from tformer_jax.analysis.estimate.execution import F32, Estimate, Execution, dtype_bytes, execution_of
+from tformer_jax.analysis.estimate.flops import flops_per_token
+from tformer_jax.analysis.estimate.params import compute_cast_params, param_count
 from tformer_jax.config import ModelConfig
-from tformer_jax.diagnostics.estimate.execution import F32, Estimate, Execution, dtype_bytes, execution_of
-from tformer_jax.diagnostics.estimate.flops import flops_per_token
-from tformer_jax.diagnostics.estimate.params import compute_cast_params, param_count
 from tformer_jax.nn import Transformer
 from tformer_jax.ops import moe_parallel
 from tformer_jax.ops.moe import capacity as moe_capacity

@@ -6,16 +6,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tformer_jax.config import GLU_ACTIVATIONS, ModelConfig
-from tformer_jax.diagnostics.estimate.execution import F32, Estimate, Execution, dtype_bytes, execution_of
-from tformer_jax.diagnostics.estimate.flops import extra_flops_per_token, flops_per_token
-from tformer_jax.diagnostics.estimate.params import (
+from tformer_jax.analysis.estimate.execution import F32, Estimate, Execution, dtype_bytes, execution_of
+from tformer_jax.analysis.estimate.flops import extra_flops_per_token, flops_per_token
+from tformer_jax.analysis.estimate.params import (
   compute_cast_params,
   layer_params,
   lora_shapes,
   optimizer_state_bytes,
   param_count,
 )
+from tformer_jax.config import GLU_ACTIVATIONS, ModelConfig
 from tformer_jax.ops.chunked_attention import chunk_table
 from tformer_jax.ops.moe import capacity as moe_capacity
 from tformer_jax.train import setup as setup_lib

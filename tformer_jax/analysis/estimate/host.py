@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tformer_jax.diagnostics.estimate.execution import F32, Estimate, MiB
+from tformer_jax.analysis.estimate.execution import F32, Estimate, MiB
 
 # What a CPU training process holds besides the train step's arrays, measured on the 2-core machine with
 # the allocator the CLIs use (tcmalloc; /proc/PID/status VmRSS sampled every 0.25 s, docs/finetune.md):

@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from tformer_jax.bench import flops as flops_lib
+from tformer_jax.analysis import flops as flops_lib
 from tformer_jax.config import ModelConfig, default_config
 from tformer_jax.ops import kv_quant, lora as lora_ops
 from tformer_jax.train import optim, precision

@@ -48,7 +48,7 @@ keeps at the peak of a remat'd, scanned step (read off its buffer assignment; se
   working = max(loss: the (T, V) logits in float32 + compute dtype,
                 backward: the compute-dtype logits gradient + one recomputed layer's arrays)
 
-FLOPs per token (training = forward + backward = 3 x forward), bench/flops.py's formula:
+FLOPs per token (training = forward + backward = 3 x forward), analysis/flops.py's formula:
   6 * N_matmul + 12 * n * L * h * hd          (remat 'full': the layers' share x 4/3, `flops.with_recompute`)
   N_matmul = parameters in a matmul per token (layer weights with top_k of the experts, the LM head); the
   second term is QK^T and AV over all L keys (dense attention computes every score). The executed FLOPs
@@ -74,7 +74,7 @@ sizes from shapes), `device` (the one-device model: estimate, estimate_config), 
 (estimate_on_mesh, layout_of), `host` (host_rss), `xla` (compiled_analysis_config), `report`
 (format_report).
 """
-from tformer_jax.diagnostics.estimate.device import (
+from tformer_jax.analysis.estimate.device import (
     ATTENTION_KEPT,
     CAPACITY_KEPT,
     FFN_KEPT,
@@ -93,10 +93,10 @@ from tformer_jax.diagnostics.estimate.device import (
     matmul_outputs_bytes,
     moe_kept_bytes,
 )
-from tformer_jax.diagnostics.estimate.execution import F32, Estimate, Execution, MiB, dtype_bytes, execution_of
-from tformer_jax.diagnostics.estimate.flops import extra_flops_per_token, flops_per_token
-from tformer_jax.diagnostics.estimate.host import RUNTIME_BASELINE, TEMP_COPIES, format_host, host_rss
-from tformer_jax.diagnostics.estimate.mesh import (
+from tformer_jax.analysis.estimate.execution import F32, Estimate, Execution, MiB, dtype_bytes, execution_of
+from tformer_jax.analysis.estimate.flops import extra_flops_per_token, flops_per_token
+from tformer_jax.analysis.estimate.host import RUNTIME_BASELINE, TEMP_COPIES, format_host, host_rss
+from tformer_jax.analysis.estimate.mesh import (
     DENSE_SCORES_F32,
     FFN_KEPT_TPU,
     Layout,
@@ -105,7 +105,7 @@ from tformer_jax.diagnostics.estimate.mesh import (
     layout_of,
     seq_kv,
 )
-from tformer_jax.diagnostics.estimate.params import (
+from tformer_jax.analysis.estimate.params import (
     compute_cast_params,
     kv_cache_bytes,
     kv_cache_bytes_as,
@@ -115,8 +115,8 @@ from tformer_jax.diagnostics.estimate.params import (
     param_count,
     param_shapes,
 )
-from tformer_jax.diagnostics.estimate.report import format_report
-from tformer_jax.diagnostics.estimate.xla import compiled_analysis, compiled_analysis_config
+from tformer_jax.analysis.estimate.report import format_report
+from tformer_jax.analysis.estimate.xla import compiled_analysis, compiled_analysis_config
 from tformer_jax.train import setup as setup_lib  # noqa: F401 (est_lib.setup_lib.resolve_model_config)
 
 __all__ = [

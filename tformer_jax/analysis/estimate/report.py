@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from tformer_jax.analysis.estimate.execution import Estimate, MiB
+from tformer_jax.analysis.estimate.params import kv_cache_bytes, kv_cache_bytes_as
 from tformer_jax.config import ModelConfig
-from tformer_jax.diagnostics.estimate.execution import Estimate, MiB
-from tformer_jax.diagnostics.estimate.params import kv_cache_bytes, kv_cache_bytes_as
 
 
 def format_report(m: ModelConfig, est: Estimate, batch: int, seq: int, xla: dict[str, Any] | None = None,

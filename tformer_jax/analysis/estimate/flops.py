@@ -1,17 +1,17 @@
-"""Training FLOPs per token: the model's (bench/flops.py's formula, remat's recompute) and what the step
+"""Training FLOPs per token: the model's (analysis/flops.py's formula, remat's recompute) and what the step
 executes beyond it (the MoE dispatch, the chunked loss's recomputed logits)."""
 from __future__ import annotations
 
 import dataclasses
 
-from tformer_jax.bench import flops as flops_lib
+from tformer_jax.analysis import flops as flops_lib
+from tformer_jax.analysis.estimate.execution import Execution
 from tformer_jax.config import GLU_ACTIVATIONS, ModelConfig
-from tformer_jax.diagnostics.estimate.execution import Execution
 from tformer_jax.ops.moe import capacity as moe_capacity
 
 
 def flops_per_token(m: ModelConfig, seq: int, remat: bool = False) -> float:
-  """Training FLOPs per token, bench/flops.py's formula (6 * N_matmul + 12 * n * L * h * hd); remat:
+  """Training FLOPs per token, analysis/flops.py's formula (6 * N_matmul + 12 * n * L * h * hd); remat:
   + the recomputed forward of the layers (remat 'full': x 4/3 on the layers, not the embedding and
   head: `flops.with_recompute`, the figure tformer-aot compares the compiled HLO with)."""
   mm = dataclasses.replace(m, remat="full" if remat else "none")
