@@ -1,5 +1,5 @@
 """Hugging Face interop: import and export weights of gpt2, llama, mistral, mixtral, qwen2, qwen3, olmo2, gemma2,
-gemma3_text, bloom, gpt_neox, bert.
+gemma3_text, qwen3_moe, gpt_oss, deepseek_v3, bloom, gpt_neox, bert.
 
   model, params = load_hf("path/to/hf_dir")        # or load_hf(transformers_model)
   logits = model.apply({"params": params}, tokens)  # == transformers' logits

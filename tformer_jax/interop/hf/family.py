@@ -93,8 +93,8 @@ _FOLLOW_POSITION = ("rope_theta", "rotary_fraction", "rope_layout", "rope_scalin
 
 
 def infer_family(cfg: ModelConfig) -> str:
-  """The first family (gpt2, llama, mistral, mixtral, qwen2, qwen3, olmo2, gemma2, gemma3_text, bloom, gpt_neox,
-  bert) that reproduces `cfg`.
+  """The first family (gpt2, llama, mistral, mixtral, qwen2, qwen3, olmo2, gemma2, gemma3_text, qwen3_moe, gpt_oss,
+  deepseek_v3, bloom, gpt_neox, bert) that reproduces `cfg`.
 
   None: HFConfigError in one line naming the architectural fields that the nearest families (fewest
   differences) cannot hold, and the fields the next ones differ in."""
