@@ -122,3 +122,30 @@ def test_train_step_adds_the_z_loss_and_logs_it_apart():
   for key in ("loss", "nll", "z_loss", "logit_lse_sq", "grad_norm"):
     np.testing.assert_allclose(chunked[key], full[key], rtol=1e-5)
   assert abs(float(full["grad_norm"]) - float(off["grad_norm"])) > 1e-4
+
+
+def test_train_and_eval_steps_soft_cap_the_chunked_loss_as_the_model_caps_its_logits():
+  """model.final_logit_softcap: the model caps its logits (full-logits path), the chunked loss caps the
+  logits it forms from (h, unembedding): the same loss, gradient norm and eval sums (1e-5), and the cap
+  changes them."""
+  import dataclasses  # noqa: PLC0415
+
+  from test_losses import model_and_batch  # noqa: PLC0415
+
+  from tformer_jax.nn import Transformer  # noqa: PLC0415
+  cfg, model, data = model_and_batch("configs/llama_tiny.py", "float32", batch=4, seq=16)
+  capped = Transformer(dataclasses.replace(model.cfg, final_logit_softcap=0.05))   # bites at init's small logits
+  tx, schedule = optim.make_optimizer(cfg.optim, 10)
+  init = state_lib.init_fn(capped, tx, precision.get_policy("float32").initial_loss_scale(), 16)
+  state = jax.jit(lambda r: state_lib.unbox_plain(init(r)))(jax.random.PRNGKey(0))
+
+  def runs(state, data):
+    return [(step_lib.make_train_step(m, tx, schedule, cfg.optim, loss_chunk=chunk)(state, data)[1],
+             step_lib.eval_step(state.params, data, model=m, loss_chunk=chunk))
+            for m, chunk in ((capped, 0), (capped, 12), (model, 12))]
+
+  (full, e_full), (chunked, e_chunked), (uncapped, _) = jax.jit(runs)(state, data)
+  for key in ("loss", "nll", "logit_lse_sq", "grad_norm"):
+    np.testing.assert_allclose(chunked[key], full[key], rtol=1e-5)
+  np.testing.assert_allclose(e_chunked["nll_sum"], e_full["nll_sum"], rtol=1e-5)
+  assert abs(float(uncapped["loss"]) - float(full["loss"])) > 1e-3
