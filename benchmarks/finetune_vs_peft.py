@@ -69,7 +69,7 @@ from absl import flags  # noqa: E402
 from tformer_jax import backends, cli_common  # noqa: E402
 from tformer_jax.analysis import flops as flops_lib  # noqa: E402
 from tformer_jax.bench import emit  # noqa: E402
-from tformer_jax.cli_common import load_config_file  # noqa: E402
+from tformer_jax.cli_common import load_named_config  # noqa: E402
 from tformer_jax.config import validate  # noqa: E402
 from tformer_jax.ops import cpu_kernel  # noqa: E402
 from tformer_jax.parallel import mesh as mesh_lib  # noqa: E402
@@ -128,7 +128,7 @@ def our_config(mode: str, hf_dir: str, batch: int, seq: int, variant: dict[str, 
                precision: str = "float32") -> Any:
   """The preset of `mode` on `hf_dir` at batch x seq and train.precision `precision`, with `variant`'s
   overrides, resolved and validated as tformer-train resolves them."""
-  cfg = load_config_file(PRESETS[mode])
+  cfg = load_named_config(PRESETS[mode])
   cfg.train.init_from = f"hf:{hf_dir}"
   cfg.train.precision = precision
   cfg.data.batch_size, cfg.data.seq_len = batch, seq

@@ -27,11 +27,11 @@ vCPUs, the kernels in bf16 on oneDNN: `pip install -e ".[onednn]"`), one run: th
 (1.04x), the faster settings 525.5 (1.41x, at 5.8 GiB against peft's 8.3): the 1.3x goal met there; other
 machines and why: docs/recipe_smollm2.md.
 """
-from tformer_jax.cli_common import load_config_file
+from tformer_jax.cli_common import load_named_config
 
 
 def get_config():
-  c = load_config_file("finetune_hf")
+  c = load_named_config("finetune_hf")
   c.optim.peak_lr = 1e-3
   c.train.lora.rank, c.train.lora.alpha, c.train.lora.targets = 8, 16.0, "q,k,v,o"
   return c

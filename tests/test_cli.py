@@ -46,7 +46,7 @@ def test_print_config_lists_every_field_with_value_and_description(capsys):
     cli_common.parse(["--config.model.num_layers=3", "--print_config", "--config=llama_tiny"], config="required")
   assert e.value.code == 0
   lines = capsys.readouterr().out.splitlines()
-  cfg = cli_common.load_config_file("llama_tiny")
+  cfg = cli_common.load_named_config("llama_tiny")
   fields = []
 
   def walk(node, prefix):

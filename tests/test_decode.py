@@ -412,7 +412,7 @@ def test_cli_chat_keeps_the_conversation_in_one_cache(tmp_path, monkeypatch, cap
   lines = capsys.readouterr().out.split("\n")
   r1, r2, note, r3 = lines[:4]
   assert note == "(new conversation)" and r3 == r1             # reset: the first turn again, exactly
-  model, params, tok = decode_io.random_init(cli_common.load_config_file(str(cfg_file)), 0)
+  model, params, tok = decode_io.random_init(cli_common.load_named_config(str(cfg_file)), 0)
   turn1 = tok.encode("User: hello\nAssistant:").tolist()
   first = decode.generate(model, params, [turn1], max_new_tokens=6, temperature=0.0)[0].tolist()
   newline = tok.encode("\n").tolist()

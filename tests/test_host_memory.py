@@ -5,7 +5,7 @@ import sys
 
 from tformer_jax import host_alloc
 from tformer_jax.analysis import estimate as est_lib
-from tformer_jax.cli_common import load_config_file
+from tformer_jax.cli_common import load_named_config
 
 from train_utils import tiny_config
 
@@ -38,7 +38,7 @@ def test_host_rss_terms():
 
 
 def test_lora_estimate_counts_the_adapters_only():
-  cfg = load_config_file("finetune_hf")
+  cfg = load_named_config("finetune_hf")
   cfg.data.batch_size, cfg.data.seq_len = 2, 64
   full = est_lib.estimate_config(cfg, platform="cpu")
   cfg.train.init_from, cfg.train.lora.rank = "hf:unused", 8

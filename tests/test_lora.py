@@ -18,7 +18,7 @@ import pytest
 from tformer_jax import backends, config as config_lib
 from tformer_jax.checkpoint import restore_params
 from tformer_jax.cli import convert
-from tformer_jax.cli_common import load_config_file
+from tformer_jax.cli_common import load_named_config
 from tformer_jax.config import ConfigError, ModelConfig
 from tformer_jax.data import pipeline
 from tformer_jax.interop.hf import load_hf
@@ -45,7 +45,7 @@ def hf_dir(tmp_path_factory):
 
 
 def _cfg(hf_dir, steps: int, rank: int, **over):
-  c = load_config_file("finetune_hf")
+  c = load_named_config("finetune_hf")
   c.train.init_from = f"hf:{hf_dir}"
   c.data.seq_len, c.data.batch_size = 32, 8
   c.optim.peak_lr, c.optim.warmup_steps, c.optim.schedule = 3e-2 if rank else 1e-2, 1, "constant"

@@ -11,7 +11,7 @@ import real_weights
 
 from tformer_jax import decode
 from tformer_jax.cli import convert, train as train_cli
-from tformer_jax.cli_common import load_config_file
+from tformer_jax.cli_common import load_named_config
 from tformer_jax.data import corpora, pipeline
 from tformer_jax.decode_io import load_hf as load_for_decode
 from tformer_jax.eval import shakespeare_tasks
@@ -35,7 +35,7 @@ def base():
 
 
 def _config(name, base):
-  cfg = load_config_file(f"recipes/{name}")
+  cfg = load_named_config(f"recipes/{name}")
   cfg.train.init_from = f"hf:{base}"
   return init_from.resolve(cfg)
 

@@ -33,7 +33,7 @@ SLOTS = 4
 def server(tmp_path_factory):
   cfg_file = tmp_path_factory.mktemp("serve") / "tiny_cfg.py"
   cfg_file.write_text(CONFIG)
-  cfg = cli_common.load_config_file(str(cfg_file))
+  cfg = cli_common.load_named_config(str(cfg_file))
   model, params, tok = decode_io.random_init(cfg, 0)
   runtime = backends.resolve_runtime(cfg, model=model.cfg, quiet=True)   # what tformer-generate runs
   with backends.use(runtime.backend):

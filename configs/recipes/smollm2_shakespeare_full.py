@@ -13,14 +13,14 @@ Measured (2026-12-02, 2 vCPUs, tcmalloc, alone under the heavy-job lock; docs/re
 the held-out harness task shakespeare_ppl (tformer-eval --tasks): bits_per_byte 1.6717 -> 1.5508, word
 perplexity 773.0 -> 477.8.
 """
-from tformer_jax.cli_common import load_config_file
+from tformer_jax.cli_common import load_named_config
 
 BASE = "hf:models/smollm2-135m-instruct"
 STEPS = 20
 
 
 def get_config():
-  c = load_config_file("finetune_hf")
+  c = load_named_config("finetune_hf")
   c.train.init_from = BASE
   c.data.corpus, c.data.seq_len, c.data.batch_size = "shakespeare", 256, 8
   o = c.optim

@@ -221,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = parse_args(argv)
   stages = cli_common.choices(args.stages, STAGES, "stage")
   args.config = str(cli_common.find_config_file(args.config).resolve())
-  cfg = cli_common.load_config_file(args.config)
+  cfg = cli_common.load_named_config(args.config)
   config_lib.validate(cfg)
   cache_dir = str(cfg.data.cache_dir) or None
   free = shutil.disk_usage(args.tmp).free / 1e9
@@ -256,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       step = result.get("rss", {}).get("shakespeare", {}).get("train_tokens_per_s") or args.step_tokens_s
       rows = {}
       for name, corpus in (("shakespeare", str(cfg.data.corpus)), ("big", f"prepared:{big}")):
-        data_cfg = cli_common.load_config_file(args.config).data
+        data_cfg = cli_common.load_named_config(args.config).data
         data_cfg.corpus = corpus
         rows[name] = loader_tokens_per_s(data_cfg, args.loader_batches)
         ratio = rows[name]["tokens_per_s"] / step if step else None

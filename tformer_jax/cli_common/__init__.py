@@ -52,7 +52,7 @@ from tformer_jax.cli_common.loading import (
   config_dirs,
   find_config_file,
   load_config,
-  load_config_file,
+  load_named_config,
   override,
   resolve_source,
   shipped_configs,
@@ -64,6 +64,6 @@ __all__ = [
     "ANTICIPATED", "CONFIG_HINT", "EXTRAS", "HELP_FLAGS", "REPO", "STORAGE_PACKAGES", "UsageError",
     "check_model_source", "check_overrides", "choices", "config_dirs", "describe_config", "enum_doc", "enum_fields",
     "error_message", "exit_process", "extra_message", "fail", "field_docs", "find_config_file", "help_text",
-    "load_config", "load_config_file", "missing_module", "one_line", "override", "parse", "require_extra",
+    "load_config", "load_named_config", "missing_module", "one_line", "override", "parse", "require_extra",
     "resolve_source", "run_main", "setup_logging", "shipped_configs", "unknown_flag_hint", "workdir_config",
 ]

@@ -59,9 +59,10 @@ def find_config_file(path: str | pathlib.Path) -> pathlib.Path:
   raise UsageError(f"config file {path} not found; the shipped configs are: {', '.join(shipped_configs())}")
 
 
-def load_config_file(path: str | pathlib.Path) -> ml_collections.ConfigDict:
-  """`get_config()` of an experiment file (`find_config_file`), or the config.json of a workdir
-  (a training run, or one `tformer-convert --from-hf` wrote)."""
+def load_named_config(path: str | pathlib.Path) -> ml_collections.ConfigDict:
+  """A config by name, path or workdir: `get_config()` of an experiment file (a shipped name or a path, found by
+  `find_config_file`), or the config.json of a workdir (a training run, or one `tformer-convert --from-hf` wrote).
+  `config.load_config_file` is the plain one: a Python file by its path."""
   if pathlib.Path(path).is_dir() and (pathlib.Path(path) / "config.json").is_file():
     return workdir_config(path)
   file = find_config_file(path)
@@ -153,7 +154,7 @@ def load_config(path: str | None = None, overrides: Mapping[str, Any] | None = N
   """The config file (or a run's config.json) with overrides, as a command line would give it (train.init_from
   resolved: `resolve_source`)."""
   if path:
-    cfg = load_config_file(path)
+    cfg = load_named_config(path)
   elif workdir:
     cfg = workdir_config(workdir)
   else:

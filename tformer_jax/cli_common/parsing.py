@@ -19,7 +19,7 @@ from tformer_jax.cli_common.loading import (
   CONFIG_HINT,
   apply_flags,
   check_overrides,
-  load_config_file,
+  load_named_config,
   resolve_source,
   workdir_config,
 )
@@ -129,7 +129,7 @@ def _command_config(fv: flags.FlagValues, args: types.SimpleNamespace, config: b
   hf_dir = getattr(args, "hf", None) if from_hf else None
   cfg, from_run = None, False
   if fv.config:
-    cfg, from_run = load_config_file(fv.config), pathlib.Path(fv.config).is_dir() and not hf_dir
+    cfg, from_run = load_named_config(fv.config), pathlib.Path(fv.config).is_dir() and not hf_dir
   elif from_workdir and getattr(args, "workdir", None):
     cfg, args.config_file = workdir_config(args.workdir), str(pathlib.Path(args.workdir) / "config.json")
     from_run = True
