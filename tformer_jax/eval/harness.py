@@ -114,7 +114,8 @@ def score_step(model: Any, chunk: int) -> Callable:
   """jit(params, tokens_BxL, targets_BxL) -> (log p(target) (B, L) float32, argmax == target (B, L))."""
   def score(params, tokens_BxL, targets_BxL):
     h_BxLxD, unembed_DxV = model.apply({"params": params}, tokens_BxL, return_hidden=True)
-    nll_BxL, correct_BxL = losses.nll_and_correct(h_BxLxD, unembed_DxV, targets_BxL, chunk=chunk)
+    nll_BxL, correct_BxL = losses.nll_and_correct(h_BxLxD, unembed_DxV, targets_BxL, chunk=chunk,
+                                                  softcap=float(getattr(model.cfg, "final_logit_softcap", 0.0)))
     return -nll_BxL, correct_BxL
   return jax.jit(score)
 
