@@ -24,7 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tformer_jax import backends, decode, decode_io  # noqa: E402
+from tformer_jax import backends, decode, model_loading  # noqa: E402
 from tformer_jax.config import load_config_file  # noqa: E402
 from tformer_jax.decode import compiled  # noqa: E402
 
@@ -41,7 +41,7 @@ def cpu() -> float:
 
 
 with backends.use(rt.backend):
-  model = decode_io.model_from_config(cfg)
+  model = model_loading.model_from_config(cfg)
   model = model.clone(cfg=dataclasses.replace(model.cfg, scan_layers=layout == "scanned", remat="none"))
   tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
   shapes = nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)["params"])

@@ -222,7 +222,7 @@ LAYERS = (
     ("config", "host_alloc"),
     ("backends",),
     ("nn",),
-    ("data", "parallel", "checkpoint", "decode", "decode_io", "interop"),           # services
+    ("data", "parallel", "checkpoint", "decode", "model_loading", "interop"),           # services
     ("train",),
     ("analysis",),                                # what the tools share: FLOP formula, HLO reader, estimator
     ("cli_common",),                              # the commands' flags, loaders and errors (tools use them too)
@@ -288,7 +288,7 @@ def test_eval_sits_above_decode():
       assert "eval" not in _imports(path), f"{path.relative_to(PKG)} imports tformer_jax.eval"
   for path in (PKG / "eval").rglob("*.py"):
     assert "train" not in _imports(path), f"{path.relative_to(PKG)} imports tformer_jax.train"
-  assert {"decode", "decode_io"} <= _imports(PKG / "eval" / "harness.py")
+  assert {"decode", "model_loading"} <= _imports(PKG / "eval" / "harness.py")
 
 
 def test_nn_holds_no_speed_machinery():

@@ -232,7 +232,7 @@ def test_bad_input_raises_clear_value_errors():
 
 def test_load_for_inference_round_trip(tmp_path):
   ckpt = pytest.importorskip("tformer_jax.checkpoint")
-  from tformer_jax import decode_io
+  from tformer_jax import model_loading
   from tformer_jax.config import default_config
   cfg = default_config()                               # the same model as CASES["rope-gqa"]
   cfg.model.update(dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, max_len=32,
@@ -242,7 +242,7 @@ def test_load_for_inference_round_trip(tmp_path):
   saver = ckpt.Checkpointer(tmp_path / ckpt.CHECKPOINT_DIR, async_save=False)
   saver.save(5, {"params": params})
   saver.close()
-  model2, params2, tok = decode_io.load_for_inference(tmp_path)
+  model2, params2, tok = model_loading.load_for_inference(tmp_path)
   assert model2.cfg == model.cfg and tok.vocab_size == 256        # byte tokenizer (the default)
   kw = dict(max_new_tokens=N_NEW, temperature=0.0)
   np.testing.assert_array_equal(decode.generate(model2, params2, PROMPTS, **kw),
@@ -397,7 +397,7 @@ def test_cli_chat_keeps_the_conversation_in_one_cache(tmp_path, monkeypatch, cap
   the whole conversation text gives (the cache was reused, positions continued)."""
   import io
 
-  from tformer_jax import cli_common, decode_io
+  from tformer_jax import cli_common, model_loading
   from tformer_jax.cli import generate as cli
   cfg_file = tmp_path / "tiny_cfg.py"
   cfg_file.write_text(
@@ -412,7 +412,7 @@ def test_cli_chat_keeps_the_conversation_in_one_cache(tmp_path, monkeypatch, cap
   lines = capsys.readouterr().out.split("\n")
   r1, r2, note, r3 = lines[:4]
   assert note == "(new conversation)" and r3 == r1             # reset: the first turn again, exactly
-  model, params, tok = decode_io.random_init(cli_common.load_named_config(str(cfg_file)), 0)
+  model, params, tok = model_loading.random_init(cli_common.load_named_config(str(cfg_file)), 0)
   turn1 = tok.encode("User: hello\nAssistant:").tolist()
   first = decode.generate(model, params, [turn1], max_new_tokens=6, temperature=0.0)[0].tolist()
   newline = tok.encode("\n").tolist()

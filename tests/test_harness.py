@@ -27,7 +27,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 
-from tformer_jax import decode, decode_io  # noqa: E402
+from tformer_jax import decode, model_loading  # noqa: E402
 from tformer_jax.cli import convert, eval as eval_cli, train as train_cli  # noqa: E402
 from tformer_jax.config import default_config  # noqa: E402
 from tformer_jax.data.corpora import load_corpus  # noqa: E402
@@ -203,7 +203,7 @@ def test_byte_model_answers_equal_its_own_forward_and_decoder():
   full forward's log-likelihood after the prefix; generation is decode.generate's greedy text, cut."""
   cfg = default_config()
   cfg.model.update(d_model=32, num_layers=2, num_heads=4, max_len=64, position="rope", norm="rmsnorm")
-  model, params, tok = decode_io.random_init(cfg, seed=3)
+  model, params, tok = model_loading.random_init(cfg, seed=3)
   lm = harness.TformerLM(model=model, params=params, tokenizer=tok, batch_size=1)   # decode.generate's shapes
   assert (lm.prefix_token_id, lm.eot_token_id, lm.max_length) == (10, None, 64)
   text = "But soft, what light through yonder window breaks?"

@@ -13,8 +13,8 @@ from tformer_jax import decode
 from tformer_jax.cli import convert, train as train_cli
 from tformer_jax.cli_common import load_named_config
 from tformer_jax.data import corpora, pipeline
-from tformer_jax.decode_io import load_hf as load_for_decode
 from tformer_jax.eval import shakespeare_tasks
+from tformer_jax.model_loading import load_hf as load_for_decode
 from tformer_jax.train import init_from
 
 torch = pytest.importorskip("torch")

@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from tformer_jax import decode_io
+from tformer_jax import model_loading
 from tformer_jax.cli import generate, serve
 from tformer_jax.serve import Engine
 
@@ -35,7 +35,7 @@ def test_a_max_len_past_a_learned_table_is_refused_at_start_up(capsys):
   assert "--max_len=512 exceeds this model's max_len=64 (learned positions" in err, err
   err = _error(generate.main, [*LEARNED, "--chat", "--max_len=65"], capsys)
   assert "--max_len=65 exceeds this model's max_len=64" in err, err
-  model, params, _ = decode_io.random_init(serve.parse_args([*LEARNED, "--max_len=64"]).config)
+  model, params, _ = model_loading.random_init(serve.parse_args([*LEARNED, "--max_len=64"]).config)
   with pytest.raises(ValueError, match="max_len=128 exceeds the model's max_len=64"):
     Engine(model, params, num_slots=1, max_len=128)
   assert Engine(model, params, num_slots=1, max_len=64).max_len == 64       # the table's length is fine

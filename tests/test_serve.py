@@ -14,7 +14,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("aiohttp")
 
-from tformer_jax import backends, cli_common, decode, decode_io  # noqa: E402
+from tformer_jax import backends, cli_common, decode, model_loading  # noqa: E402
 from tformer_jax.cli import generate as generate_cli  # noqa: E402
 from tformer_jax.serve import Engine, EngineError, Job  # noqa: E402
 from tformer_jax.serve.http import BackgroundServer, Service  # noqa: E402
@@ -34,7 +34,7 @@ def server(tmp_path_factory):
   cfg_file = tmp_path_factory.mktemp("serve") / "tiny_cfg.py"
   cfg_file.write_text(CONFIG)
   cfg = cli_common.load_named_config(str(cfg_file))
-  model, params, tok = decode_io.random_init(cfg, 0)
+  model, params, tok = model_loading.random_init(cfg, 0)
   runtime = backends.resolve_runtime(cfg, model=model.cfg, quiet=True)   # what tformer-generate runs
   with backends.use(runtime.backend):
     engine = Engine(model, params, num_slots=SLOTS, max_len=64, max_queue=32)

@@ -15,7 +15,7 @@ import pytest
 
 from tformer_jax.checkpoint import CheckpointError, restore_params
 from tformer_jax.config import ConfigError
-from tformer_jax.decode_io import check_params, model_from_config
+from tformer_jax.model_loading import check_params, model_from_config
 from tformer_jax.train import workdir as workdir_lib
 from tformer_jax.train.loop import TrainingError, train
 

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from absl import flags
 
-from tformer_jax import backends, cli_common, decode, decode_io
+from tformer_jax import backends, cli_common, decode, model_loading
 from tformer_jax.bench import emit
 from tformer_jax.config import default_config
 
@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def _run(args: Any, cfg: Any, runtime: backends.Runtime) -> dict[str, Any]:
   t0 = time.perf_counter()
-  model, params, _ = decode_io.random_init(cfg, args.seed)
+  model, params, _ = model_loading.random_init(cfg, args.seed)
   jax.block_until_ready(params)
   init_s = time.perf_counter() - t0
   train_layout = "scanned" if model.cfg.scan_layers else "unrolled"

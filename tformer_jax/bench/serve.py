@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from absl import flags
 
-from tformer_jax import backends, cli_common, decode, decode_io
+from tformer_jax import backends, cli_common, decode, model_loading
 from tformer_jax.bench import emit
 from tformer_jax.config import default_config
 
@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                           vocab_size=256, position="rope", max_len=512))
   else:
     cfg = args.config
-  model, params, tok = decode_io.random_init(cfg, 0)
+  model, params, tok = model_loading.random_init(cfg, 0)
   runtime = backends.resolve_runtime(cfg, model=model.cfg, quiet=True)
   prompts = _prompts(args, model.cfg.vocab_size)
   n_tokens = args.requests * args.max_tokens

@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 from absl import flags
 
-from tformer_jax import cli_common, decode_io
+from tformer_jax import cli_common, model_loading
 from tformer_jax.checkpoint import restore_params
 from tformer_jax.diagnostics import attention_maps, plots
 
@@ -44,10 +44,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     cli_common.fail("pass --workdir=RUN, or --config=FILE --random_init")
 
   if args.random_init:
-    model, params, tok = decode_io.random_init(args.config, args.seed)
+    model, params, tok = model_loading.random_init(args.config, args.seed)
   else:
     _, params = restore_params(args.workdir)
-    model, tok = decode_io.model_from_config(args.config), decode_io.tokenizer_from_config(args.config)
+    model, tok = model_loading.model_from_config(args.config), model_loading.tokenizer_from_config(args.config)
   tokens = np.asarray(tok.encode(args.text), np.int32)
   if tokens.size == 0:
     cli_common.fail("--text encodes to no tokens")

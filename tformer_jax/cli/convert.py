@@ -41,7 +41,7 @@ from typing import Any, Sequence
 import ml_collections
 from absl import flags
 
-from tformer_jax import cli_common, decode_io
+from tformer_jax import cli_common, model_loading
 from tformer_jax.checkpoint import Checkpointer, CheckpointError, restore_params
 from tformer_jax.config import ConfigError, ModelConfig, default_config
 from tformer_jax.data.corpora import DataError
@@ -145,7 +145,7 @@ def workdir_to_hf(workdir: str | pathlib.Path, hf_dir: str | pathlib.Path, famil
   tok_dir, files = data_tokenizer_files(cfg)
   ids = None
   try:
-    tokenizer = decode_io.tokenizer_from_config(cfg)
+    tokenizer = model_loading.tokenizer_from_config(cfg)
     ids = special_token_ids(tokenizer, tok_dir)
   except (DataError, OSError) as e:       # a tokenizer this machine cannot load: export the weights anyway
     print(f"note: no bos/eos/pad ids written ({e})", file=sys.stderr)
@@ -168,7 +168,7 @@ def _own_tokenizer_files(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig,
   if spec.startswith("hf:"):
     return {}
   try:
-    tok = None if synthetic else decode_io.tokenizer_from_config(cfg)   # the run's own: a prepared corpus's too
+    tok = None if synthetic else model_loading.tokenizer_from_config(cfg)   # the run's own: a prepared corpus's too
   except (DataError, OSError):                     # not loadable here: noted with the ids (workdir_to_hf)
     tok = None
   if isinstance(tok, SentencePieceTokenizer):      # tokenizer.model + transformers' tokenizer.json of it

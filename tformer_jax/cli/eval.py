@@ -46,7 +46,7 @@ import numpy as np
 from absl import flags
 from tqdm.auto import tqdm
 
-from tformer_jax import backends, cli_common, config as config_lib, decode_io
+from tformer_jax import backends, cli_common, config as config_lib, model_loading
 from tformer_jax.checkpoint import restore_params
 from tformer_jax.data import pipeline
 from tformer_jax.nn import Transformer
@@ -173,14 +173,14 @@ def load(args: Any, cfg: Any, vocab_size: int) -> tuple[Any, Any, int | None]:
   """(model, params, checkpoint step): the workdir's (the step restored: the latest usable one unless
   --step), computing in its training precision, or the HF model's (step None)."""
   if args.hf:
-    model, params, _ = decode_io.load_hf(args.hf)
+    model, params, _ = model_loading.load_hf(args.hf)
     if vocab_size > model.cfg.vocab_size:
       raise config_lib.ConfigError(f"{args.hf}: its tokenizer's vocabulary ({vocab_size}) is larger than the "
                                    f"model's ({model.cfg.vocab_size})")
     return model, params, None
   _, params, step = restore_params(args.workdir, args.step, with_step=True)
   model = Transformer(setup_lib.resolve_model_config(cfg, vocab_size))
-  return model, decode_io.check_params(model, params, str(args.workdir)), step
+  return model, model_loading.check_params(model, params, str(args.workdir)), step
 
 
 def run_harness(args: Any) -> dict[str, Any]:
@@ -204,9 +204,9 @@ def run_harness(args: Any) -> dict[str, Any]:
     lm = harness.TformerLM(hf=args.hf, batch_size=args.batch_size or 8, max_length=args.max_length)
   else:
     _, params, ckpt_step = restore_params(args.workdir, args.step, with_step=True)
-    model = decode_io.model_from_config(args.config)
-    lm = harness.TformerLM(model=model, params=decode_io.check_params(model, params, str(args.workdir)),
-                           tokenizer=decode_io.tokenizer_from_config(args.config), config=args.config,
+    model = model_loading.model_from_config(args.config)
+    lm = harness.TformerLM(model=model, params=model_loading.check_params(model, params, str(args.workdir)),
+                           tokenizer=model_loading.tokenizer_from_config(args.config), config=args.config,
                            batch_size=args.batch_size or 8, max_length=args.max_length)
     lm.source = str(args.workdir)
   limit = None if args.limit is None else int(args.limit) if args.limit >= 1 else float(args.limit)

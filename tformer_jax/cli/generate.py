@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from absl import flags
 
-from tformer_jax import backends, cli_common, config as config_lib, decode, decode_io
+from tformer_jax import backends, cli_common, config as config_lib, decode, model_loading
 from tformer_jax.checkpoint import CheckpointError, restore_params
 from tformer_jax.serve import api as chat_api
 
@@ -75,7 +75,7 @@ def parse_args(argv: Sequence[str] | None) -> Any:
     cli_common.fail(f"--max_len: must be >= 0 (0: the model's max_len), got {args.max_len}")
   if args.config is not None:      # --chat's conversation: no position past a learned table
     try:
-      decode_io.check_max_len(args.config, args.max_len)
+      model_loading.check_max_len(args.config, args.max_len)
     except config_lib.ConfigError as e:
       cli_common.fail(str(e))
   return args
@@ -105,13 +105,13 @@ def load(args: Any) -> tuple[Any, Any, Any, str]:
   """(model, params, tokenizer, default prompt)."""
   cfg = args.config
   if args.random_init:
-    model, params, tok = decode_io.random_init(cfg, args.seed)
+    model, params, tok = model_loading.random_init(cfg, args.seed)
     return model, params, tok, (cfg.train.sample_prompt if "train" in cfg else "") or "\n"
   if args.hf:
-    return (*decode_io.load_hf(args.hf), "Hello")
+    return (*model_loading.load_hf(args.hf), "Hello")
   _, params = restore_params(args.workdir)
-  model = decode_io.model_from_config(cfg)
-  return model, decode_io.check_params(model, params, args.workdir), decode_io.tokenizer_from_config(cfg), "\n"
+  model = model_loading.model_from_config(cfg)
+  return model, model_loading.check_params(model, params, args.workdir), model_loading.tokenizer_from_config(cfg), "\n"
 
 
 class RowText:

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from absl import flags
 
-from tformer_jax import backends, cli_common, config as config_lib, decode_io
+from tformer_jax import backends, cli_common, config as config_lib, model_loading
 from tformer_jax.checkpoint import CheckpointError, restore_params
 from tformer_jax.ops import kv_quant
 
@@ -51,7 +51,7 @@ def parse_args(argv: Sequence[str] | None) -> Any:
     cli_common.fail(f"--cache_dtype: one of {kv_quant.CACHE_DTYPES[1:]} or '', got {args.cache_dtype!r}")
   if args.config is not None:      # before any weights are read: a table the model does not have
     try:
-      decode_io.check_max_len(args.config, args.max_len)
+      model_loading.check_max_len(args.config, args.max_len)
     except config_lib.ConfigError as e:
       cli_common.fail(str(e))
   return args
@@ -79,12 +79,13 @@ def check_address(host: str, port: int) -> None:
 
 def load(args: Any) -> tuple[Any, Any, Any]:
   if args.random_init:
-    return decode_io.random_init(args.config, args.seed)
+    return model_loading.random_init(args.config, args.seed)
   if args.hf:
-    return decode_io.load_hf(args.hf)
+    return model_loading.load_hf(args.hf)
   _, params = restore_params(args.workdir)
-  model = decode_io.model_from_config(args.config)
-  return model, decode_io.check_params(model, params, args.workdir), decode_io.tokenizer_from_config(args.config)
+  model = model_loading.model_from_config(args.config)
+  tokenizer = model_loading.tokenizer_from_config(args.config)
+  return model, model_loading.check_params(model, params, args.workdir), tokenizer
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -32,9 +32,9 @@ import numpy as np
 from tformer_jax.checkpoint import restore_params
 from tformer_jax.cli_common import override
 from tformer_jax.data import pipeline, synthetic
-from tformer_jax.decode_io import model_from_config
 from tformer_jax.diagnostics.plots import loss_curves
 from tformer_jax.eval.in_training import HarnessEval
+from tformer_jax.model_loading import model_from_config
 from tformer_jax.train.loop import train
 from tformer_jax.train.metrics import read_metrics
 

@@ -20,8 +20,8 @@ import numpy as np
 
 from tformer_jax import config as config_lib
 from tformer_jax.data import pipeline
-from tformer_jax.decode_io import tokenizer_from_config
 from tformer_jax.doctor import probes
+from tformer_jax.model_loading import tokenizer_from_config
 from tformer_jax.nn import Transformer
 from tformer_jax.train import optim, precision, state as state_lib, step as step_lib
 

@@ -43,7 +43,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from tqdm.auto import tqdm
 
-from tformer_jax import backends, config as config_lib, decode, decode_io
+from tformer_jax import backends, config as config_lib, decode, model_loading
 from tformer_jax.checkpoint import restore_params
 from tformer_jax.data.tokenizers import HFTokenizer
 from tformer_jax.ops import losses
@@ -102,12 +102,12 @@ def load(workdir: str | None = None, hf: str | None = None, step: int | None = N
   if bool(workdir) == bool(hf):
     raise config_lib.ConfigError("tformer harness model: pass exactly one of workdir=RUN, hf=DIR")
   if hf:
-    model, params, tok = decode_io.load_hf(hf)
+    model, params, tok = model_loading.load_hf(hf)
     return model, params, tok, config_lib.default_config()
   cfg, params = restore_params(workdir, step)
-  model = decode_io.model_from_config(cfg)
-  params = decode_io.check_params(model, params, str(workdir))
-  return model, params, decode_io.tokenizer_from_config(cfg), cfg
+  model = model_loading.model_from_config(cfg)
+  params = model_loading.check_params(model, params, str(workdir))
+  return model, params, model_loading.tokenizer_from_config(cfg), cfg
 
 
 def score_step(model: Any, chunk: int) -> Callable:
