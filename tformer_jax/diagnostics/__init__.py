@@ -1,3 +1,3 @@
 """Diagnostics from the articles' checklists: attention maps (attention_maps, plots), training-time
-statistics (stats), memory/FLOPs estimates next to XLA (estimate), step timing (timing), ablations
-(ablate). The automatic checklist itself is `python -m tformer_jax.doctor`."""
+statistics (train/stats.py), step timing (timing), ablations (ablate); the memory/FLOP estimator is
+tformer_jax/analysis/estimate (tformer-estimate). The automatic checklist itself is `python -m tformer_jax.doctor`."""
