@@ -2,6 +2,7 @@
 import json
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -139,3 +140,22 @@ def test_crashing_check_is_a_failure_not_an_exception(ctx):
   r = checks.run_checks(ctx, ["data"], {"data": {"batch_fn": broken}})[0]
   assert r.status == "FAIL" and "pipeline exploded" in r.detail
   assert np.isfinite(r.seconds)
+
+
+def test_kernels_report_the_platform_devices_and_each_choice(capsys):
+  """--kernels_only prints what resolve_runtime chooses for the run's config: here (CPU: the xla_cpu backend,
+  its C++ kernels' line), for a TPU target (splash; an MoE model's ragged exchange), and refuses a choice the
+  target cannot run in one line, status 2."""
+  assert doctor_main([f"--config={GPT2}", "--kernels_only", "--platform=cpu"]) == 0
+  out = capsys.readouterr().out
+  assert "platform       cpu" in out and f"devices        {jax.device_count()} x " in out
+  assert "backend        xla_cpu\n" in out and "CPU kernels    " in out and "why: backend xla_cpu: platform cpu" in out
+  assert "PASS" not in out                                            # no checks ran
+  mixtral = str(ROOT / "configs" / "mixtral_tiny.py")
+  assert doctor_main([f"--config={mixtral}", "--kernels_only", "--platform=tpu"]) == 0
+  out = capsys.readouterr().out
+  assert f"platform       tpu (this host: {jax.default_backend()})" in out and "attention      splash\n" in out
+  assert "MoE exchange   ragged\n" in out and "CPU kernels    off (not a CPU)" in out
+  assert doctor_main([f"--config={GPT2}", "--kernels_only", "--platform=tpu", "--config.runtime.backend=xla_cpu"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1].startswith("error: runtime.backend: 'xla_cpu' runs on the CPU platform")

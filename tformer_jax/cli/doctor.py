@@ -1,9 +1,11 @@
 """`tformer-doctor --config=NAME [--workdir=RUN] [--config.a.b=v ...]` (NAME: a shipped config or a file)
 
-Runs the articles' troubleshooting checklists as automatic checks and prints a PASS/WARN/FAIL table
-with the suggested action for every WARN/FAIL. Exit status: 0 without FAIL, 1 with one, 2 on usage
-or config errors. With --workdir=RUN the checks use the checkpoint's parameters, and the run's
-config.json when --config is absent.
+First prints the platform, the devices and the kernels a run of the config would choose there (attention,
+MoE exchange and grouped matmul, the C++ CPU kernels, with the reasons; --platform=gpu|tpu asks for another
+target than this host, --kernels_only stops there). Then runs the articles' troubleshooting checklists as
+automatic checks and prints a PASS/WARN/FAIL table with the suggested action for every WARN/FAIL. Exit
+status: 0 without FAIL, 1 with one, 2 on usage or config errors. With --workdir=RUN the checks use the
+checkpoint's parameters, and the run's config.json when --config is absent.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from absl import flags
 from tformer_jax import backends, cli_common
 from tformer_jax.checkpoint import restore_params
 from tformer_jax.config import ConfigError
-from tformer_jax.doctor import checks, faults
+from tformer_jax.doctor import checks, faults, platform as platform_lib
 
 
 def define_flags(fv: flags.FlagValues) -> None:
@@ -29,11 +31,23 @@ def define_flags(fv: flags.FlagValues) -> None:
                       flag_values=fv)
   flags.DEFINE_string("json", None, "also write the results as JSON to this file", flag_values=fv)
   flags.DEFINE_integer("seed", 0, "initialisation and batch seed", flag_values=fv)
+  flags.DEFINE_enum("platform", None, list(platform_lib.PLATFORMS), "the target whose kernel choices to report "
+                    "(default: this host's); the checks run here", flag_values=fv)
+  flags.DEFINE_bool("kernels_only", False, "print the platform, devices and kernels, run no checks", flag_values=fv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = cli_common.parse(argv, define_flags, doc=__doc__, prog="tformer-doctor",
                           config="required", from_workdir=True)
+  try:
+    kernels = platform_lib.kernel_report(args.config, args.platform)
+  except (ConfigError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"tformer_jax doctor: {args.config_file}: what a run would choose\n"
+        + platform_lib.format_kernel_report(kernels))
+  if args.kernels_only:
+    return 0
   try:
     cfg = args.config
     params = None
