@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 import jax  # noqa: E402
 
 from tformer_jax import decode  # noqa: E402
+from tformer_jax.config import RopeScaling  # noqa: E402
 from tformer_jax.interop import hf as hfi  # noqa: E402
 from tformer_jax.interop.hf import HFConfigError, load_hf, save_hf  # noqa: E402
 from tformer_jax.nn.stacking import stack_layers  # noqa: E402
@@ -32,6 +33,8 @@ DERIVED_BUFFERS = r"rotary_emb\.(\w+_)?inv_freq$"
 SIZES = dict(vocab_size=V, hidden_size=32, num_attention_heads=4, max_position_embeddings=64, bos_token_id=0,
              eos_token_id=1, pad_token_id=0)
 
+GPT_OSS_ROPE = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 4096}
 CONFIGS = {
     # QK-norm per head, attention biases, a dense first layer (mlp_only_layers), 5 experts of width 24 (the
     # dense FFN 40), top-3 without renormalisation, one window on every layer.
@@ -41,12 +44,13 @@ CONFIGS = {
         mlp_only_layers=[0], attention_bias=True, use_sliding_window=True, sliding_window=5,
         tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 5000.0}),
     # sinks, attention and expert biases, a router bias, interleaved gate/up, a SwiGLU clamp that bites
-    # (|gate|, |up| reach past 0.4 here), the sliding/full alternation 'LG' over 3 layers.
+    # (|gate|, |up| reach past 0.4 here), the sliding/full alternation 'LG' over 3 layers, and GPT-OSS's own
+    # RoPE: YaRN with an untruncated correction range (here dimensions 1.5..3.3 of 6, not 1..4).
     "gpt_oss": lambda: transformers.GptOssConfig(
         **SIZES, num_hidden_layers=3, num_key_value_heads=2, head_dim=12, intermediate_size=24,
         num_local_experts=5, num_experts_per_tok=3, sliding_window=5, swiglu_limit=0.4,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 5000.0}),
+        rope_parameters=GPT_OSS_ROPE),
     # MLA with the q bottleneck, interleaved RoPE with YaRN and mscale_all_dim, a dense first layer, 8 experts
     # in 4 groups of which 2 are kept (test_features_matter: the limit changes the choice), a correction bias,
     # 2 shared experts, scaled and renormalised weights.
@@ -64,7 +68,8 @@ EXPECT = {
                       rope_theta=5000.0),
     "deepseek_v3": dict(rope_layout="interleaved", qkv_bias=False, tie_embeddings=False, mtp_depth=0),
     "gpt_oss": dict(window=5, layer_pattern="LG", attention_sinks=True, qkv_bias=True, out_bias=True,
-                    tie_embeddings=False),
+                    tie_embeddings=False, rope_theta=150000.0,
+                    rope_scaling=RopeScaling(type="yarn", factor=32.0, original_max_len=4096, truncate=False)),
 }
 EXPECT_MOE = {
     "qwen3_moe": dict(router="softmax", num_experts=5, top_k=3, d_ff=24, renormalize=False, first_k_dense=1, every=1),
@@ -178,14 +183,21 @@ def test_moe_config_spellings_and_refusals():
   assert [cfg.is_moe_layer(i) for i in range(4)] == [False, False, False, True]
   with pytest.raises(HFConfigError, match=r"mlp_only_layers=\[1\].*first k layers"):
     hfi.model_config_from_hf({**qwen, "mlp_only_layers": [1]})
-  # gpt-oss-20b/120b's own RoPE: YaRN without truncating its correction range, which ours does not build.
+  # gpt-oss-20b/120b's own config (transformers' defaults) imports, RoPE included: YaRN without truncating its
+  # correction range, written back as it came.
   oss = transformers.GptOssConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=2, head_dim=8, intermediate_size=16, num_local_experts=4,
                                   num_experts_per_tok=2).to_dict()
-  with pytest.raises(HFConfigError, match="truncate=False"):
-    hfi.model_config_from_hf(oss)
-  cfg = hfi.model_config_from_hf({**oss, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+  cfg = hfi.model_config_from_hf(oss)
   assert (cfg.layer_pattern, cfg.window, cfg.moe.swiglu_limit, cfg.moe.router) == ("LG", 128, 7.0, "softmax_topk")
+  assert cfg.rope_scaling == RopeScaling(type="yarn", factor=32.0, original_max_len=4096, truncate=False)
+  back = hfi.hf_config_from_model(cfg, "gpt_oss")["rope_parameters"]
+  assert back == {**oss["rope_parameters"], "truncate": False}
+  truncated = hfi.model_config_from_hf({**oss, "rope_parameters": {**oss["rope_parameters"], "truncate": True}})
+  assert truncated.rope_scaling.truncate and truncated.architecture() != cfg.architecture()
+  assert "truncate" not in hfi.hf_config_from_model(truncated, "gpt_oss")["rope_parameters"]
+  with pytest.raises(HFConfigError, match="truncate"):
+    hfi.model_config_from_hf({**oss, "rope_parameters": {**oss["rope_parameters"], "truncate": "no"}})
 
 
 def test_features_matter():

@@ -102,6 +102,8 @@ REF_CASES = [
     ("dynamic", dict(factor=8.0, seq_len=1000)), ("dynamic", dict(factor=16.0, seq_len=None)),
     ("yarn", dict(factor=4.0)), ("yarn", dict(factor=16.0)), ("yarn", dict(factor=40.0)),
     ("yarn", dict(factor=8.0, beta_fast=16.0, beta_slow=2.0, attention_factor=1.25)),
+    # gpt-oss: the correction range left fractional (truncate=False), and the same range rounded outwards
+    ("yarn", dict(factor=32.0, truncate=False)), ("yarn", dict(factor=32.0, truncate=True)),
     ("llama3", dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)),
     ("llama3", dict(factor=32.0, low_freq_factor=2.0, high_freq_factor=8.0)),
 ]

@@ -70,7 +70,8 @@ NON_ARCHITECTURE_FIELDS = ("embed_dropout", "attn_dropout", "resid_dropout", "in
 # The RopeScaling fields each scaling type reads (the others do not change the model).
 ROPE_SCALING_FIELDS = {"none": (), "linear": ("factor",), "ntk": ("factor",),
                        "dynamic": ("factor", "original_max_len"),
-                       "yarn": ("factor", "original_max_len", "beta_fast", "beta_slow", "attention_factor"),
+                       "yarn": ("factor", "original_max_len", "beta_fast", "beta_slow", "attention_factor",
+                                "truncate"),
                        "llama3": ("factor", "original_max_len", "low_freq_factor", "high_freq_factor")}
 # Execution fields that older versions kept in `model` (still found in saved config.json files);
 # now in the runtime section, and dropped when such a file is read.

@@ -31,6 +31,7 @@ class RopeScaling:
   beta_fast: float = 32.0            # yarn
   beta_slow: float = 1.0             # yarn
   attention_factor: float = 0.0      # yarn; 0 = 0.1 * ln(factor) + 1
+  truncate: bool = True              # yarn: floor/ceil the correction range (gpt-oss: False)
 
 
 @dataclasses.dataclass(frozen=True)

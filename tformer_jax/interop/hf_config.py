@@ -141,8 +141,6 @@ def rope_from_hf(hf: dict, *, default_theta: float, default_fraction: float = 1.
     # transformers' dynamic NTK grows beyond max_position_embeddings (not the rope 'original' one).
     orig = max_pos
   if kind == "yarn":
-    if rp.get("truncate", True) is False:
-      raise HFConfigError(f"{hf.get('model_type')}: unsupported yarn truncate=False")
     factor = max_pos / orig if factor is None else factor
     att = rp.get("attention_factor")
     mscale, mscale_all = rp.get("mscale"), rp.get("mscale_all_dim")
@@ -151,7 +149,7 @@ def rope_from_hf(hf: dict, *, default_theta: float, default_fraction: float = 1.
         return 1.0 if s <= 1 else 0.1 * ms * math.log(s) + 1.0
       att = m(factor, mscale) / m(factor, mscale_all)
     scaling.update(beta_fast=float(rp.get("beta_fast") or 32.0), beta_slow=float(rp.get("beta_slow") or 1.0),
-                   attention_factor=float(att or 0.0))
+                   attention_factor=float(att or 0.0), truncate=get_bool(rp, "truncate", default=True))
   if kind == "llama3":
     scaling.update(low_freq_factor=get_float(rp, "low_freq_factor"),
                    high_freq_factor=get_float(rp, "high_freq_factor"))
@@ -181,6 +179,8 @@ def rope_to_hf(cfg: ModelConfig, family: str, *, partial: bool = False) -> dict:
     rp["original_max_position_embeddings"] = orig
   if kind == "yarn":
     rp.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow)
+    if not rs.truncate:
+      rp["truncate"] = False
     if rs.attention_factor:
       rp["attention_factor"] = rs.attention_factor
   if kind == "llama3":

@@ -20,7 +20,7 @@ from tformer_jax.ops.positions import rope_inv_freq
 Array = jnp.ndarray
 SCALING_TYPES = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
 _DEFAULTS = {"type": "none", "factor": 1.0, "original_max_len": 0, "low_freq_factor": 1.0,
-             "high_freq_factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 0.0}
+             "high_freq_factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 0.0, "truncate": True}
 _f32 = np.float32
 
 
@@ -50,14 +50,16 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def _yarn(rot_dim: int, theta: float, factor: float, orig: int, beta_fast: float, beta_slow: float,
-          attention_factor: float) -> tuple[np.ndarray, float]:
+          attention_factor: float, truncate: bool = True) -> tuple[np.ndarray, float]:
   att = attention_factor if attention_factor else yarn_mscale(factor)
 
   def correction_dim(num_rotations: float) -> float:
     return (rot_dim * math.log(orig / (num_rotations * 2 * math.pi))) / (2 * math.log(theta))
 
-  low = max(math.floor(correction_dim(beta_fast)), 0)
-  high = min(math.ceil(correction_dim(beta_slow)), rot_dim - 1)
+  low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+  if truncate:  # transformers' default; gpt-oss keeps the fractional range (truncate=False)
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, rot_dim - 1)
   if low == high:
     high += 0.001  # as transformers: avoid a zero-width ramp
   exps = np.arange(0, rot_dim, 2, dtype=np.int64).astype(_f32) / _f32(rot_dim)
@@ -87,7 +89,8 @@ def rope_parameters(rot_dim: int, theta: float, scaling: Any = None, *, max_len:
   """(inv_freq (rot_dim/2,), attention_scaling) for RoPE with an optional context-extension rule.
 
   scaling: None, or an object / mapping with the fields of `config.RopeScaling` (type, factor,
-  original_max_len (0 = max_len), low/high_freq_factor, beta_fast/slow, attention_factor (0 = default)).
+  original_max_len (0 = max_len), low/high_freq_factor, beta_fast/slow, attention_factor (0 = default),
+  truncate (yarn: round the correction range outwards to whole dimensions; False keeps it fractional)).
     linear   inv_freq / factor (position interpolation)
     ntk      static NTK-aware base theta * factor^(d/(d-2))
     dynamic  transformers' dynamic NTK: base grows with seq_len beyond original_max_len (plain below)
@@ -118,7 +121,8 @@ def rope_parameters(rot_dim: int, theta: float, scaling: Any = None, *, max_len:
     inv = _base_inv_freq(rot_dim, base)
   elif kind == "yarn":
     inv, att = _yarn(rot_dim, theta, factor, orig, float(_field(scaling, "beta_fast")),
-                     float(_field(scaling, "beta_slow")), float(_field(scaling, "attention_factor")))
+                     float(_field(scaling, "beta_slow")), float(_field(scaling, "attention_factor")),
+                     bool(_field(scaling, "truncate")))
   else:  # llama3
     low_ff, high_ff = float(_field(scaling, "low_freq_factor")), float(_field(scaling, "high_freq_factor"))
     if high_ff <= low_ff:
