@@ -349,3 +349,15 @@ def test_bias_updates_survive_kill_9_and_resume_bitwise(tmp_path):
   losses = lambda d: {r["step"]: r["loss"] for r in read_metrics(d) if "loss" in r}  # noqa: E731
   l_ref, l_res = losses(tmp_path / "ref"), losses(crash)
   assert all(l_ref[s] == l_res[s] for s in range(5, 11))
+
+
+def test_layer_norm_statistics_name_dense_first_layers_alike_scanned_or_unrolled():
+  """train.stats' per-module squared norms: a scanned 'dense_layers' + 'layers' stack gives the unrolled
+  model's layers_<i> names and values (the MoE stack numbered after the dense layers)."""
+  from tformer_jax.train import stats
+  cfg = _cfg()
+  p = nn.unbox(jax.jit(Transformer(cfg).init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+  a, b = stats.group_sq_norms(p), stats.group_sq_norms(stack_layers(p, 3, 1, 1))
+  assert sorted(a) == sorted(b) and "layers_0/mlp" in a and "layers_2/moe" in a
+  for k in a:
+    np.testing.assert_allclose(float(b[k]), float(a[k]), rtol=1e-5, err_msg=k)

@@ -31,7 +31,7 @@ import optax
 
 from tformer_jax import backends
 from tformer_jax.nn.attention import visibility
-from tformer_jax.nn.stacking import cycle_of
+from tformer_jax.nn.stacking import cycle_of, dense_of
 from tformer_jax.nn.transformer import sown_per_layer
 from tformer_jax.ops import lora as lora_ops
 from tformer_jax.ops.attention import head_statistics
@@ -45,7 +45,7 @@ def module_name(path: tuple) -> tuple[str, bool]:
     return "params", False
   if keys[0] == "layers" and len(keys) > 2 and keys[1].startswith("block_"):   # a layer_pattern's cycle
     return "layers_{}/" + keys[2], True
-  if keys[0] == "layers" and len(keys) > 1:
+  if keys[0] in ("layers", "dense_layers") and len(keys) > 1:   # (an MoE model's dense first layers)
     return "layers_{}/" + keys[1], True
   if keys[0].startswith("layers_") and len(keys) > 1:
     return f"{keys[0]}/{keys[1]}", False
@@ -56,7 +56,7 @@ def group_sq_norms(tree: Any) -> dict[str, jax.Array]:
   """Squared L2 norm per module (see `module_name`), float32; scanned stacks split per layer."""
   out: dict[str, jax.Array] = {}
   tree = nn.unbox(tree)
-  cycle = cycle_of(tree)
+  cycle, dense = cycle_of(tree), dense_of(tree)
   for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
     x = jnp.asarray(x, jnp.float32)
     name, scanned = module_name(path)
@@ -65,8 +65,9 @@ def group_sq_norms(tree: Any) -> dict[str, jax.Array]:
       continue
     block = next((int(str(k.key)[6:]) for k in path if str(getattr(k, "key", "")).startswith("block_")), 0)
     per_layer = jnp.sum(x * x, axis=tuple(range(1, x.ndim)))
+    offset = dense if str(path[0].key) == "layers" else 0   # the MoE stack starts after the dense layers
     for i in range(x.shape[0]):   # repeat i of a cycle's block j is layer i * cycle + j
-      layer = i * cycle + block if cycle > 1 else i
+      layer = offset + (i * cycle + block if cycle > 1 else i)
       out[name.format(layer)] = out.get(name.format(layer), 0.0) + per_layer[i]
   return out
 
