@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -219,3 +220,89 @@ def test_features_matter():
       if moe.get("first_k_dense") == 0:   # layer 0 as an MoE layer: layer 1's experts
         p = {**params, "layers_0": {**params["layers_0"], "moe": params["layers_1"]["moe"]}}
       assert np.abs(ours(hfi.Transformer(cfg), p, tokens) - base).max() > 1e-3, (family, change)
+
+
+def _mtp_checkpoint(path):
+  """A tiny DeepSeek-V3 saved by transformers, plus (as DeepSeek-V3's checkpoint holds them) one multi-token
+  prediction layer model.layers.<num_layers>: a perturbed decoder layer (MoE: from a 4-layer transformers
+  model), enorm, hnorm, eh_proj, shared_head.norm, and the repeated embedding and head. Returns (the
+  transformers model, the MTP tensors added)."""
+  from safetensors.numpy import load_file, save_file
+  config = CONFIGS["deepseek_v3"]()
+  m = build(config)
+  m.save_pretrained(path)
+  deeper = build(transformers.DeepseekV3Config(**{**config.to_dict(), "num_hidden_layers": 4}), seed=7)
+  n, d = config.num_hidden_layers, config.hidden_size
+  rng = np.random.RandomState(3)
+  deeper.save_pretrained(path / "deeper")                         # its layer n as the files hold it
+  extra = {k: v for k, v in load_file(next((path / "deeper").glob("*.safetensors"))).items()
+           if k.startswith(f"model.layers.{n}.")}
+  extra.update({f"model.layers.{n}.enorm.weight": 1 + 0.2 * rng.randn(d), f"model.layers.{n}.hnorm.weight":
+                1 + 0.2 * rng.randn(d), f"model.layers.{n}.eh_proj.weight": 0.05 * rng.randn(d, 2 * d),
+                f"model.layers.{n}.shared_head.norm.weight": 1 + 0.2 * rng.randn(d),
+                f"model.layers.{n}.embed_tokens.weight": m.model.embed_tokens.weight.detach().numpy(),
+                f"model.layers.{n}.shared_head.head.weight": m.lm_head.weight.detach().numpy()})
+  extra = {k: np.ascontiguousarray(v, np.float32) for k, v in extra.items()}
+  [file] = list(path.glob("*.safetensors"))
+  save_file({**load_file(file), **extra}, file, metadata={"format": "pt"})
+  shutil.rmtree(path / "deeper")
+  return m, extra
+
+
+def test_deepseek_v3_mtp_weights_kept(tmp_path, caplog):
+  """DeepSeek-V3's multi-token prediction layer (model.layers.<num_layers>) imports as mtp_0 when the files hold
+  it, whatever num_nextn_predict_layers says (transformers writes 1 without the weights: mtp_depth 0 above), and
+  exports back under the same names, bitwise; the main logits do not change and transformers loads the export."""
+  from safetensors.numpy import load_file
+  m, extra = _mtp_checkpoint(tmp_path / "hf")
+  n = m.config.num_hidden_layers
+  model, params = load_hf(tmp_path / "hf")
+  assert model.cfg.mtp_depth == 1 and model.cfg.num_layers == n
+  p = hfi.flatten(params)
+  assert np.array_equal(np.asarray(p["mtp_0/enorm/scale"]), extra[f"model.layers.{n}.enorm.weight"])
+  assert np.array_equal(np.asarray(p["mtp_0/eh_proj"]), extra[f"model.layers.{n}.eh_proj.weight"].T)
+  assert np.array_equal(np.asarray(p["mtp_0/final_norm/scale"]), extra[f"model.layers.{n}.shared_head.norm.weight"])
+  assert np.array_equal(np.asarray(p["mtp_0/block/attn/kv_a_norm/scale"]),
+                        extra[f"model.layers.{n}.self_attn.kv_a_layernorm.weight"])
+  assert "correction_bias" in params["mtp_0"]["block"]["moe"]     # the MTP layer is an MoE layer, as layer n is
+
+  tokens = batch(LENGTH)
+  got = ours(model, params, tokens)
+  np.testing.assert_allclose(got, hf_logits(m, tokens), **TOL)
+  plain_model, plain = load_hf(m)                                   # no MTP tensors: no modules
+  assert plain_model.cfg.mtp_depth == 0
+  np.testing.assert_array_equal(ours(plain_model, plain, tokens), got)
+  _, _, mtp_h = model.apply({"params": params}, tokens, mtp_tokens_BxL=np.roll(tokens, -1, axis=1))
+  assert len(mtp_h) == 1 and np.isfinite(np.asarray(mtp_h[0])).all()
+
+  save_hf(model, params, tmp_path / "out")
+  written = load_file(tmp_path / "out" / "model.safetensors")
+  source = load_file(next((tmp_path / "hf").glob("*.safetensors")))
+  mtp_names = sorted(k for k in written if k.startswith(f"model.layers.{n}."))
+  for k in mtp_names:
+    assert np.array_equal(written[k], np.asarray(source[k], np.float32)), k
+  assert mtp_names == sorted(extra)                               # the same names, the repeated ones included
+  hf_cfg = hfi.read_hf_config(tmp_path / "out")
+  assert hf_cfg["num_nextn_predict_layers"] == 1
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+  np.testing.assert_allclose(hf_logits(back, tokens), got, **TOL)
+  model2, params2 = load_hf(tmp_path / "out")
+  assert model2.cfg == model.cfg
+  assert_same_params(params2, params)
+
+
+def test_deepseek_v3_mtp_layer_count_and_missing_tensors(tmp_path):
+  """The layer count checks num_layers + the MTP layers present; an MTP layer without one of its tensors,
+  or a decoder layer past num_layers without them, is named in one line."""
+  from safetensors.numpy import load_file, save_file
+  _, extra = _mtp_checkpoint(tmp_path / "hf")
+  [file] = list((tmp_path / "hf").glob("*.safetensors"))
+  full = load_file(file)
+  n = 3
+  save_file({k: v for k, v in full.items() if not k.endswith(f"{n}.eh_proj.weight")}, file)
+  with pytest.raises(hfi.HFWeightsError, match=rf"missing tensor\(s\): model\.layers\.{n}\.eh_proj\.weight"):
+    load_hf(tmp_path / "hf")
+  own = ("enorm", "hnorm", "eh_proj", "shared_head")
+  save_file({k: v for k, v in full.items() if not any(f"layers.{n}.{o}" in k for o in own)}, file)
+  with pytest.raises(hfi.HFWeightsError, match=r"num_hidden_layers=3 does not match the weights, which hold 4 "):
+    load_hf(tmp_path / "hf")

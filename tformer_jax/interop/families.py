@@ -57,6 +57,11 @@ class Family:
   ignore_tied: tuple[str, ...] = ()         # head tensors skipped when the embeddings are tied
   drop: tuple[str, ...] = ()                # real weights we have no place for: skipped with a warning
   auto_class: str = "AutoModelForCausalLM"
+  # Multi-token prediction modules (DeepSeek-V3): per-layer rules at HF layer {i} = num_layers + k, which is
+  # our 'mtp_<k>' (read as a virtual layers_{i}: the block's parameters under layers_{i}/..., these rules' beside
+  # them); an import keeps as many modules as the files hold (model.mtp_depth), an export writes them.
+  mtp: tuple[Rule, ...] = ()
+  mtp_copies: tuple[Rule, ...] = ()         # shared tensors each MTP layer repeats: written, ignored on reading
 
 
 def norm(hf: str, ours: str, bias: bool = True, weight: str = "weight") -> tuple[Rule, ...]:
@@ -209,6 +214,18 @@ DEEPSEEK_V3 = LLAMA_OUTER + GLU_MLP + (
                   Rule(f"{_M}.mlp.gate.e_score_correction_bias", f"{_E}/correction_bias", "e", "e"))),
 )
 
+# Its multi-token prediction layers model.layers.{num_layers + k}: the decoder layer (the rows above) plus
+# enorm, hnorm, eh_proj (input [enorm(embedding) ; hnorm(hidden)], m = d) and shared_head.norm; the checkpoint
+# repeats the embedding and the head there (shared with the main model's: written, not read).
+DEEPSEEK_V3_MTP = (
+    *norm(f"{_M}.enorm", f"{L}/enorm", bias=False),
+    *norm(f"{_M}.hnorm", f"{L}/hnorm", bias=False),
+    Rule(f"{_M}.eh_proj.weight", f"{L}/eh_proj", "m (2 d)", "(2 d) m"),
+    *norm(f"{_M}.shared_head.norm", f"{L}/final_norm", bias=False),
+)
+DEEPSEEK_V3_MTP_COPIES = (Rule(f"{_M}.embed_tokens.weight", "embed", "v d", "v d"),
+                          Rule(f"{_M}.shared_head.head.weight", "head", "v d", "d v"))
+
 # -- bloom ---------------------------------------------------------------------------------------
 _B = "transformer.h.{i}"
 BLOOM = (
@@ -280,7 +297,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gpt_oss", GPT_OSS, C.gpt_oss_to_model, C.gpt_oss_to_hf, prefix="model.", ignore=(_ROTARY,),
            ignore_tied=(r"^lm_head\.weight$",)),
     Family("deepseek_v3", DEEPSEEK_V3, C.deepseek_v3_to_model, C.deepseek_v3_to_hf, prefix="model.",
-           ignore=(_ROTARY,), ignore_tied=(r"^lm_head\.weight$",)),
+           ignore=(_ROTARY, r"^model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight$"),
+           ignore_tied=(r"^lm_head\.weight$",), mtp=DEEPSEEK_V3_MTP, mtp_copies=DEEPSEEK_V3_MTP_COPIES),
     Family("bloom", BLOOM, C.bloom_to_model, C.bloom_to_hf, prefix="transformer.",
            ignore_tied=(r"^lm_head\.weight$",)),
     Family("gpt_neox", GPT_NEOX, C.gpt_neox_to_model, C.gpt_neox_to_hf, prefix="gpt_neox.",

@@ -757,4 +757,4 @@ def deepseek_v3_to_hf(cfg: ModelConfig) -> dict:
       v_head_dim=a.v_head_dim, hidden_act=activation_back(cfg, "deepseek_v3", glu=True), rms_norm_eps=cfg.norm_eps,
       max_position_embeddings=cfg.max_len, tie_word_embeddings=cfg.tie_embeddings, rope_parameters=rope,
       rope_interleave=cfg.rope_layout == "interleaved", attention_bias=cfg.qkv_bias, attention_dropout=0.0,
-      router_aux_loss_coef=m.aux_loss_coef, num_nextn_predict_layers=0, initializer_range=cfg.init_std)
+      router_aux_loss_coef=m.aux_loss_coef, num_nextn_predict_layers=cfg.mtp_depth, initializer_range=cfg.init_std)

@@ -69,6 +69,8 @@ def _mismatches(cfg: ModelConfig, family: Family) -> tuple[dict | None, dict[str
     back = model_config_from_hf(hf, family)
   except (HFConfigError, ValueError) as e:   # a table bug: to_hf wrote what to_model refuses
     return None, {**reasons, "?": f"{family.model_type}: {e}"}
+  if family.mtp:   # config.json's MTP count is not read (the tensors decide, load_hf), only written
+    back = dataclasses.replace(back, mtp_depth=cfg.mtp_depth)
   want, got = arch_signature(cfg), arch_signature(back)
   for k in want:
     if want[k] != got.get(k) and k not in reasons:

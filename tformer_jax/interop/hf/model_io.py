@@ -17,7 +17,7 @@ from tformer_jax.data.prepared import clean_partials, exchange_dirs, honour_umas
 from tformer_jax.interop.families import get_family
 from tformer_jax.interop.hf.family import hf_config_from_model, infer_family, model_config_from_hf
 from tformer_jax.interop.hf.files import _is_model, _read_tensors, _write_safetensors, read_hf_config
-from tformer_jax.interop.hf.weights import check_weights, export_tensors, import_tensors, unflatten
+from tformer_jax.interop.hf.weights import check_weights, export_tensors, import_tensors, mtp_depth_held, unflatten
 from tformer_jax.interop.hf_config import HFConfigError
 from tformer_jax.nn import Transformer
 
@@ -43,6 +43,8 @@ def load_hf(src: str | os.PathLike | Any) -> tuple[Transformer, dict[str, Any]]:
   except HFConfigError as e:
     raise HFConfigError(f"{cfg_where}: {e}") from None
   tensors, origin = _read_tensors(src)
+  if family.mtp:   # multi-token prediction modules: as many as the files hold (not config.json's count)
+    cfg = dataclasses.replace(cfg, mtp_depth=mtp_depth_held(family, cfg, tensors))
   check_weights(family, cfg, hf_cfg, {k: tuple(v.shape) for k, v in tensors.items()}, cfg_where, origin)
   flat = import_tensors(family, cfg, tensors, where=where)
   params = unflatten({k: jnp.asarray(v) for k, v in flat.items()})

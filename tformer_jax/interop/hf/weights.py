@@ -60,7 +60,8 @@ def _sizes(cfg: ModelConfig) -> dict[str, int]:
               t=cfg.type_vocab_size, s=shared_hidden(cfg) if cfg.moe.num_experts else 0,
               # MLA: q bottleneck, K/V latent, latent + RoPE key, q/k head, k + v head, v head
               q=a.q_lora_rank, l=a.kv_lora_rank, c=a.kv_lora_rank + a.qk_rope_head_dim,
-              j=a.qk_nope_head_dim + a.qk_rope_head_dim, u=a.qk_nope_head_dim + a.v_head_dim, w=a.v_head_dim)
+              j=a.qk_nope_head_dim + a.qk_rope_head_dim, u=a.qk_nope_head_dim + a.v_head_dim, w=a.v_head_dim,
+              m=cfg.d_model)   # m: d_model again, for a matrix with d on both sides (MTP's eh_proj)
 
 
 def _expand(template: str, layer: int | None) -> str:
@@ -125,7 +126,8 @@ _CONFIG_KEYS = {"num_layers": ("n_layer", "num_hidden_layers"), "d_model": ("n_e
 _LETTER_FIELDS = {"d": "d_model", "h": "num_heads", "g": "num_kv_heads", "k": "head_dim", "f": "d_ff",
                   "v": "vocab_size", "e": "moe.num_experts", "x": "moe.d_ff", "p": "max_len", "t": "type_vocab_size",
                   "s": "moe.shared_d_ff", "q": "mla.q_lora_rank", "l": "mla.kv_lora_rank", "c": "mla.qk_rope_head_dim",
-                  "j": "mla.qk_nope_head_dim", "u": "mla.v_head_dim", "w": "mla.v_head_dim"}
+                  "j": "mla.qk_nope_head_dim", "u": "mla.v_head_dim", "w": "mla.v_head_dim",
+                  "m": "d_model"}
 _MAX_INDEX_DIGITS = 9
 
 
@@ -152,8 +154,50 @@ def _is_range(indices: set[int], n: int) -> bool:
 
 
 def _all_rules(family: Family) -> list[Rule]:
-  return [r for item in family.rules
+  return [r for item in family.rules + family.mtp
           for opt in (item.options if isinstance(item, OneOf) else ((item,),)) for r in opt]
+
+
+# ----------------------------------------------------------------------------------------------
+# Multi-token prediction modules as extra layers: our 'mtp_<k>' is HF layer num_layers + k (DeepSeek-V3)
+
+_MTP_OWN = ("enorm", "hnorm", "eh_proj", "final_norm")   # the module's own parameters; the rest is its block
+
+
+def mtp_depth_held(family: Family, cfg: ModelConfig, names: Mapping[str, Any]) -> int:
+  """How many multi-token prediction modules the tensors hold: layers num_layers, num_layers + 1, ... with
+  any of the family's MTP tensors (a decoder layer alone does not count)."""
+  names = _normalise_names(family, names)
+  k = 0
+  while k < len(names) and any(_expand(r.hf, cfg.num_layers + k) in names for r in family.mtp):
+    k += 1
+  return k
+
+
+def _mtp_as_layers(flat: Mapping[str, Any], n: int) -> dict[str, Any]:
+  """'mtp_<k>/block/attn/wq' -> 'layers_<n+k>/attn/wq', 'mtp_<k>/enorm/scale' -> 'layers_<n+k>/enorm/scale'."""
+  out = {}
+  for key, v in flat.items():
+    m = re.fullmatch(r"mtp_(\d+)/(?:block/)?(.*)", key)
+    out[f"layers_{n + int(m[1])}/{m[2]}" if m else key] = v
+  return out
+
+
+def _layers_as_mtp(flat: Mapping[str, Any], n: int) -> dict[str, Any]:
+  """The inverse of `_mtp_as_layers`."""
+  out = {}
+  for key, v in flat.items():
+    m = re.fullmatch(r"layers_(\d+)/(.*)", key)
+    if m and int(m[1]) >= n:
+      rest = m[2] if m[2].split("/")[0] in _MTP_OWN else f"block/{m[2]}"
+      key = f"mtp_{int(m[1]) - n}/{rest}"
+    out[key] = v
+  return out
+
+
+def _with_mtp_layers(cfg: ModelConfig) -> ModelConfig:
+  """The config whose num_layers counts the MTP modules as layers (for iterating the per-layer rules)."""
+  return dataclasses.replace(cfg, num_layers=cfg.num_layers + cfg.mtp_depth, mtp_depth=0)
 
 
 _INDEX_PATTERNS: dict[str, re.Pattern] = {}
@@ -196,7 +240,7 @@ def _shape_mismatches(family: Family, cfg: ModelConfig, hf_cfg: Mapping[str, Any
       continue
     groups = axes.parse(rule.hf_axes)
     want = axes.shape_of(rule.hf_axes, sizes)
-    for layer in (range(cfg.num_layers) if "{i}" in rule.hf else [None]):
+    for layer in (range(cfg.num_layers + cfg.mtp_depth) if "{i}" in rule.hf else [None]):
       for n in (n for n in _hf_names(rule, layer, cfg) if n in names):
         got = tuple(names[n])
         if len(got) != len(want):
@@ -225,10 +269,11 @@ def check_weights(family: Family, cfg: ModelConfig, hf_cfg: Mapping[str, Any],
   files = _normalise_names(family, {n: origin.get(n, "") for n in shapes})
   layers, experts = _indices(family, names)
   per_layer = [r.hf for r in _all_rules(family) if "{i}" in r.hf]
-  if per_layer and not _is_range(layers, cfg.num_layers):
+  if per_layer and not _is_range(layers, cfg.num_layers + cfg.mtp_depth):
     held = (f"{len(layers)} layer(s) (numbered {_spans(layers)})" if layers
             else f"no per-layer tensors (such as {_expand(per_layer[0], 0)})")
-    raise HFWeightsError(f"{where}: {_config_key(hf_cfg, 'num_layers', cfg.num_layers)} does not match the "
+    mtp = f" and {cfg.mtp_depth} multi-token prediction layer(s) after them" if cfg.mtp_depth else ""
+    raise HFWeightsError(f"{where}: {_config_key(hf_cfg, 'num_layers', cfg.num_layers)}{mtp} does not match the "
                          f"weights, which hold {held}")
   n_experts = cfg.moe.num_experts
   per_expert = [r.hf for r in _all_rules(family) if "{e}" in r.hf]
@@ -252,12 +297,12 @@ def import_tensors(family: Family, cfg: ModelConfig, tensors: Mapping[str, np.nd
   every missing, unexpected and mis-shaped tensor, before converting any."""
   tensors = _normalise_names(family, tensors)
   try:
-    want = expected_shapes(cfg)
+    want = _mtp_as_layers(expected_shapes(cfg), cfg.num_layers)   # MTP modules as layers num_layers, ...
   except (OverflowError, ValueError, TypeError) as e:
     raise HFConfigError(f"{where}: the config's sizes describe no model that can be built "
                         f"({' '.join(str(e).split())[:200]})") from None
   sizes = _sizes(cfg)
-  plan, used, missing, bad_shape = _import_plan(family, cfg, tensors, want, sizes)
+  plan, used, missing, bad_shape = _import_plan(family, _with_mtp_layers(cfg), tensors, want, sizes)
   unexpected, dropped = _leftovers(family, tensors, used, tied="head" not in want)
   problems = []
   if missing:
@@ -271,7 +316,7 @@ def import_tensors(family: Family, cfg: ModelConfig, tensors: Mapping[str, np.nd
   if dropped:
     log.warning("%s: dropping %d tensor(s) our %s model has no place for: %s", where, len(dropped),
                 family.model_type, _listed(dropped))
-  return _convert(family, plan, tensors, want, sizes)
+  return _layers_as_mtp(_convert(family, plan, tensors, want, sizes), cfg.num_layers)
 
 
 def _import_plan(family: Family, cfg: ModelConfig, tensors: Mapping[str, np.ndarray],
@@ -284,7 +329,7 @@ def _import_plan(family: Family, cfg: ModelConfig, tensors: Mapping[str, np.ndar
   used: set[str] = set()
   missing: list[str] = []
   bad_shape: list[str] = []
-  for item in family.rules:
+  for item in family.rules + family.mtp:
     for layer, options in _instances(item, cfg):
       rule_sets = [_applicable(opt, layer, want) for opt in options]
       present = [all(n in tensors for r in rs for n in _hf_names(r, layer, cfg)) for rs in rule_sets]
@@ -353,20 +398,25 @@ def export_tensors(family: Family, cfg: ModelConfig, params: Mapping[str, Any]) 
     raise HFWeightsError(f"params do not match the model config: missing {absent[:_MAX_LISTED]}; "
                          + "; ".join(wrong[:_MAX_LISTED]))
   sizes = _sizes(cfg)
+  n = cfg.num_layers
+  flat = _mtp_as_layers(flat, n)   # MTP modules as layers num_layers, ...
+  # The shared tensors each MTP layer repeats (a tied model's head: the embedding).
+  copies = [(layer, ((r if r.ours in flat else dataclasses.replace(r, ours="embed", ours_axes="v d"),),))
+            for layer in range(n, n + cfg.mtp_depth) for r in family.mtp_copies]
   out: dict[str, np.ndarray] = {}
   used: set[str] = set()
-  for item in family.rules:
-    for layer, options in _instances(item, cfg):
-      for rule in _applicable(options[0], layer, flat):
-        targets = [_expand(t, layer) for t in rule.targets]
-        names = _hf_names(rule, layer, cfg)
-        arrays = [flat[t] for t in targets]
-        if rule.hf_axes or rule.ours_axes:
-          results = axes.rearrange(arrays, rule.ours_axes, rule.hf_axes, sizes, what=f"param {targets[0]}")
-        else:
-          results = arrays
-        used.update(targets)
-        out.update({n: np.ascontiguousarray(r) for n, r in zip(names, results)})
+  instances = [inst for item in family.rules + family.mtp for inst in _instances(item, _with_mtp_layers(cfg))]
+  for layer, options in instances + copies:
+    for rule in _applicable(options[0], layer, flat):
+      targets = [_expand(t, layer) for t in rule.targets]
+      names = _hf_names(rule, layer, cfg)
+      arrays = [flat[t] for t in targets]
+      if rule.hf_axes or rule.ours_axes:
+        results = axes.rearrange(arrays, rule.ours_axes, rule.hf_axes, sizes, what=f"param {targets[0]}")
+      else:
+        results = arrays
+      used.update(targets)
+      out.update({name: np.ascontiguousarray(r) for name, r in zip(names, results)})
   left = sorted(set(flat) - used)
   if left:
     raise HFWeightsError(f"{family.model_type} has no place for param(s) {_listed(left)}")
