@@ -8,6 +8,7 @@ with the same logits and back into ours bitwise, and 32 greedy tokens equal tran
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import shutil
 
@@ -306,3 +307,46 @@ def test_deepseek_v3_mtp_layer_count_and_missing_tensors(tmp_path):
   save_file({k: v for k, v in full.items() if not any(f"layers.{n}.{o}" in k for o in own)}, file)
   with pytest.raises(hfi.HFWeightsError, match=r"num_hidden_layers=3 does not match the weights, which hold 4 "):
     load_hf(tmp_path / "hf")
+
+
+OSS_TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+                "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+CHAT = [{"role": "user", "content": "Who is Romeo?"}]
+
+
+def test_gpt_oss_tokenizer_and_chat_template_through_convert(tmp_path):
+  """A GPT-OSS directory as transformers saves it (its own YaRN, tokenizer files, chat_template.jinja) ->
+  tformer-convert --from-hf -> workdir -> tformer-convert --to-hf: the workdir keeps the RoPE (truncate
+  included), transformers loads the export with the same logits, tokenizer and chat template."""
+  import hf_utils
+
+  from tformer_jax.cli import convert
+  tok = hf_utils.byte_level_bpe(20_000, 300, ["<|endoftext|>", "<|start|>", "<|message|>", "<|end|>"])
+  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                              pad_token="<|endoftext|>")
+  fast.chat_template = OSS_TEMPLATE
+  src = tmp_path / "hf"
+  fast.save_pretrained(src)
+  config = CONFIGS["gpt_oss"]()
+  config.vocab_size = tok.get_vocab_size()
+  config.pad_token_id = config.eos_token_id = config.bos_token_id = 0
+  m = build(config)
+  m.save_pretrained(src)
+  assert (src / "chat_template.jinja").is_file()
+
+  assert convert.main(["--from-hf", str(src), "--to", str(tmp_path / "work")]) == 0
+  saved = json.loads((tmp_path / "work" / "config.json").read_text())["model"]["rope_scaling"]
+  assert (saved["type"], saved["truncate"]) == ("yarn", False)
+  assert convert.main(["--from", str(tmp_path / "work"), "--to-hf", str(tmp_path / "back")]) == 0
+  assert json.loads((tmp_path / "back" / "tformer_export.json").read_text())["family"] == "gpt_oss"
+  assert json.loads((tmp_path / "back" / "config.json").read_text())["rope_parameters"] == GPT_OSS_ROPE
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager").eval()
+  tokens = np.random.RandomState(1).randint(0, config.vocab_size, (2, LENGTH))
+  np.testing.assert_allclose(hf_logits(back, tokens), hf_logits(m, tokens), **TOL)
+  want_chat = fast.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+  back_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "back")
+  assert back_tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True) == want_chat
+  text = "ROMEO: What light through yonder window breaks?"
+  assert back_tok(text)["input_ids"] == fast(text)["input_ids"]
+  for d in (tmp_path / "work", tmp_path / "back"):
+    assert hfi.chat_template(d) == OSS_TEMPLATE, d
