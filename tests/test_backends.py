@@ -13,6 +13,7 @@
 import ast
 import logging
 import pathlib
+import re
 
 import flax.linen as nn
 import jax
@@ -198,6 +199,15 @@ def test_resolve_runtime_logs_one_line(caplog):
   assert rt.as_dict()["attention"] == rt.backend.attention_impl
   quiet = backends.resolve_runtime(cfg, platform="gpu", quiet=True)
   assert (quiet.backend.name, quiet.backend.attention_impl) == ("reference", "xla")
+  # the line is short and points at runtime.json, which keeps every reason (the rule, no figures)
+  moe = default_config()
+  moe.model.moe.num_experts, moe.train.precision = 4, "bf16"
+  for c, platform in ((cfg, None), (cfg, "gpu"), (cfg, "tpu"), (moe, None), (moe, "tpu")):
+    r = backends.resolve_runtime(c, platform=platform, quiet=True)
+    line = r.summary()
+    assert "\n" not in line and len(line) <= 160 and line.endswith("why: runtime.json"), line
+    assert r.backend.attention_impl in line and r.as_dict()["reasons"] == list(r.reasons) and r.reasons
+    assert not [x for x in r.reasons if re.search(r"\d(\.\d+)?x\b|\d%|tokens/s|GFLOP|ms/token", x)], r.reasons
 
 
 def _imports(path: pathlib.Path) -> set[str]:

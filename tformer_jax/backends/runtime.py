@@ -1,7 +1,8 @@
 """`resolve_runtime(cfg)`: the `runtime` config section turned into one backend, once per run.
 
 Every 'auto' is decided here and nowhere else, from the platform, the model's dtypes, the mesh and
-whether the C++ kernels build; the choice and its reasons are logged in one line. The allocator is
+whether the C++ kernels build. The choice is logged in one short line; its reasons (the rule behind each
+'auto') go to the workdir's runtime.json and `tformer-doctor --kernels_only`. The allocator is
 chosen earlier, when a CLI process starts (host_alloc.py); this reports what the process runs with.
 """
 from __future__ import annotations
@@ -31,8 +32,10 @@ class Runtime:
   reasons: tuple[str, ...]   # why each 'auto' went the way it did
 
   def summary(self) -> str:
-    why = f" [{'; '.join(self.reasons)}]" if self.reasons else ""
-    return f"runtime: {self.backend.describe()} on {self.platform}, allocator {self.allocator}{why}"
+    """The one log line (at most about 160 characters): backend, attention, kernels, allocator; the
+    reasons are in runtime.json (`as_dict()`)."""
+    return (f"runtime: {self.backend.describe()} on {self.platform}, allocator {self.allocator}"
+            + ("; why: runtime.json" if self.reasons else ""))
 
   def as_dict(self) -> dict[str, Any]:
     b = self.backend
@@ -45,7 +48,7 @@ class Runtime:
             "cpu_blas": getattr(b, "cpu_blas", None) if getattr(b, "cpu_kernels", False) else None,
             "platform": self.platform, "allocator": self.allocator,
             "moe_exchange": b.moe_exchange, "moe_gmm": b.moe_gmm, "moe_interpret": b.moe_interpret,
-            "decode_layout": b.decode_layout}
+            "decode_layout": b.decode_layout, "reasons": list(self.reasons)}
 
 
 def resolve_runtime(cfg: Any, *, model: config_lib.ModelConfig | None = None, mesh_devices: int = 1,
@@ -169,17 +172,16 @@ def _cpu_kernels(kernels: str, m: config_lib.ModelConfig, precision: str, mesh_d
 
 
 def _cpu_matmul(choice: str, blas: str, remat: str, reasons: list[str]) -> str:
-  """Which projection products the C++ kernels run (runtime.cpu_matmul), from the figures measured
-  (docs/runtime.md; docs/recipe_smollm2.md, 2026-12-04): 'all' pays with MKL (SmolLM2-135M LoRA at remat
-  'full', Intel: +8% over 'weight_grads'; gpt2_cpu +4%) and with oneDNN (the same model's LoRA in bf16 on an
-  AMD EPYC, no remat: 525 against 321 tokens/s), not with OpenBLAS (-1%). The remat policies that
+  """Which projection products the C++ kernels run (runtime.cpu_matmul): 'all' on oneMKL or oneDNN, whose
+  gemms beat XLA's dot; 'weight_grads' on OpenBLAS, where 'all' is no faster (the figures behind the rule:
+  docs/runtime.md). The remat policies that
   keep dots by primitive ('dots', 'dots_no_batch') do not see the custom call as one and would recompute
   it: 'weight_grads' there (the named policies, 'save_qkvo' and 'save_mlp_in', keep its output by name)."""
   if choice != "auto":
     return choice
   if blas not in ("mkl", "onednn"):
     reasons.append("matmuls weight_grads: XLA's dot for the forward and input gradients ('all' on OpenBLAS "
-                   "measured no faster)")
+                   "is no faster)")
     return "weight_grads"
   if remat in ("dots", "dots_no_batch"):
     reasons.append(f"matmuls weight_grads: remat {remat!r} keeps dots by primitive, which the C++ call is not")
@@ -195,10 +197,9 @@ def cpu_vendor() -> str:
 
 def _cpu_blas(choice: str, bf16: bool, reasons: list[str]) -> str:
   """The gemms the C++ kernels call (runtime.cpu_blas), applied to the process (ops/cpu_kernel/build.py).
-  'auto', from the figures measured (docs/runtime.md): oneMKL on an Intel CPU where the `mkl` wheel is
-  installed; else, for bfloat16 compute, oneDNN where the `onednn-cpu-gomp` wheel is (a bfloat16 gemm, which
-  OpenBLAS's wheel lacks: on a 2-core AMD EPYC (Zen 4) 200-217 GFLOP/s a thread, twice its float32 rate, where
-  MKL's bf16 gemm ran at 95); else OpenBLAS."""
+  'auto': oneMKL on an Intel CPU where the `mkl` wheel is installed; else, for bfloat16 compute, oneDNN where
+  the `onednn-cpu-gomp` wheel is (a bfloat16 gemm, which OpenBLAS's wheel lacks; MKL's is slow off Intel);
+  else OpenBLAS. The figures behind the rule: docs/runtime.md."""
   if choice == "auto":
     vendor = cpu_vendor()
     mkl = vendor == "GenuineIntel" and cpu_kernel.blas_available("mkl")[0]
@@ -208,7 +209,7 @@ def _cpu_blas(choice: str, bf16: bool, reasons: list[str]) -> str:
         "mkl: an Intel CPU and the `mkl` wheel installed" if mkl else
         "onednn: bfloat16 compute and the `onednn-cpu-gomp` wheel installed (its bfloat16 gemm)" if dnnl else
         "openblas: " + ("`pip install mkl` would give MKL on this Intel CPU" if vendor == "GenuineIntel" else
-                        f"not an Intel CPU ({vendor or 'unknown'}; on an AMD EPYC MKL ran slower than OpenBLAS)")
+                        f"not an Intel CPU ({vendor or 'unknown'}: MKL is slower than OpenBLAS there)")
         + ("; `pip install onednn-cpu-gomp` would give the kernels a bfloat16 gemm" if bf16 else "")))
   else:
     ok, why = cpu_kernel.blas_available(choice)
@@ -219,16 +220,16 @@ def _cpu_blas(choice: str, bf16: bool, reasons: list[str]) -> str:
 
 
 def _decode_layout(choice: str, platform: str, reasons: list[str]) -> str:
-  """Scanned or unrolled layers for decoding (decode.decode_layout), from the target platform and
-  the figures measured there (docs/runtime.md, "The decode layout")."""
+  """Scanned or unrolled layers for decoding (decode.decode_layout), from the target platform (the
+  figures behind the rule: docs/runtime.md, "The decode layout")."""
   if choice != "auto":
     return choice
   if platform == "cpu":
     reasons.append("decode unrolled: XLA:CPU copies each layer's weights out of a scanned stack at every "
-                   "step (measured per token: 5.5x faster unrolled at 0.9B bf16, 1.2-1.3x at 135M float32)")
+                   "step, so unrolled layers decode faster there")
     return "unrolled"
-  reasons.append(f"decode scanned: one compiled layer body on {platform} (a stated default: compile time vs "
-                 "per-token cost not measured there yet)")
+  reasons.append(f"decode scanned: one compiled layer body on {platform} (the default where unrolling "
+                 "has not been shown to pay)")
   return "scanned"
 
 
