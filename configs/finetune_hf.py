@@ -7,32 +7,11 @@
 
 train.init_from=hf:DIR gives the run the model's architecture and its tokenizer.json (with the bos/eos
 ids of its tokenizer_config.json); this file only sets how to train: a small constant-after-warmup
-learning rate, no weight decay, clipping at 1 (add --config.train.precision=bf16 on a GPU/TPU, and on
-a CPU with a bf16 gemm for the C++ kernels: an Intel CPU with AMX and `pip install -e ".[mkl]"`, or an AMD
-Zen 4 with `pip install -e ".[onednn]"`: about 2x float32).
-Without init_from it trains its own small Llama from scratch, which is rarely what you want here.
-Memory (scanned layers, remat 'full', loss_chunk 512, one checkpoint kept; docs/finetune.md): a
-SmolLM2-135M-shaped Llama (134.5M parameters, vocabulary 49,152) at batch 8 x 512 on 2 CPU cores peaks at
-4.26 GiB RSS at 17-18 s/step (226-248 tokens/s), a 1.4 GB checkpoint; before, batch 2 x 512 unrolled
-with full logits peaked at 7.0 GiB (3.6 s/step) and batch 8 at 13.9 GB. `tformer-estimate` prints the
-run's host RSS (4.66 GiB here). LoRA: configs/finetune_lora.py.
-On the published SmolLM2-135M-Instruct weights (docs/recipe_smollm2.md; 2026-12-02, a slower 2-vCPU machine:
-32-43 s/step at 8 x 512, 96-126 tokens/s): peak 4.25 GiB over 8 steps (evaluation at 4, save at 8; steady
-3.12 GiB), within the 4.5 GiB goal since the loop hands back a second temp span the allocator kept mapped
-(host_alloc.ReleaseOnGrowth; 4.68 GiB before); 4.32 GiB on 2026-12-04 with the kernels on oneMKL.
-Against transformers (benchmarks/finetune_vs_peft.py, 2026-12-04, 2 Intel vCPUs, `pip install -e ".[mkl]"`:
-runtime 'auto' runs every projection on MKL): the preset 290.9 against 321.2 tokens/s (0.91x, at 4.18 GiB against
-its 11.3); faster at more memory in that day's first run, --config.model.remat=none
---config.model.scan_layers=false --config.optim.grad_accum=2 (no recompute, no copies of the scan's stacked
-activations, the batch in 2 parts) 308.2 against 328.0 tokens/s, 0.94x, at 7.6 GiB. In bf16 on both sides
-(--config.train.precision=bf16 against torch.autocast, that evening, three runs): the preset 514-590 against
-624-652 tokens/s (0.82-0.95x), the faster settings above 678-739 (1.09-1.19x). On 2026-12-06 (2 AMD EPYC
-Zen 4 vCPUs, the kernels in bf16 on oneDNN: `pip install -e ".[onednn]"`), one run: the preset 315.8 against
-300.9 (1.05x), the faster settings 386.9 (1.29x, at 6.0 GiB against transformers' 10.2): the 1.2x goal met
-there; other machines and why: docs/recipe_smollm2.md.
-Measured (tests/test_finetune.py's setting: a 2-layer random transformers Llama with a 320-token
-byte-level BPE, 12 steps of 8 x 32 tokens on Shakespeare at peak_lr 3e-3, 2 CPU cores): train loss
-5.77 -> 5.13, val 5.06; the export reloads in transformers with our logits (1e-4).
+learning rate, no weight decay, clipping at 1, and the memory settings (scanned layers, remat 'full', the
+loss in chunks of 512 tokens, one checkpoint kept). Add --config.train.precision=bf16 on a GPU/TPU, or on a
+CPU whose C++ kernels have a bf16 gemm (the mkl or onednn extra; docs/runtime.md). Without init_from it
+trains its own small Llama from scratch, which is rarely what you want here. LoRA: configs/finetune_lora.py.
+Result: a SmolLM2-135M Llama at 8 x 512 on 2 CPU cores peaks at 4.26 GiB RSS (speed: docs/finetune.md).
 """
 from tformer_jax.config import default_config
 
