@@ -449,7 +449,7 @@ def test_decode_layout_is_a_runtime_choice_per_platform():
 def test_every_decode_layout_gives_the_same_logits_and_tokens_and_the_choice_is_logged(caplog):
   """Scanned and unrolled decoding: teacher-forced logits through the cache within 1e-5 (float32),
   the same greedy tokens from generate and generate_stream; the prefill and the step loop compile
-  together once; resolve_runtime logs the layout with its reason."""
+  together once; resolve_runtime records the layout with its reason (runtime.json)."""
   import logging
 
   from tformer_jax import backends
@@ -472,5 +472,6 @@ def test_every_decode_layout_gives_the_same_logits_and_tokens_and_the_choice_is_
   decode.generate(model, params, prompts, scan_layers=False, **kw)
   assert len(decode.COMPILE_LOG) == logged                            # compiled once, reused
   with caplog.at_level(logging.INFO, logger="tformer_jax"):
-    backends.resolve_runtime(default_config(), platform="cpu")
-  assert "decode unrolled: " in caplog.text
+    rt = backends.resolve_runtime(default_config(), platform="cpu")
+  assert "why: runtime.json" in caplog.text                             # the one line points at the reasons
+  assert any(r.startswith("decode unrolled: ") for r in rt.as_dict()["reasons"]), rt.reasons   # runtime.json's
