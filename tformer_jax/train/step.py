@@ -6,8 +6,9 @@ train/objectives.py rewrites the batch first (inputs masked, loss on the chosen 
 
 loss_chunk (train.loss_chunk) > 0: the loss never holds the full (tokens x vocab) float32 logits; it
 takes the model's final hidden states and unembedding matrix (`Transformer(..., return_hidden=True)`)
-and runs `ops.losses.nll_sum` over about loss_chunk tokens at a time (same values; the gradients are
-formed in the forward, chunk by chunk: no extra matmul). 0: the model's logits, then log-softmax.
+and runs `ops.losses.nll_sum` over about loss_chunk tokens a device at a time (`device_chunk`; same
+values; the gradients are formed in the forward, chunk by chunk: no extra matmul). 0: the model's
+logits, then log-softmax.
 The chunked loss applies model.final_logit_softcap itself (the model's logits path does when it returns
 logits). z_loss (train.logit_z_loss) > 0: PaLM's z-loss, z_loss * logsumexp(logits)^2 per token, is added
 to the loss; the metrics log it apart ('z_loss') with the mean squared logsumexp ('logit_lse_sq') of
@@ -21,12 +22,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from typing import Any, Iterator
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from flax.linen import partitioning as flax_partitioning
 
 from tformer_jax import backends
 from tformer_jax.nn import moe as moe_nn
@@ -101,6 +104,21 @@ def moe_layer_metrics(cfg: Any, mut: Any) -> dict[str, jax.Array]:
   return out
 
 
+def device_chunk(loss_chunk: int, batch_size: int) -> int:
+  """train.loss_chunk (tokens a device holds logits for at a time) as the chunk of the global batch the loss
+  cuts: times the shards the traced mesh splits the batch over. Cut from the global (B, L) batch, a chunk of
+  loss_chunk tokens would shrink per device with every data shard: at 256-way FSDP a 2048-token chunk is 8
+  tokens a device, 4096 passes over the unembedding a step (docs/scaling.md)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if loss_chunk <= 0 or mesh is None or mesh.empty:
+    return loss_chunk
+  axes = flax_partitioning.logical_to_mesh_axes(("batch",))
+  axes = axes[0] if axes else None
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  shards = math.prod(dict(mesh.shape).get(a, 1) for a in axes)
+  return loss_chunk * shards if batch_size % shards == 0 else loss_chunk
+
+
 def gathered_unembedding(unembed_DxV: jax.Array) -> jax.Array:
   """The unembedding with its d_model axis whole on every device, for the chunked loss: under FSDP that axis
   is sharded, and a loop over token chunks would then all-reduce each chunk's partial (chunk x vocab)
@@ -117,6 +135,7 @@ def loss_sum_fn(model: nn.Module, params: Any, batch: dict, rng: jax.Array | Non
   (B already scaled, `ops.lora.scaled`) that the model applies unmerged on `params`. mtp_weight > 0 (a
   model with mtp_depth > 0): plus mtp_weight x `mtp_loss` per token, the mean logged as 'mtp_loss'."""
   rngs = {"dropout": rng} if (train and rng is not None) else {}
+  loss_chunk = device_chunk(loss_chunk, batch["targets"].shape[0])
   hidden = {"return_hidden": True} if loss_chunk > 0 else {}
   mtp = mtp_weight > 0 and getattr(model.cfg, "mtp_depth", 0) > 0
   if mtp:   # the main and the MTP modules' hidden states, one unembedding (nn/transformer.py)
@@ -287,6 +306,7 @@ def eval_step(params: Any, batch: dict, *, model: nn.Module, loss_chunk: int = 0
   if not model.cfg.causal:   # masked LM, the same masks at every evaluation (objectives.eval_rng)
     batch = objectives.masked_lm_batch(batch, objectives.eval_rng(batch), model.cfg)
   with context_layout(model, batch) as batch:
+    loss_chunk = device_chunk(loss_chunk, batch["targets"].shape[0])
     if loss_chunk > 0:
       h_BxLxD, unembed_DxV = model.apply({"params": params}, batch["inputs"], **document_args(batch),
                                          deterministic=True, return_hidden=True)
