@@ -3,9 +3,12 @@
 d_model 2048, 27 layers: the first dense (SwiGLU d_ff 10944), then 64 routed experts (width 1408, top 6,
 softmax router) plus 2 shared experts; Multi-head Latent Attention with 16 heads (K/V latent 512, no q
 bottleneck, 128 no-RoPE + 64 RoPE q/k dims, 128 value dims), vocab 102400. bf16 compute, float32 parameters
-and AdamW moments, scanned stacks with full remat; FSDP over the 4 chips, whose experts are also split 4 ways.
+and AdamW moments, scanned stacks with full remat; the experts split 4 ways, the batch too (the other weights
+whole on each chip).
 
   tformer-aot --config=configs/scale/deepseek_v2_lite.py --topology=v5p:2x2x1
+
+Fits at 90.3 GiB a chip; HLO FLOPs 1.21x the formula; roofline MFU 23.0% (32.8% overlapped; MaxText logs 29.4%).
 """
 from tformer_jax.config import default_config
 
@@ -25,8 +28,8 @@ def get_config():
   c.data.seq_len, c.data.batch_size = 4096, 16
   c.train.precision, c.train.loss_chunk = "bf16", 2048
   c.mesh.axes, c.mesh.shape = ("data", "fsdp", "tensor", "expert"), (1, 1, 1, 4)
-  with c.mesh.ignore_type():            # the batch and the weights' embed dim over the expert axis too
-    c.mesh.rules = (("batch", ("data", "fsdp", "expert")), ("embed", ("fsdp", "expert")), ("expert", "expert"))
+  with c.mesh.ignore_type():            # the batch over the expert axis too (mixtral_8x7b.py's layout)
+    c.mesh.rules = (("batch", ("data", "fsdp", "expert")), ("embed", "fsdp"), ("expert", "expert"))
   o = c.optim
   o.peak_lr, o.b1, o.b2, o.weight_decay, o.clip_norm, o.warmup_steps = 4.2e-4, 0.9, 0.95, 0.1, 1.0, 2000
   c.train.steps = 100_000

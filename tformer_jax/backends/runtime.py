@@ -240,8 +240,10 @@ def _resolve_moe(rt: dict[str, Any], m: config_lib.ModelConfig, platform: str,
   if exchange == "ragged" and platform == "cpu":
     raise config_lib.ConfigError("runtime.moe_exchange: 'ragged' needs ragged-all-to-all, which XLA:CPU "
                                  "lacks; use 'all_to_all' (the exact dense fallback) or 'auto'")
-  if gmm == "auto":
-    gmm = "ragged_dot"
+  auto_gmm = gmm == "auto"
+  if auto_gmm:   # megablox's tgmm forms each local expert's weight gradient over its own rows; XLA:TPU's
+    # transpose of ragged_dot runs every local expert over every row (x local experts the work)
+    gmm = "megablox" if platform == "tpu" else "ragged_dot"
   interpret = gmm == "megablox" and platform != "tpu"
   if m.moe.num_experts <= 0:
     return dict(moe_exchange="global" if exchange == "auto" else exchange, moe_gmm=gmm,
@@ -251,7 +253,10 @@ def _resolve_moe(rt: dict[str, Any], m: config_lib.ModelConfig, platform: str,
     reasons.append(f"MoE expert parallel over the mesh's 'expert' axis (global without one): {exchange} "
                    + ("(XLA:CPU has no ragged-all-to-all)" if platform == "cpu"
                       else f"(ragged_all_to_all on {platform})"))
-  reasons.append(f"MoE grouped matmul {gmm}" + (" (Pallas interpret mode: not a TPU)" if interpret else ""))
+  why = {"megablox": " (its weight gradient per expert's own rows; ragged_dot's on XLA:TPU runs every expert "
+                     "over every row)", "ragged_dot": " (jax.lax.ragged_dot)"}
+  reasons.append(f"MoE grouped matmul {gmm}" + (why[gmm] if auto_gmm else "")
+                 + (" (Pallas interpret mode: not a TPU)" if interpret else ""))
   return dict(moe_exchange=exchange, moe_gmm=gmm, moe_interpret=interpret)
 
 
