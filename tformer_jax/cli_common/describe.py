@@ -33,7 +33,8 @@ def _nested(lines: list[str], row: int) -> str:
 
 def field_docs() -> dict[str, str]:
   """{'model.num_kv_heads': '0 = num_heads (MHA); 1 = MQA; ...', ...}: the comments beside the fields in
-  tformer_jax/config/schema.py (the dataclasses and default_config), a comment-only line continuing the
+  tformer_jax/config/schema.py (the dataclasses, default_config and its _<name>_section functions), a
+  comment-only line continuing the
   field above it; an enum field's values are listed from its tuple (`enum_fields`). The schema's one
   source of descriptions."""
   source = inspect.getsource(config_lib.schema)
@@ -56,7 +57,7 @@ def field_docs() -> dict[str, str]:
     for back in range(row - 1, -1, -1):
       above = lines[back]
       cls = re.match(r"^class (\w+)", above)
-      sec = _SECTION.match(above)
+      sec = _SECTION.match(above) or re.match(r"^def _(\w+)_section\(", above)   # or a section's own function
       if cls or sec or above.startswith("def "):
         prefix = _SECTION_CLASSES.get(cls.group(1)) if cls else (sec.group(1) + "." if sec else None)
         break
