@@ -34,9 +34,8 @@ def _nested(lines: list[str], row: int) -> str:
 def field_docs() -> dict[str, str]:
   """{'model.num_kv_heads': '0 = num_heads (MHA); 1 = MQA; ...', ...}: the comments beside the fields in
   tformer_jax/config/schema.py (the dataclasses, default_config and its _<name>_section functions), a
-  comment-only line continuing the
-  field above it; an enum field's values are listed from its tuple (`enum_fields`). The schema's one
-  source of descriptions."""
+  comment-only line continuing the field above it; an enum field's values are listed from its tuple
+  (`enum_fields`). The schema's one source of descriptions."""
   source = inspect.getsource(config_lib.schema)
   docs: dict[str, str] = {}
   prefix, last, last_line = None, None, -1
