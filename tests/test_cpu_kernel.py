@@ -132,7 +132,7 @@ def test_fresh_process_builds_into_an_empty_cache(tmp_path):
 
 
 BF16_BLAS = [pytest.param(blas, marks=pytest.mark.skipif(not ok, reason=f"no {blas} (a bfloat16 gemm): {why}"))
-             for blas, (ok, why) in ((b, build.blas_available(b)) for b in build.BF16_BLAS)]
+             for blas, (ok, why) in ((b, build.bf16_blas_available(b)) for b in build.BF16_BLAS)]
 
 
 @pytest.mark.parametrize("blas", BF16_BLAS)

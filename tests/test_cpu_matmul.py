@@ -29,6 +29,7 @@ from tformer_jax.ops.cpu_kernel import matmul_cpu
 
 MKL = cpu_kernel.blas_available("mkl")
 ONEDNN = cpu_kernel.blas_available("onednn")
+ONEDNN_BF16 = cpu_kernel.build.bf16_blas_available("onednn")   # its bfloat16 gemm runs here (AVX-512)
 LOADS = {"openblas": (True, ""), "mkl": MKL, "onednn": ONEDNN}
 BLAS = [pytest.param(name, marks=pytest.mark.skipif(not ok, reason=f"no {name}: {why}"))
         for name, (ok, why) in LOADS.items()]
@@ -197,7 +198,7 @@ def test_auto_blas_and_matmul():
     b = resolve()
     assert (b.cpu_blas, cpu_kernel.blas_in_use()) == (want, want)
     assert b.cpu_matmul == ("all" if want == "mkl" else "weight_grads")
-    want = "mkl" if intel_mkl else "onednn" if ONEDNN[0] else "openblas"
+    want = "mkl" if intel_mkl else "onednn" if ONEDNN_BF16[0] else "openblas"
     b = resolve(precision="bf16")
     assert (b.cpu_blas, cpu_kernel.blas_in_use(), b.cpu_kernels) == (want, want, want != "openblas")
     if b.cpu_kernels:
@@ -232,7 +233,7 @@ def test_auto_uses_the_kernels_only_on_one_device_in_float32_or_bf16_with_a_bf16
   assert type(b) is backends.XlaCpuBackend and b.cpu_kernels and b.attention_impl == "chunked"
   # bfloat16 compute over float32 parameters: on where the BLAS has a bfloat16 gemm (MKL, oneDNN), else off
   from tformer_jax.backends.runtime import cpu_vendor  # noqa: PLC0415
-  bf16_on = (cpu_vendor() == "GenuineIntel" and MKL[0]) or ONEDNN[0]
+  bf16_on = (cpu_vendor() == "GenuineIntel" and MKL[0]) or ONEDNN_BF16[0]
   assert resolve(dataclasses.replace(auto, dtype="bfloat16")).cpu_kernels == bf16_on
   assert resolve(auto, precision="bf16").cpu_kernels == bf16_on
   assert not resolve(auto, precision="bf16", cpu_blas="openblas").cpu_kernels
@@ -409,7 +410,7 @@ def test_bf16_loss_products_on_the_kernel(name):
     _close(g, ref, 1e-2)
 
 
-@pytest.mark.skipif(not ONEDNN[0], reason=f"no onednn: {ONEDNN[1]}")
+@pytest.mark.skipif(not ONEDNN_BF16[0], reason=f"no onednn bfloat16 gemm: {ONEDNN_BF16[1]}")
 def test_onednn_leaves_the_callers_openmp_threads_as_they_were():
   """oneDNN's gemms run on OpenMP; the kernel holds each call to one OpenMP thread and puts the calling thread's
   setting back after it. XLA:CPU runs a small product on the Python thread itself, whose setting a library

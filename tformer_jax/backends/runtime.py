@@ -98,10 +98,11 @@ def resolve_runtime(cfg: Any, *, model: config_lib.ModelConfig | None = None, me
     matmul, blas = "weight_grads", "openblas"
     if use_kernels:
       blas = _cpu_blas(rt.get("cpu_blas", "auto"), bf16, reasons)
-      if bf16 and blas not in cpu_kernel.build.BF16_BLAS and rt["cpu_kernels"] == "auto":
+      if bf16 and not cpu_kernel.build.bf16_blas_available(blas)[0] and rt["cpu_kernels"] == "auto":
         use_kernels = False
-        reasons[-1] += ("; C++ kernels off after all: bfloat16 compute needs a bfloat16 gemm, which "
-                        "OpenBLAS's wheel lacks (oneMKL's or oneDNN's: runtime.cpu_blas 'mkl' or 'onednn')")
+        reasons[-1] += ("; C++ kernels off after all: bfloat16 compute needs a bfloat16 gemm that runs on this "
+                        "CPU, which OpenBLAS's wheel lacks (oneMKL's, or oneDNN's with AVX-512: runtime.cpu_blas "
+                        "'mkl' or 'onednn')")
       else:
         matmul = _cpu_matmul(rt.get("cpu_matmul", "auto"), blas, m.remat, reasons)
     chosen = XlaCpuBackend(cpu_kernels=use_kernels, cpu_matmul=matmul, cpu_blas=blas, **blocks)
@@ -203,7 +204,7 @@ def _cpu_blas(choice: str, bf16: bool, reasons: list[str]) -> str:
   if choice == "auto":
     vendor = cpu_vendor()
     mkl = vendor == "GenuineIntel" and cpu_kernel.blas_available("mkl")[0]
-    dnnl = bf16 and not mkl and cpu_kernel.blas_available("onednn")[0]
+    dnnl = bf16 and not mkl and cpu_kernel.build.bf16_blas_available("onednn")[0]
     choice = "mkl" if mkl else "onednn" if dnnl else "openblas"
     reasons.append("BLAS " + (
         "mkl: an Intel CPU and the `mkl` wheel installed" if mkl else

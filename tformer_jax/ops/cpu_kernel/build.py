@@ -26,6 +26,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+from typing import Any
 
 import jax
 
@@ -209,10 +210,43 @@ def load(blas: str | None = None) -> None:
 
 def _gemm_bf16(name: str) -> int | None:
   """The address of `name`'s bfloat16 x bfloat16 -> float32 gemm: oneMKL's cblas_gemm_bf16bf16f32, oneDNN's
-  dnnl_gemm_bf16bf16f32; None for OpenBLAS (scipy-openblas32 exports no sbgemm)."""
+  dnnl_gemm_bf16bf16f32; None for OpenBLAS (scipy-openblas32 exports no sbgemm), and where the library's
+  gemm does not run on this CPU (`_bf16_gemm_runs`: oneDNN's answers 'unimplemented' without AVX-512)."""
   symbol = {"mkl": "cblas_gemm_bf16bf16f32", "onednn": "dnnl_gemm_bf16bf16f32"}.get(name)
   fn = getattr(_blas(name)[1], symbol, None) if symbol else None
-  return ctypes.cast(fn, ctypes.c_void_p).value if fn is not None else None
+  if fn is None or not _bf16_gemm_runs(name, fn):
+    return None
+  return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _bf16_gemm_runs(name: str, fn: Any) -> bool:
+  """Whether `name`'s bfloat16 gemm computes 1 x 2 = 2 on this CPU (probed once)."""
+  runs = _state.setdefault("bf16_runs", {})
+  if name not in runs:
+    i64, i32, f32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+    a, b, c = (ctypes.c_uint16 * 1)(0x3F80), (ctypes.c_uint16 * 1)(0x4000), (ctypes.c_float * 1)(0.0)   # 1, 2
+    if name == "onednn":   # dnnl_status_t dnnl_gemm_bf16bf16f32(transa, transb, M, N, K, alpha, A, lda, ...)
+      fn.restype = ctypes.c_int
+      ok = fn(ctypes.c_char(b"N"), ctypes.c_char(b"N"), i64(1), i64(1), i64(1), f32(1.0), a, i64(1), b, i64(1),
+              f32(0.0), c, i64(1)) == 0
+    else:                  # cblas_gemm_bf16bf16f32(layout, transa, transb, m, n, k, alpha, A, lda, ...), LP64
+      fn.restype = None
+      fn(i32(101), i32(111), i32(111), i32(1), i32(1), i32(1), f32(1.0), a, i32(1), b, i32(1), f32(0.0), c, i32(1))
+      ok = True
+    runs[name] = bool(ok and c[0] == 2.0)
+  return runs[name]
+
+
+def bf16_blas_available(name: str) -> tuple[bool, str]:
+  """(True, '') when the kernels load here with `name` and its bfloat16 gemm runs on this CPU, else (False,
+  why); leaves the BLAS in use as it was."""
+  ok, why = blas_available(name)
+  if not ok:
+    return ok, why
+  with _lock:
+    if _gemm_bf16(name) is None:
+      return False, f"{name}'s bfloat16 gemm does not run on this CPU (or is absent)"
+  return True, ""
 
 
 def has_bf16_gemm() -> bool:
