@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from tformer_jax import backends, cli_common
+from tformer_jax.analysis import estimate
 from tformer_jax.config import ModelConfig, default_config
-from tformer_jax.diagnostics import ablate, attention_maps, estimate
+from tformer_jax.diagnostics import ablate, attention_maps
 from tformer_jax.nn import Transformer
 from tformer_jax.train import optim, precision, state as state_lib, stats, step as step_lib
 from tformer_jax.train.loop import train

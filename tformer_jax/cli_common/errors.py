@@ -125,12 +125,28 @@ def setup_logging(level: int = logging.INFO, fmt: str = "%(asctime)s %(levelname
   while train.init_from is resolved: basicConfig alone then did nothing, and a fine-tuning run printed none
   of its INFO lines) is replaced; other handlers (a test's log capture, a file) are kept."""
   root = logging.getLogger()
-  for h in [h for h in root.handlers if type(h) is logging.StreamHandler]:
+  for h in [h for h in root.handlers if type(h) in (logging.StreamHandler, _Stderr)]:
     root.removeHandler(h)
-  handler = logging.StreamHandler(sys.stderr)
+  handler = _Stderr()
   handler.setFormatter(logging.Formatter(fmt))
   root.addHandler(handler)
   root.setLevel(level)
+
+
+class _Stderr(logging.StreamHandler):
+  """A handler writing to sys.stderr as it is at each record (a command run in-process by a test whose
+  captured stderr has since closed writes to the current one)."""
+
+  def __init__(self):
+    super().__init__()
+
+  @property
+  def stream(self):
+    return sys.stderr
+
+  @stream.setter
+  def stream(self, value):
+    pass
 
 
 def fail(message: str) -> None:

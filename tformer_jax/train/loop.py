@@ -237,7 +237,7 @@ class _Run:
       start = int(state.step)
       if data_state:
         self.it.set_state(data_state)
-      log.info("branched from %s (step %d)", *cfg.train.branch_from.rsplit("@", 1))
+      log.info("branched from %s (step %s)", *cfg.train.branch_from.rsplit("@", 1))
     else:
       given = {}
       if cfg.train.init_from:
