@@ -8,6 +8,8 @@ norms and (1 + w) RMSNorm, GeGLU (tanh) d_ff 15360, the embedding scaled by sqrt
 2048 tokens' logits at a time.
 
   tformer-aot --config=configs/scale/gemma3_12b.py --topology=v6e:16x16
+
+Fits at 28.7 GiB a chip; HLO FLOPs 1.07x the formula; roofline MFU 46.8% (MaxText measures 38.1%).
 """
 from tformer_jax.config import default_config
 
