@@ -19,7 +19,7 @@ pytestmark = pytest.mark.reference
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-import jax  # noqa: E402
+from test_hf_families import assert_same_params, hf_greedy, hf_logits, ours  # noqa: E402
 
 from tformer_jax import decode  # noqa: E402
 from tformer_jax.config import RopeScaling  # noqa: E402
@@ -109,33 +109,16 @@ def build(config, seed: int = 0):
   return m
 
 
-def hf_logits(m, tokens: np.ndarray) -> np.ndarray:
-  with torch.no_grad():
-    return m(torch.tensor(tokens)).logits.numpy()
 
 
-def ours(model, params, tokens: np.ndarray) -> np.ndarray:
-  return np.asarray(jax.jit(model.apply)({"params": params}, tokens))
 
 
 def batch(length: int, b: int = 2, seed: int = 1) -> np.ndarray:
   return np.random.RandomState(seed).randint(0, V, (b, length)).astype(np.int32)
 
 
-def hf_greedy(m, prompts: np.ndarray, n: int) -> np.ndarray:
-  m.generation_config.eos_token_id = None
-  x = torch.tensor(prompts)
-  with torch.no_grad():
-    out = m.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=0,
-                     disable_compile=True)
-  return out[:, prompts.shape[1]:].numpy()
 
 
-def assert_same_params(a, b) -> None:
-  fa, fb = hfi.flatten(a), hfi.flatten(b)
-  assert sorted(fa) == sorted(fb)
-  for k in fa:
-    assert np.array_equal(np.asarray(fa[k]), np.asarray(fb[k])), k
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
