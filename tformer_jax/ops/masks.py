@@ -95,8 +95,8 @@ class Visibility:
             and self.kv_positions_BxS is None)
 
   def structural(self, l: int, s: int) -> Array | None:
-    """(L, S) mask from causality, window, global tokens and random blocks; None if everything is
-    visible."""
+    """(L, S) mask from causality, window, global tokens and random blocks ((B, L, S) with per-row key
+    positions); None if everything is visible."""
     q = self.q_offset + jnp.arange(l)[:, None]
     if self.kv_positions_BxS is not None:   # per-row key indices: a (B, L, S) structure
       q, k = q[None], self.kv_positions_BxS[:, None, :]
