@@ -251,8 +251,8 @@ def matmul_rates(shapes: Sequence[tuple[int, int, int]], reps: int = 5, precisio
   import torch  # noqa: PLC0415
   bf16 = precision == "bf16"
   product = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
-  blas = [name for name in (cpu_kernel.build.BF16_BLAS if bf16 else cpu_kernel.BLAS)
-          if cpu_kernel.blas_available(name)[0]]
+  blas = ([name for name in cpu_kernel.build.BF16_BLAS if cpu_kernel.build.bf16_blas_available(name)[0]] if bf16
+          else [name for name in cpu_kernel.BLAS if cpu_kernel.blas_available(name)[0]])
   kernel = jax.jit(cpu_kernel.matmul_cpu)
   rng = np.random.default_rng(0)
   by_shape = {}

@@ -329,6 +329,22 @@ def test_bf16_without_a_bf16_gemm_is_a_clear_error():
     matmul_cpu(a, a, transpose_b=True)
 
 
+@pytest.mark.skipif(not any(ok for ok, _ in (MKL, ONEDNN_BF16)), reason="no BLAS with a bfloat16 gemm here")
+def test_a_compiled_bf16_call_on_a_blas_without_its_gemm_is_an_error_not_a_crash():
+  """The check at trace time does not see a later BLAS switch: a bf16 executable compiled on MKL (or oneDNN on
+  AVX-512) and run on OpenBLAS, or on oneDNN where its bf16 gemm does not run (no AVX-512), must fail with the
+  kernel's message (a null gemm called once crashed benchmarks/finetune_vs_peft.py's worker)."""
+  first = "mkl" if MKL[0] else "onednn"
+  a = jnp.ones((32, 16), jnp.bfloat16)
+  f = jax.jit(matmul_cpu)
+  with blas(first):
+    jax.block_until_ready(f(a, a.T))
+  without = ["openblas"] + (["onednn"] if ONEDNN[0] and not ONEDNN_BF16[0] else [])
+  for name in without:
+    with blas(name), pytest.raises(Exception, match="no bfloat16 gemm in the BLAS in use"):
+      jax.block_until_ready(f(a, a.T))
+
+
 def _close(got, want, tol=2e-2):
   got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
   np.testing.assert_allclose(got, want, rtol=0, atol=tol * max(1.0, np.abs(want).max()))

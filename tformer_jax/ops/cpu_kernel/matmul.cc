@@ -123,7 +123,7 @@ ffi::Error MatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ffi::Buffe
                       ffi::ResultBuffer<ffi::F32> c, bool transpose_a, bool transpose_b) {
   if (tfj::g_gemm_bf16 == nullptr)
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "tformer_jax cpu matmul: no bfloat16 gemm in the BLAS in use (oneMKL has one)");
+                      "tformer_jax cpu matmul: no bfloat16 gemm in the BLAS in use (oneMKL has one; oneDNN on AVX-512)");
   const auto* ap = reinterpret_cast<const uint16_t*>(a.untyped_data());
   const auto* bp = reinterpret_cast<const uint16_t*>(b.untyped_data());
   return MatmulBlocks(pool, ap, a.dimensions(), bp, b.dimensions(), c->typed_data(), c->dimensions(),
@@ -134,7 +134,7 @@ ffi::Error MatmulBf16ToBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ffi:
                             ffi::ResultBuffer<ffi::BF16> c, bool transpose_a, bool transpose_b) {
   if (tfj::g_gemm_bf16 == nullptr)
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "tformer_jax cpu matmul: no bfloat16 gemm in the BLAS in use (oneMKL has one)");
+                      "tformer_jax cpu matmul: no bfloat16 gemm in the BLAS in use (oneMKL has one; oneDNN on AVX-512)");
   const auto* ap = reinterpret_cast<const uint16_t*>(a.untyped_data());
   const auto* bp = reinterpret_cast<const uint16_t*>(b.untyped_data());
   auto* cp = reinterpret_cast<uint16_t*>(c->untyped_data());
@@ -154,7 +154,8 @@ extern "C" void tfj_set_dnnl(void* sgemm, void* gemm_bf16, void* omp_set_num_thr
   g_omp_set_num_threads = reinterpret_cast<void (*)(int)>(omp_set_num_threads);
   g_omp_get_max_threads = reinterpret_cast<int (*)()>(omp_get_max_threads);
   tfj::g_sgemm = DnnlAsCblas<float, &g_dnnl_sgemm>;
-  tfj::g_gemm_bf16 = DnnlAsCblas<uint16_t, &g_dnnl_gemm_bf16>;
+  // none where oneDNN's bfloat16 gemm does not run on this CPU: the kernels then answer an error, not a crash
+  tfj::g_gemm_bf16 = gemm_bf16 != nullptr ? DnnlAsCblas<uint16_t, &g_dnnl_gemm_bf16> : nullptr;
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TfjMatmul, Matmul,
