@@ -7,10 +7,10 @@ benchmarks/torch_gpt2.py builds the same architecture and optimiser in PyTorch.
   python -m tformer_jax.bench train --config=configs/bench/gpt2_cpu.py --steps 20 --warmup 3
   python benchmarks/compare_torch.py          # JAX vs torch eager vs torch.compile, interleaved
 
-Measured (2026-12-01 03:08 UTC, 2-vCPU AMD EPYC, JAX 0.10.2, torch 2.13.0+cpu, tcmalloc; compare_torch
+Measured (2026-12-01, 2-vCPU AMD EPYC, JAX 0.10.2, torch 2.13.0+cpu, tcmalloc; compare_torch
 --rounds 8 --k 2): JAX 4084, PyTorch eager 2508, torch.compile 2565 tokens/s (1.63x / 1.59x), 292.2
 GFLOP/s of 146.5 GFLOP/step = MFU 61.2% of a 477.4 GFLOP/s float32 matmul measured in the same run.
-Details and history: docs/benchmarks.md.
+Details: docs/benchmarks.md; history: docs/results/README.md.
 """
 from tformer_jax.config import default_config
 
