@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_modern_attention import assert_greedy_is_each_rows_full_forward
 from test_parallel import direct_losses
 
 from tformer_jax import backends, decode
@@ -174,14 +175,7 @@ def test_generation_with_left_padding_equals_the_full_forward():
   model = _model()
   params = _perturbed(nn.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]))
   prompts, n = [[5, 9, 2, 33, 7, 1, 8, 12, 40], [3, 4]], 10
-  out = np.asarray(decode.generate(model, params, prompts, max_new_tokens=n, temperature=0.0, max_len=32))
-  forward = jax.jit(lambda t: model.apply({"params": params}, t))
-  for prompt, row in zip(prompts, out):
-    buf = np.zeros((1, len(prompt) + n), np.int32)
-    buf[0, :len(prompt)] = prompt
-    for t in range(len(prompt), len(prompt) + n):
-      buf[0, t] = int(jnp.argmax(forward(jnp.asarray(buf))[0, t - 1]))
-    assert list(row) == list(buf[0, len(prompt):])
+  assert_greedy_is_each_rows_full_forward(model, params, prompts, n)
 
 
 def test_cache_holds_the_latent_and_the_rope_key_per_token_and_layer():
@@ -293,3 +287,17 @@ def test_eight_devices_equal_one_device_over_five_steps():
   eight, _ = direct_losses(tiny_config(steps=5, **model, **{"mesh.shape": (2, 2, 2), "mesh.rules": "fsdp_tp"}), 5)
   np.testing.assert_allclose(eight, one, rtol=2e-5)
   assert one[-1] < one[0]
+
+
+def test_training_attention_runs_the_kernel_not_the_dense_path():
+  """A forward without a cache hands the backend a static zero query offset, so the kernels serve it: under
+  splash (Pallas interpret mode on CPU) the traced forward holds the kernel's pallas_call and the logits equal
+  the reference backend's (1e-5). A traced offset once sent every MLA training call to the dense reference."""
+  model = _model()
+  tokens = jax.random.randint(jax.random.PRNGKey(3), (1, 128), 0, BASE["vocab_size"])
+  params = _perturbed(nn.unbox(model.init(jax.random.PRNGKey(0), tokens[:, :8])["params"]))
+  forward = lambda t: model.apply({"params": params}, t)  # noqa: E731
+  with backends.use(backends.Backend(attention_impl="splash", splash_block_q=128, splash_block_kv=128)):
+    assert "pallas_call" in str(jax.make_jaxpr(forward)(tokens))
+    got = jax.jit(forward)(tokens)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(forward)(tokens)), atol=1e-5)

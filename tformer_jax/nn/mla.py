@@ -96,6 +96,7 @@ class MLAttention(nn.Module):
       k_BxSx1xW, v_BxSx1xW = mla_ops.latent_kv(c_BxSxR, k_rope_BxSxDr)
       value_dim = None
     else:   # every head's K and V formed, padded to one head dim for the kernels
+      q_offset = 0   # no cache: the keys are this call's tokens (a traced offset would read as decoding)
       k_BxSxHxE, v_BxSxHxV = mla_ops.expand_kv(c_BxLxR, k_rope_BxLxDr, wkv_b, n)
       q_BxLxHxE = jnp.concatenate([q_nope_BxLxHxN, q_rope_BxLxHxDr], axis=-1)
       width = max(n + dr, dv)
