@@ -55,6 +55,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.05")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -81,3 +82,16 @@ HEAVY_FIRST = (
 def pytest_collection_modifyitems(session, config, items):
   rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: unlisted files keep their order
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_as_it_was():
+  """A command run in-process sets the root logger up for the process (cli_common.setup_logging: INFO to the
+  stderr of the moment); put it back after each test, so that a later test's captured stderr holds only what
+  its own command writes (two tests counting `error:` lines failed in the suite, passing alone)."""
+  import logging  # noqa: PLC0415
+  root = logging.getLogger()
+  handlers, level = list(root.handlers), root.level
+  yield
+  root.handlers[:] = handlers
+  root.setLevel(level)
