@@ -90,6 +90,8 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer("threads", os.cpu_count() or 1, "torch intra-op threads", flag_values=fv)
   flags.DEFINE_enum("precision", "float32", ["float32", "bf16"], "every contender's precision: float32, or bf16 "
                     "mixed precision (ours train.precision=bf16, theirs torch.autocast bfloat16)", flag_values=fv)
+  flags.DEFINE_integer("matmul-probe", 2048, "the side of the square product the matmul rates probe beside the "
+                       "model's FFN products (n x n x n)", lower_bound=1, flag_values=fv)
   flags.DEFINE_string("json", None, "also write the result to this file", flag_values=fv)
   flags.DEFINE_multi_string("variant", [], "ours again with these config overrides, FIELD=V,... "
                             "(e.g. model.remat=none,optim.grad_accum=8), after the preset: `ours_variants` in the "
@@ -330,8 +332,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       "transformers": transformers.__version__, "jax": jax.__version__, "torch_threads": args.threads,
       "cpu_count": os.cpu_count(), "allocator": host_alloc.loaded_allocator(),
       "machine": cpu_kernel.build.cpu_field("model name") or platform.processor(),
-      # each library's best matmul rate at this precision, on a 2048^3 product and the model's FFN products
-      "matmul_gflops": matmul_rates([(2048, 2048, 2048), (tokens, ffn[0], ffn[1]), (tokens, ffn[1], ffn[0])],
+      # each library's best matmul rate at this precision, on an n^3 product (--matmul-probe) and the model's FFN
+      # products
+      "matmul_probe": args.matmul_probe,
+      "matmul_gflops": matmul_rates([(args.matmul_probe,) * 3, (tokens, ffn[0], ffn[1]), (tokens, ffn[1], ffn[0])],
                                     precision=args.precision)}
   def contender(run: Any, mode: str, cfg: Any, *a: Any, remat: str | None = None) -> dict[str, Any]:
     """run(mode, cfg, *a) with its own peak RSS (the process's high-water mark reset before it; the previous

@@ -254,7 +254,7 @@ def test_finetune_vs_peft_runs_and_bounds_the_ratio(tmp_path):
   bench = _benchmark("finetune_vs_peft")
   out = tmp_path / "r.json"
   bench.main([f"--hf={tmp_path / 'hf'}", "--modes=full", "--batch=8", "--seq=16", "--steps=1", "--warmup=0",
-              "--threads=2", f"--json={out}"])
+              "--threads=2", "--matmul-probe=512", f"--json={out}"])
   r = json.loads(out.read_text())
   full, mm = r["full"], r["matmul_gflops"]
   assert mm["xla"] > 0 and mm["torch"] > 0 and mm["openblas"] > 0   # the kernels build wherever the suite runs
@@ -287,7 +287,7 @@ def test_finetune_vs_peft_in_bf16(tmp_path):
   bench = _benchmark("finetune_vs_peft")
   out = tmp_path / "r.json"
   bench.main([f"--hf={tmp_path / 'hf'}", "--modes=full", "--batch=8", "--seq=16", "--steps=1", "--warmup=0",
-              "--threads=2", "--precision=bf16", f"--json={out}"])
+              "--threads=2", "--precision=bf16", "--matmul-probe=256", f"--json={out}"])
   r = json.loads(out.read_text())
   full, mm = r["full"], r["matmul_gflops"]
   assert r["precision"] == "bf16" and "openblas" not in mm and mm["xla"] > 0 and mm["torch"] > 0
