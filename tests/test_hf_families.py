@@ -133,6 +133,30 @@ def assert_same_params(a, b) -> None:
     assert np.array_equal(np.asarray(fa[k]), np.asarray(fb[k])), k
 
 
+def scanned_export_and_greedy(family, m, model, params, tokens, got, prompts, tmp_path) -> None:
+  """The rest of a family's parity (tests/test_hf_moe_families.py too), given transformers' model `m`, ours
+  imported from it and our logits `got` on `tokens` (already checked against transformers'): train.init_from=hf
+  with scan_layers (the unrolled layers stacked per cycle, the leftover and a MoE model's dense first layers
+  apart) gives the same logits; its export loads in transformers with those logits and back into ours bitwise;
+  greedy tokens from `prompts` equal transformers' generate."""
+  cfg = model.cfg
+  scanned = hfi.Transformer(dataclasses.replace(cfg, scan_layers=True))
+  scanned_params = stack_layers(params, cfg.num_layers, cfg.cycle, cfg.moe.first_k_dense)
+  np.testing.assert_allclose(ours(scanned, scanned_params, tokens), got, **TOL)
+
+  save_hf(scanned, scanned_params, tmp_path / "out")          # exported from the scanned layout
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+  assert back.config.model_type == family
+  np.testing.assert_allclose(hf_logits(back, tokens), got, **TOL)
+  model2, params2 = load_hf(tmp_path / "out")
+  assert hfi.arch_signature(model2.cfg) == hfi.arch_signature(cfg)
+  assert_same_params(params2, params)
+
+  want = hf_greedy(m, prompts, NEW)
+  mine = decode.generate(model, params, prompts, max_new_tokens=NEW, temperature=0.0)
+  np.testing.assert_array_equal(mine, want)
+
+
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_family_parity_export_and_greedy(family, tmp_path):
   m = build(CONFIGS[family]())
@@ -152,23 +176,7 @@ def test_family_parity_export_and_greedy(family, tmp_path):
   np.testing.assert_allclose(got, ref, **TOL)
   assert_same_params(load_hf(m)[1], params)      # the in-memory model: the same params as its files
 
-  # train.init_from=hf: with scan_layers: the unrolled layers stacked per cycle (the leftover layers after).
-  scanned = hfi.Transformer(dataclasses.replace(cfg, scan_layers=True))
-  scanned_params = stack_layers(params, cfg.num_layers, cfg.cycle)
-  np.testing.assert_allclose(ours(scanned, scanned_params, tokens), got, **TOL)
-
-  save_hf(scanned, scanned_params, tmp_path / "out")          # exported from the scanned layout
-  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
-  assert back.config.model_type == family
-  np.testing.assert_allclose(hf_logits(back, tokens), got, **TOL)
-  model2, params2 = load_hf(tmp_path / "out")
-  assert hfi.arch_signature(model2.cfg) == hfi.arch_signature(cfg)
-  assert_same_params(params2, params)
-
-  prompts = batch(PROMPT, seed=3)
-  want = hf_greedy(m, prompts, NEW)
-  mine = decode.generate(model, params, prompts, max_new_tokens=NEW, temperature=0.0)
-  np.testing.assert_array_equal(mine, want)
+  scanned_export_and_greedy(family, m, model, params, tokens, got, batch(PROMPT, seed=3), tmp_path)
   print(f"{family}: logits max|diff| {np.abs(got - ref).max():.1e}")
 
 

@@ -19,13 +19,11 @@ pytestmark = pytest.mark.reference
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from test_hf_families import assert_same_params, hf_greedy, hf_logits, ours  # noqa: E402
+from test_hf_families import assert_same_params, hf_logits, ours, scanned_export_and_greedy  # noqa: E402
 
-from tformer_jax import decode  # noqa: E402
 from tformer_jax.config import RopeScaling  # noqa: E402
 from tformer_jax.interop import hf as hfi  # noqa: E402
 from tformer_jax.interop.hf import HFConfigError, load_hf, save_hf  # noqa: E402
-from tformer_jax.nn.stacking import stack_layers  # noqa: E402
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 V = 61
@@ -139,22 +137,7 @@ def test_moe_family_parity_export_and_greedy(family, tmp_path):
   np.testing.assert_allclose(got, ref, **TOL)
   assert_same_params(load_hf(m)[1], params)      # the in-memory (fused experts) model: the same params
 
-  scanned = hfi.Transformer(dataclasses.replace(cfg, scan_layers=True))
-  scanned_params = stack_layers(params, cfg.num_layers, cfg.cycle, cfg.moe.first_k_dense)
-  np.testing.assert_allclose(ours(scanned, scanned_params, tokens), got, **TOL)
-
-  save_hf(scanned, scanned_params, tmp_path / "out")
-  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
-  assert back.config.model_type == family
-  np.testing.assert_allclose(hf_logits(back, tokens), got, **TOL)
-  model2, params2 = load_hf(tmp_path / "out")
-  assert hfi.arch_signature(model2.cfg) == hfi.arch_signature(cfg)
-  assert_same_params(params2, params)
-
-  prompts = batch(PROMPT, seed=3)
-  want = hf_greedy(m, prompts, NEW)
-  mine = decode.generate(model, params, prompts, max_new_tokens=NEW, temperature=0.0)
-  np.testing.assert_array_equal(mine, want)
+  scanned_export_and_greedy(family, m, model, params, tokens, got, batch(PROMPT, seed=3), tmp_path)
   print(f"{family}: logits max|diff| {np.abs(got - ref).max():.1e}")
 
 

@@ -103,12 +103,8 @@ def test_train_step_adds_the_z_loss_and_logs_it_apart():
   """The float32 train step of a tiny llama with a loss mask and 2 micro-batches: with train.logit_z_loss,
   loss = nll + z_loss (no MoE aux here), z_loss = coefficient * logit_lse_sq, the same with the full logits
   and the chunked loss (1e-5), and the gradient changes; logit_lse_sq is logged without the z-loss too."""
-  from test_losses import model_and_batch  # noqa: PLC0415
-  cfg, model, data = model_and_batch("configs/llama_tiny.py", "float32", batch=4, seq=16)
-  cfg.optim.grad_accum = 2
-  tx, schedule = optim.make_optimizer(cfg.optim, 10)
-  init = state_lib.init_fn(model, tx, precision.get_policy("float32").initial_loss_scale(), 16)
-  state = jax.jit(lambda r: state_lib.unbox_plain(init(r)))(jax.random.PRNGKey(0))
+  from test_losses import float32_state_and_batch  # noqa: PLC0415
+  cfg, model, data, tx, schedule, state = float32_state_and_batch("configs/llama_tiny.py")
 
   def runs(state, data):
     return [step_lib.make_train_step(model, tx, schedule, cfg.optim, loss_chunk=chunk, z_loss=z)(state, data)[1]

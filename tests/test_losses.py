@@ -142,6 +142,17 @@ def model_and_batch(path: str, precision_name: str, batch: int = 4, seq: int = 3
   return cfg, model, data
 
 
+def float32_state_and_batch(path: str):
+  """(cfg, model, data, tx, schedule, state) of `path`'s model in float32, a batch of 4 x 16 tokens with a loss
+  mask, 2 micro-batches (optim.grad_accum): a train step's inputs (test_logit_losses.py too)."""
+  cfg, model, data = model_and_batch(path, "float32", batch=4, seq=16)
+  cfg.optim.grad_accum = 2
+  tx, schedule = optim.make_optimizer(cfg.optim, 10)
+  init = state_lib.init_fn(model, tx, precision.get_policy("float32").initial_loss_scale(), 16)
+  state = jax.jit(lambda r: state_lib.unbox_plain(init(r)))(jax.random.PRNGKey(0))
+  return cfg, model, data, tx, schedule, state
+
+
 def test_loss_chunk_and_cast_once_keep_the_loss_and_gradients():
   """bf16 policy, a loss mask, tied embeddings (the unembedding is embed.T) with biases and learned
   positions (gpt2). The once-per-step cast gives the very same loss and gradients (float32); the
@@ -168,11 +179,7 @@ def test_train_and_eval_steps_with_loss_chunk_moe_and_grad_accum():
   """The whole step in float32 for the MoE model (aux losses, untied head), 2 micro-batches, a loss
   mask: loss_chunk gives the full-logits step's loss, aux loss, gradient norm and updated parameters;
   the eval sums agree (the token accuracy exactly)."""
-  cfg, model, data = model_and_batch("configs/mixtral_tiny.py", "float32", batch=4, seq=16)
-  cfg.optim.grad_accum = 2
-  tx, schedule = optim.make_optimizer(cfg.optim, 10)
-  init = state_lib.init_fn(model, tx, precision.get_policy("float32").initial_loss_scale(), 16)
-  state = jax.jit(lambda r: state_lib.unbox_plain(init(r)))(jax.random.PRNGKey(0))
+  cfg, model, data, tx, schedule, state = float32_state_and_batch("configs/mixtral_tiny.py")
 
   def both(state, data):
     return [(*step_lib.make_train_step(model, tx, schedule, cfg.optim, loss_chunk=chunk)(state, data),

@@ -119,12 +119,9 @@ def test_decode_equals_the_full_forward_past_the_ring_wrap(family):
                                err_msg=f"{family} scan={scan}")
 
 
-def test_generation_with_left_padding_and_a_ring_equals_the_full_forward():
-  """Greedy generation of a batch with left-padded prompts on a ring-cached model: each row's tokens are the
-  argmax of the full forward of that row alone (one jitted forward over a fixed buffer, causal)."""
-  model = _model("gemma3")
-  params = _perturbed(nn.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]))
-  prompts, n = [[5, 9, 2, 33, 7, 1, 8, 12, 40], [3, 4]], 12
+def assert_greedy_is_each_rows_full_forward(model, params, prompts: list[list[int]], n: int) -> None:
+  """Greedy generation of the left-padded batch `prompts` (n tokens each, max_len 32): each row's tokens are
+  the argmax of that row's full forward alone (one jitted forward over a fixed buffer, causal); test_mla.py too."""
   out = np.asarray(decode.generate(model, params, prompts, max_new_tokens=n, temperature=0.0, max_len=32))
   forward = jax.jit(lambda t: model.apply({"params": params}, t))
   for prompt, row in zip(prompts, out):
@@ -133,6 +130,15 @@ def test_generation_with_left_padding_and_a_ring_equals_the_full_forward():
     for t in range(len(prompt), len(prompt) + n):
       buf[0, t] = int(jnp.argmax(forward(jnp.asarray(buf))[0, t - 1]))
     assert list(row) == list(buf[0, len(prompt):])
+
+
+def test_generation_with_left_padding_and_a_ring_equals_the_full_forward():
+  """Greedy generation of a batch with left-padded prompts on a ring-cached model: each row's tokens are the
+  argmax of the full forward of that row alone."""
+  model = _model("gemma3")
+  params = _perturbed(nn.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]))
+  prompts, n = [[5, 9, 2, 33, 7, 1, 8, 12, 40], [3, 4]], 12
+  assert_greedy_is_each_rows_full_forward(model, params, prompts, n)
 
 
 def test_scanned_cycles_equal_unrolled_layers_for_a_count_off_the_pattern():
