@@ -273,32 +273,31 @@ BERT = (
 )
 
 _ROTARY = r"\.rotary_emb\.(\w+_)?inv_freq$"   # Gemma 3: one per layer type
+
+
+def _decoder(model_type: str, rules: tuple, to_model: Callable, to_hf: Callable, ignore: tuple[str, ...] = (),
+             **kw) -> Family:
+  """A decoder laid out as Llama's: base prefix 'model.', RoPE buffers skipped, lm_head skipped when tied."""
+  return Family(model_type, rules, to_model, to_hf, prefix="model.", ignore=(_ROTARY, *ignore),
+                ignore_tied=(r"^lm_head\.weight$",), **kw)
+
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gpt2", GPT2, C.gpt2_to_model, C.gpt2_to_hf, prefix="transformer.",
            ignore=(r"\.attn\.(masked_)?bias$",), ignore_tied=(r"^lm_head\.weight$",)),
-    Family("llama", LLAMA, C.llama_to_model, C.llama_to_hf, prefix="model.", ignore=(_ROTARY,),
-           ignore_tied=(r"^lm_head\.weight$",)),
-    Family("mistral", LLAMA, C.mistral_to_model, C.mistral_to_hf, prefix="model.", ignore=(_ROTARY,),
-           ignore_tied=(r"^lm_head\.weight$",)),
-    Family("mixtral", MIXTRAL, C.mixtral_to_model, C.mixtral_to_hf, prefix="model.", ignore=(_ROTARY,),
-           ignore_tied=(r"^lm_head\.weight$",)),
-    Family("qwen2", LLAMA, C.qwen2_to_model, C.qwen2_to_hf, prefix="model.", ignore=(_ROTARY,),
-           ignore_tied=(r"^lm_head\.weight$",)),
-    Family("qwen3", QWEN3, C.qwen3_to_model, C.qwen3_to_hf, prefix="model.", ignore=(_ROTARY,),
-           ignore_tied=(r"^lm_head\.weight$",)),
-    Family("olmo2", OLMO2, C.olmo2_to_model, C.olmo2_to_hf, prefix="model.", ignore=(_ROTARY,),
-           ignore_tied=(r"^lm_head\.weight$",)),
-    Family("gemma2", GEMMA2, C.gemma2_to_model, C.gemma2_to_hf, prefix="model.", ignore=(_ROTARY,),
-           ignore_tied=(r"^lm_head\.weight$",)),
-    Family("gemma3_text", GEMMA3, C.gemma3_text_to_model, C.gemma3_text_to_hf, prefix="model.",
-           ignore=(_ROTARY,), ignore_tied=(r"^lm_head\.weight$",)),
-    Family("qwen3_moe", QWEN3_MOE, C.qwen3_moe_to_model, C.qwen3_moe_to_hf, prefix="model.", ignore=(_ROTARY,),
-           ignore_tied=(r"^lm_head\.weight$",)),
-    Family("gpt_oss", GPT_OSS, C.gpt_oss_to_model, C.gpt_oss_to_hf, prefix="model.", ignore=(_ROTARY,),
-           ignore_tied=(r"^lm_head\.weight$",)),
-    Family("deepseek_v3", DEEPSEEK_V3, C.deepseek_v3_to_model, C.deepseek_v3_to_hf, prefix="model.",
-           ignore=(_ROTARY, r"^model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight$"),
-           ignore_tied=(r"^lm_head\.weight$",), mtp=DEEPSEEK_V3_MTP, mtp_copies=DEEPSEEK_V3_MTP_COPIES),
+    _decoder("llama", LLAMA, C.llama_to_model, C.llama_to_hf),
+    _decoder("mistral", LLAMA, C.mistral_to_model, C.mistral_to_hf),
+    _decoder("mixtral", MIXTRAL, C.mixtral_to_model, C.mixtral_to_hf),
+    _decoder("qwen2", LLAMA, C.qwen2_to_model, C.qwen2_to_hf),
+    _decoder("qwen3", QWEN3, C.qwen3_to_model, C.qwen3_to_hf),
+    _decoder("olmo2", OLMO2, C.olmo2_to_model, C.olmo2_to_hf),
+    _decoder("gemma2", GEMMA2, C.gemma2_to_model, C.gemma2_to_hf),
+    _decoder("gemma3_text", GEMMA3, C.gemma3_text_to_model, C.gemma3_text_to_hf),
+    _decoder("qwen3_moe", QWEN3_MOE, C.qwen3_moe_to_model, C.qwen3_moe_to_hf),
+    _decoder("gpt_oss", GPT_OSS, C.gpt_oss_to_model, C.gpt_oss_to_hf),
+    _decoder("deepseek_v3", DEEPSEEK_V3, C.deepseek_v3_to_model, C.deepseek_v3_to_hf,
+             ignore=(r"^model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight$",), mtp=DEEPSEEK_V3_MTP,
+             mtp_copies=DEEPSEEK_V3_MTP_COPIES),
     Family("bloom", BLOOM, C.bloom_to_model, C.bloom_to_hf, prefix="transformer.",
            ignore_tied=(r"^lm_head\.weight$",)),
     Family("gpt_neox", GPT_NEOX, C.gpt_neox_to_model, C.gpt_neox_to_hf, prefix="gpt_neox.",
