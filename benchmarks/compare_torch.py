@@ -168,6 +168,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-  from tformer_jax.host_alloc import maybe_reexec
+  from tformer_jax.backends import maybe_reexec
   maybe_reexec()  # both contenders run in this process, so both get the same allocator
   main()

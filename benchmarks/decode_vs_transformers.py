@@ -26,7 +26,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
   sys.path.insert(0, str(REPO))
 
-from tformer_jax.host_alloc import maybe_reexec  # noqa: E402
+from tformer_jax.backends import maybe_reexec  # noqa: E402
 
 SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
              num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0,
@@ -122,5 +122,5 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-  maybe_reexec()   # tcmalloc / hugetlb as the CLIs run (tformer_jax/host_alloc.py)
+  maybe_reexec()   # tcmalloc / hugetlb as the CLIs run (tformer_jax/backends/cpu/host_alloc.py)
   main()

@@ -56,22 +56,22 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
   sys.path.insert(0, str(REPO))
 
-from tformer_jax import host_alloc  # noqa: E402
+from tformer_jax import backends  # noqa: E402  (no jax yet: backends imports its names on first use)
 
 if __name__ == "__main__":
-  host_alloc.maybe_reexec()
+  backends.maybe_reexec()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import flags  # noqa: E402
 
-from tformer_jax import backends, cli_common  # noqa: E402
+from tformer_jax import cli_common  # noqa: E402
 from tformer_jax.analysis import flops as flops_lib  # noqa: E402
+from tformer_jax.backends.cpu import kernels as cpu_kernel  # noqa: E402  (the kernels' own benchmark)
 from tformer_jax.bench import emit  # noqa: E402
 from tformer_jax.cli_common import load_named_config  # noqa: E402
 from tformer_jax.config import validate  # noqa: E402
-from tformer_jax.ops import cpu_kernel  # noqa: E402
 from tformer_jax.parallel import mesh as mesh_lib  # noqa: E402
 from tformer_jax.train import init_from, setup as setup_lib, state as state_lib  # noqa: E402
 
@@ -330,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       "bench": "finetune_vs_peft", "hf": args.hf, "batch": args.batch, "seq": args.seq, "tokens_per_step": tokens,
       "steps": args.steps, "warmup": args.warmup, "precision": args.precision, "torch": torch.__version__,
       "transformers": transformers.__version__, "jax": jax.__version__, "torch_threads": args.threads,
-      "cpu_count": os.cpu_count(), "allocator": host_alloc.loaded_allocator(),
+      "cpu_count": os.cpu_count(), "allocator": backends.loaded_allocator(),
       "machine": cpu_kernel.build.cpu_field("model name") or platform.processor(),
       # each library's best matmul rate at this precision, on an n^3 product (--matmul-probe) and the model's FFN
       # products
@@ -342,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     contender's memory handed back first, so each peak is its own plus the process's baseline) and the MFLOP
     a token its step executes at cfg's remat or `remat`."""
     gc.collect()
-    host_alloc.release_free_memory()
+    backends.release_free_memory()
     reset_peak_rss()
     out = run(mode, cfg, *a)
     out["peak_rss_gib"] = peak_rss_gib()

@@ -6,7 +6,7 @@
       --peak-dtype=bfloat16 --peak-n=8192 --predict-only        # the GPU check's prediction (scripts/gpu_check.sh)
 
 For each config: the train step `tformer-bench train` times (bench/train.py `TrainBench`: the loop's step,
-jitted, state donated, synthetic tokens on the device; under the same host allocator, host_alloc.py) is
+jitted, state donated, synthetic tokens on the device; under the same host allocator, backends/cpu/host_alloc.py) is
 compiled by XLA:CPU; its optimized HLO goes
 through the same analysis as a TPU topology compile (`roofline.predict`: each op's FLOPs / peak and bytes
 / bandwidth, the larger of the two, summed; no collectives on one device), with this machine's figures
@@ -131,6 +131,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  from tformer_jax.host_alloc import maybe_reexec  # noqa: PLC0415 (the allocator tformer-bench train runs under)
+  from tformer_jax.backends import maybe_reexec  # noqa: PLC0415 (the allocator tformer-bench train runs under)
   maybe_reexec()
   sys.exit(main())

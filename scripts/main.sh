@@ -9,7 +9,7 @@ WORKDIR=${1:-runs/shakespeare}; shift || true
 [ -x "$VENV/bin/python" ] || "${PYTHON:-python3}" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q -e .
-# Optional: tcmalloc makes XLA:CPU train steps up to ~30% faster (tformer_jax/host_alloc.py); runs without it.
+# Optional: tcmalloc makes XLA:CPU train steps up to ~30% faster (tformer_jax/backends/cpu/host_alloc.py); runs without it.
 if ! ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
     && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4) >/dev/null 2>&1 \

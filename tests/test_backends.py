@@ -9,11 +9,16 @@
 - `resolve_runtime` logs one line; the layering holds (every unit in LAYERS, ops < config < backends < nn <
   services < train < analysis < cli_common < serve/eval < tools < cli; imports only downward, no tool imports
   another) and `nn/` holds no speed machinery.
+- The CPU speed machinery (backends/cpu: xla_cpu, the C++ kernels, the host allocator) is one package that
+  nothing outside backends/ imports (they use the names `tformer_jax.backends` re-exports; the host's import
+  no jax).
 """
 import ast
 import logging
 import pathlib
 import re
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -22,9 +27,10 @@ import numpy as np
 import pytest
 
 from tformer_jax import backends
+from tformer_jax.backends.cpu import kernels as cpu_kernel
 from tformer_jax.config import ModelConfig, default_config, validate_model
 from tformer_jax.nn import Transformer
-from tformer_jax.ops import attention as attn_ops, cpu_kernel, masks
+from tformer_jax.ops import attention as attn_ops, masks
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "tformer_jax"
 TOL = 1e-5
@@ -229,7 +235,7 @@ def _imports(path: pathlib.Path) -> set[str]:
 # only from its own layer or a lower one. Every unit has a place here (a new one fails until it is given one).
 LAYERS = (
     ("ops",),
-    ("config", "host_alloc"),
+    ("config",),
     ("backends",),
     ("nn",),
     ("data", "parallel", "checkpoint", "decode", "model_loading", "interop"),           # services
@@ -243,7 +249,7 @@ LAYERS = (
 LAYER = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 # Within its layer, what a unit may import besides itself (the rest of its layer otherwise): no tool imports
 # another tool; what two of them share belongs in analysis/ (or lower).
-SAME_LAYER = {"ops": set(), "config": set(), "host_alloc": set(), "parallel": set(), "serve": set(), "eval": set(),
+SAME_LAYER = {"ops": set(), "config": set(), "parallel": set(), "serve": set(), "eval": set(),
               **{tool: set() for tool in LAYERS[-2]}}
 
 
@@ -275,6 +281,36 @@ def test_the_layer_table_catches_an_upward_import(tmp_path, monkeypatch):
   monkeypatch.setitem(globals(), "PKG", fake)
   with pytest.raises(AssertionError, match="train/loop.py imports tformer_jax.eval: layer 8 above its own 5"):
     test_imports_run_downward()
+
+
+def _imports_cpu_package(path: pathlib.Path) -> bool:
+  """Whether a file imports tformer_jax.backends.cpu (or anything in it)."""
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.ImportFrom) and node.module:
+      mods = [f"{node.module}.{a.name}" for a in node.names] if node.module == "tformer_jax.backends" else [node.module]
+    elif isinstance(node, ast.Import):
+      mods = [a.name for a in node.names]
+    else:
+      continue
+    if any(m == "tformer_jax.backends.cpu" or m.startswith("tformer_jax.backends.cpu.") for m in mods):
+      return True
+  return False
+
+
+def test_cpu_machinery_is_one_package_behind_the_backend_door():
+  """Only backends/ imports backends/cpu (the rest uses `backends.<name>`); ops/ keeps no kernels; every name
+  the door lists resolves to its module's; the host's names import no jax."""
+  assert not (PKG / "ops" / "cpu_kernel" / "__init__.py").exists() and not (PKG / "host_alloc.py").exists()
+  assert {"xla_cpu.py", "host_alloc.py", "kernels"} <= {p.name for p in (PKG / "backends" / "cpu").iterdir()}
+  assert _imports_cpu_package(PKG / "backends" / "runtime.py")    # the check finds the import it is for
+  outside = [p for p in PKG.rglob("*.py") if p.relative_to(PKG).parts[0] != "backends"]
+  assert not [str(p.relative_to(PKG)) for p in outside if _imports_cpu_package(p)]
+  for name in backends.__all__:
+    assert getattr(backends, name) is not None, name
+  code = ("import sys; from tformer_jax import backends; backends.maybe_reexec, backends.idle_libtpu; "
+          "assert 'jax' not in sys.modules, 'jax imported'")
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+  assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 TOOLS = set(LAYERS[-2] + LAYERS[-1])   # used by nothing but the command lines

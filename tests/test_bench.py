@@ -192,7 +192,7 @@ def test_torch_reference_trains_a_step():
     ("lbd,df->lbf", (3, 2, 8), (8, 6)),        # not the 2-D fast path: einsum fallback
 ])
 def test_project_matches_einsum_values_and_gradients(spec, xs, ws):
-  from tformer_jax.backends.xla_cpu import project
+  from tformer_jax.backends.cpu.xla_cpu import project
   x = jax.random.normal(jax.random.PRNGKey(0), xs)
   w = jax.random.normal(jax.random.PRNGKey(1), ws)
   np.testing.assert_array_equal(np.asarray(project(spec, x, w)), np.asarray(jnp.einsum(spec, x, w)))

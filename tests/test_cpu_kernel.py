@@ -1,5 +1,5 @@
-"""The C++ CPU attention kernel (ops/cpu_kernel: the xla_cpu backend's 'chunked' attention with
-runtime.cpu_kernels on, backends/xla_cpu.py) equals dense dot_product_attention: outputs and q/k/v
+"""The C++ CPU attention kernel (backends/cpu/kernels: the xla_cpu backend's 'chunked' attention with
+runtime.cpu_kernels on, backends/cpu/xla_cpu.py) equals dense dot_product_attention: outputs and q/k/v
 gradients on every case of the blockwise suite that it supports (all but segment ids), two chunk
 sizes; plus vmap, fully padded rows, argument errors and the build step's errors.
 
@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from test_blockwise import CASES, _inputs, assert_matches_reference, case_and_reference
 
+from tformer_jax.backends.cpu.kernels import KernelUnavailable, build, chunk_table, chunked_attention_cpu, swiglu_cpu
 from tformer_jax.ops import masks
 from tformer_jax.ops.attention import dot_product_attention
-from tformer_jax.ops.cpu_kernel import KernelUnavailable, build, chunk_table, chunked_attention_cpu, swiglu_cpu
 
 pytestmark = pytest.mark.skipif(
     not any(shutil.which(c) for c in filter(None, (os.environ.get("CXX"), "g++", "c++", "clang++"))),
@@ -118,7 +118,7 @@ def test_build_errors_name_the_problem(tmp_path, monkeypatch):
 
 def test_fresh_process_builds_into_an_empty_cache(tmp_path):
   """A new cache directory gets one library; a second process reuses it (same file, same mtime)."""
-  code = ("import tformer_jax.ops.cpu_kernel as c; ok, path = c.available(); assert ok, path; "
+  code = ("import tformer_jax.backends.cpu.kernels as c; ok, path = c.available(); assert ok, path; "
           "print(path)")
   env = dict(os.environ, TFORMER_JAX_KERNEL_CACHE=str(tmp_path), JAX_PLATFORMS="cpu")
   first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)

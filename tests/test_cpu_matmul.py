@@ -1,5 +1,5 @@
-"""The C++ CPU matmul (ops.cpu_kernel.matmul_cpu) on each BLAS (runtime.cpu_blas: OpenBLAS, oneMKL where the
-`mkl` wheel is installed, oneDNN where the `onednn-cpu-gomp` wheel is) and its use in backends.xla_cpu.project
+"""The C++ CPU matmul (backends.cpu.kernels.matmul_cpu) on each BLAS (runtime.cpu_blas: OpenBLAS, oneMKL where the
+`mkl` wheel is installed, oneDNN where the `onednn-cpu-gomp` wheel is) and its use in backends.cpu.xla_cpu.project
 with the xla_cpu backend's C++ kernels on (runtime.cpu_kernels 'on' / 'auto'): the weight gradients, and under
 runtime.cpu_matmul 'all' the forward and input-gradient products too.
 
@@ -21,11 +21,11 @@ from test_cpu_kernel import BF16_BLAS, pytestmark  # noqa: F401  (pytestmark: sk
 from test_long_context import _assert_same, _cfg, _init, _logits_and_grads, _runtime_cfg, _tokens
 
 from tformer_jax import backends
-from tformer_jax.backends.xla_cpu import project
+from tformer_jax.backends.cpu import kernels as cpu_kernel
+from tformer_jax.backends.cpu.kernels import matmul_cpu
+from tformer_jax.backends.cpu.xla_cpu import project
 from tformer_jax.config import ConfigError, default_config, validate_runtime
 from tformer_jax.nn import Transformer
-from tformer_jax.ops import cpu_kernel
-from tformer_jax.ops.cpu_kernel import matmul_cpu
 
 MKL = cpu_kernel.blas_available("mkl")
 ONEDNN = cpu_kernel.blas_available("onednn")
@@ -277,7 +277,7 @@ def test_resolve_rejects_what_this_platform_cannot_run():
 def test_a_missing_blas_is_a_clear_error(monkeypatch, tmp_path, name, wheel):
   """Where the library is not installed, asking for MKL or oneDNN names the wheel to install (resolve_runtime
   turns it into `runtime.cpu_blas: 'mkl' is unavailable: ...`)."""
-  from tformer_jax.ops.cpu_kernel import build  # noqa: PLC0415
+  from tformer_jax.backends.cpu.kernels import build  # noqa: PLC0415
   monkeypatch.setattr("sys.prefix", str(tmp_path))
   monkeypatch.setattr("sysconfig.get_config_var", lambda name: str(tmp_path))
   with pytest.raises(cpu_kernel.KernelUnavailable, match=rf"runtime.cpu_blas '{name}'.*pip install {wheel}`"):
@@ -287,7 +287,7 @@ def test_a_missing_blas_is_a_clear_error(monkeypatch, tmp_path, name, wheel):
 def test_narrow_weights_keep_xlas_dot():
   """A weight with a side under MIN_KERNEL_SIDE (a LoRA adapter: 'bld,dr->blr' at rank 8, and its B) stays
   on XLA's dot even under 'all', with the hand-written VJP's values; a side at the limit goes to the kernel."""
-  from tformer_jax.backends.xla_cpu import MIN_KERNEL_SIDE  # noqa: PLC0415
+  from tformer_jax.backends.cpu.xla_cpu import MIN_KERNEL_SIDE  # noqa: PLC0415
   r = np.random.default_rng(4)
   x = jnp.asarray(r.standard_normal((2, 9, 32)), jnp.float32)
   for spec, w_shape, on_kernel in (("bld,dr->blr", (32, 8), False), ("blr,rd->bld", (8, 32), False),

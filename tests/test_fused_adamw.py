@@ -1,5 +1,5 @@
-"""The C++ CPU AdamW (ops.cpu_kernel.adamw_update_cpu / adamw_apply_cpu; the xla_cpu backend's
-optimizer, backends.xla_cpu.fused_adamw) equals the optax chain.
+"""The C++ CPU AdamW (backends.cpu.kernels.adamw_update_cpu / adamw_apply_cpu; the xla_cpu backend's
+optimizer, backends.cpu.xla_cpu.fused_adamw) equals the optax chain.
 
 Kernel: 6 steps against optax.chain(clip_by_global_norm, adamw) + apply_updates, with steps that are
 clipped and steps that are not; tolerance 1e-6 relative (float32 rounding of g * (clip / norm)
@@ -19,9 +19,9 @@ import pytest
 from test_cpu_kernel import pytestmark  # noqa: F401  (skip without a C++ compiler)
 
 from tformer_jax import backends
+from tformer_jax.backends.cpu.kernels import adamw_apply_cpu, adamw_scalars, adamw_update_cpu
 from tformer_jax.config import ConfigError, default_config, validate
 from tformer_jax.nn import Transformer
-from tformer_jax.ops.cpu_kernel import adamw_apply_cpu, adamw_scalars, adamw_update_cpu
 from tformer_jax.train import optim, precision, state as state_lib, step as step_lib
 
 KERNELS = backends.XlaCpuBackend(cpu_kernels=True)

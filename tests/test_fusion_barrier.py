@@ -1,4 +1,4 @@
-"""backends.xla_cpu.grad_fusion_barrier: an identity in values and gradients (also for NaN/inf
+"""backends.cpu.xla_cpu.grad_fusion_barrier: an identity in values and gradients (also for NaN/inf
 cotangents), whose backward really keeps its one-trip loop in the compiled XLA:CPU program, and a
 Transformer under the xla_cpu backend (the barrier on every block's residual input) equals the same
 backend with the barrier off (logits and parameter gradients, float32, 1e-6) and the reference
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tformer_jax import backends
-from tformer_jax.backends.xla_cpu import grad_fusion_barrier
+from tformer_jax.backends.cpu.xla_cpu import grad_fusion_barrier
 from tformer_jax.config import ModelConfig, validate_model
 from tformer_jax.nn import Transformer
 

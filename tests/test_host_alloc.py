@@ -1,4 +1,4 @@
-"""The CLIs' allocator choice (tformer_jax/host_alloc.py): the pure plan, and a real re-exec in a
+"""The CLIs' allocator choice (tformer_jax/backends/cpu/host_alloc.py): the pure plan, and a real re-exec in a
 subprocess that ends up running under the planned allocator exactly once; the train loop's
 release-on-growth rule, by its readings and under a real tcmalloc."""
 import importlib.util
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tformer_jax import host_alloc as ha
+from tformer_jax.backends.cpu import host_alloc as ha
 
 TC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
@@ -40,7 +40,7 @@ def test_plan_errors_and_other_platforms():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD / glibc tunables are Linux")
 @pytest.mark.parametrize("choice", ["auto", "system"])
 def test_reexec_runs_once_under_the_planned_allocator(choice):
-  code = ("import sys; from tformer_jax import host_alloc as ha; print('start', flush=True); "
+  code = ("import sys; from tformer_jax.backends.cpu import host_alloc as ha; print('start', flush=True); "
           "ha.maybe_reexec(); print('allocator', ha.loaded_allocator(), sys.argv[1:])")
   env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "GLIBC_TUNABLES", ha.ENV_DONE)}
   env[ha.ENV_CHOICE] = choice
@@ -83,7 +83,7 @@ def test_release_on_growth_releases_only_when_the_free_heap_grows_past_the_slack
 def test_release_on_growth_under_tcmalloc_hands_a_grown_free_heap_back():
   code = """
 import numpy as np
-from tformer_jax import host_alloc as ha
+from tformer_jax.backends.cpu import host_alloc as ha
 assert ha.free_bytes() is not None
 g = ha.ReleaseOnGrowth(slack_bytes=64 << 20)
 a = np.ones(1 << 25); del a; g.check()                        # a 256 MiB span freed: the level

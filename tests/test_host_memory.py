@@ -3,8 +3,8 @@ tformer-estimate's host-RSS terms (the LoRA optimizer state included)."""
 import subprocess
 import sys
 
-from tformer_jax import host_alloc
 from tformer_jax.analysis import estimate as est_lib
+from tformer_jax.backends.cpu import host_alloc
 from tformer_jax.cli_common import load_named_config
 
 from train_utils import tiny_config

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from tformer_jax import backends
+from tformer_jax.backends.cpu import kernels as cpu_kernel
 from tformer_jax.config import ConfigError, ModelConfig, RopeScaling, default_config, validate_model
 from tformer_jax.nn import Transformer
-from tformer_jax.ops import cpu_kernel
 
 TOL = 1e-5
 B, L = 2, 23  # 23 is not a multiple of the 8 x 4 blocks: the ragged last tiles are exercised

@@ -110,7 +110,7 @@ def test_aot_with_a_mesh_shape_of_the_wrong_length_is_a_config_error():
 
 
 def test_an_unknown_allocator_is_exit_2_in_one_line(monkeypatch, capsys):
-  from tformer_jax import host_alloc  # noqa: PLC0415
+  from tformer_jax.backends.cpu import host_alloc  # noqa: PLC0415
   monkeypatch.setenv(host_alloc.ENV_CHOICE, "bogus")
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   monkeypatch.delenv(host_alloc.ENV_DONE, raising=False)

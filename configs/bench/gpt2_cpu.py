@@ -31,7 +31,7 @@ def get_config():
   o.clip_norm, o.warmup_steps, o.schedule, o.grad_accum = 1.0, 10, "cosine", 1
   c.train.precision = "float32"
   c.train.steps = 1000
-  # Execution (tformer_jax/backends/xla_cpu.py), all three C++ kernels required:
+  # Execution (tformer_jax/backends/cpu/xla_cpu.py), all three C++ kernels required:
   # - chunked attention as the C++ kernel: 4 query chunks of 64, each against only the keys it can
   #   see (10 of 16 tiles), probabilities kept for the backward; one OpenBLAS sgemm per head and
   #   chunk, heads in parallel (+9-10% tokens/s over the XLA 'chunked'). The FLOP formula counts

@@ -382,7 +382,7 @@ def _library_flops(comp: str, ins: Instr, shapes: dict[tuple[str, str], str]) ->
     k = a[0] if re.search(r"transpose_a = true", rest) else a[1]
     return "dot", 2.0 * math.prod(_dims(shape)) * k
   if target.startswith("tfj_chunked_attention") and len(operands) >= 5:
-    # this project's CPU kernel (ops/cpu_kernel): the probabilities it packs (b, h, rows x keys it computes:
+    # this project's CPU kernel (backends/cpu/kernels): the probabilities it packs (b, h, rows x keys it computes:
     # the causal chunks only) give its work; forward 2 units (scores, P V), backward 4 (dP, dV, dQ, dK)
     fwd = target.endswith("_fwd")
     packed = _dims(_tuple_elements(shape)[1]) if fwd else operands[4]

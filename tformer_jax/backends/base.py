@@ -7,7 +7,7 @@ A backend is the one door between the model and execution choices. `nn/` calls:
   residual(x)                            the residual stream entering a block (identity here)
   moe_ffn(x, params, weights, experts, ...)  the routed experts (global, or expert parallel)
 and the train step's optimizer comes from wrap_optimizer(tx, spec) (it calls `tx.update`).
-Subclasses (backends/xla_cpu.py) change how these run, never what they compute.
+Subclasses (backends/cpu/xla_cpu.py) change how these run, never what they compute.
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 Every 'auto' is decided here and nowhere else, from the platform, the model's dtypes, the mesh and
 whether the C++ kernels build. The choice is logged in one short line; its reasons (the rule behind each
-'auto') go to the workdir's runtime.json and `tformer-doctor --kernels_only`. The allocator is
-chosen earlier, when a CLI process starts (host_alloc.py); this reports what the process runs with.
+'auto') go to the workdir's runtime.json and `tformer-doctor --kernels_only`. The allocator is chosen
+earlier, when a CLI process starts (backends/cpu/host_alloc.py); this reports what the process runs with.
 """
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from typing import Any
 import jax
 import ml_collections
 
-from tformer_jax import config as config_lib, host_alloc
+from tformer_jax import config as config_lib
 from tformer_jax.backends.base import Backend
-from tformer_jax.backends.xla_cpu import XlaCpuBackend
-from tformer_jax.ops import cpu_kernel
+from tformer_jax.backends.cpu import host_alloc, kernels as cpu_kernel
+from tformer_jax.backends.cpu.xla_cpu import XlaCpuBackend
 
 log = logging.getLogger("tformer_jax")
 
@@ -197,7 +197,7 @@ def cpu_vendor() -> str:
 
 
 def _cpu_blas(choice: str, bf16: bool, reasons: list[str]) -> str:
-  """The gemms the C++ kernels call (runtime.cpu_blas), applied to the process (ops/cpu_kernel/build.py).
+  """The gemms the C++ kernels call (runtime.cpu_blas), applied to the process (backends/cpu/kernels/build.py).
   'auto': oneMKL on an Intel CPU where the `mkl` wheel is installed; else, for bfloat16 compute, oneDNN where
   the `onednn-cpu-gomp` wheel is (a bfloat16 gemm, which OpenBLAS's wheel lacks; MKL's is slow off Intel);
   else OpenBLAS. The figures behind the rule: docs/runtime.md."""

@@ -42,7 +42,6 @@ from tformer_jax.ops import masks
 from tformer_jax.ops.attention import dot_product_attention
 from tformer_jax.ops.blockwise import blockwise_attention
 from tformer_jax.ops.chunked_attention import chunked_attention
-from tformer_jax.ops.cpu_kernel import chunked_attention_cpu
 
 IMPLS = ("reference", "xla", "cudnn", "blockwise", "chunked", "chunked_cpu", "auto")
 GB = 1024 ** 3
@@ -73,7 +72,7 @@ def _attention_fn(impl: str, seq: int, block: int, block_q: int, block_k: int, d
   if impl == "chunked":  # --block-q (else --block) is the query chunk
     return lambda q, k, v: chunked_attention(q, k, v, causal=True, chunk=block_q or block)
   if impl == "chunked_cpu":  # the C++ CPU kernel; same chunking
-    return lambda q, k, v: chunked_attention_cpu(q, k, v, causal=True, chunk=block_q or block)
+    return lambda q, k, v: backends.chunked_attention_cpu(q, k, v, causal=True, chunk=block_q or block)
   if impl == "reference":
     return lambda q, k, v: dot_product_attention(q, k, v, mask=masks.causal_mask(seq), impl=impl)
   if impl in ("xla", "cudnn"):    # the backend's dense path: is_causal, no mask tensor

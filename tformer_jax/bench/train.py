@@ -20,7 +20,7 @@ time) and mfu_vs_sustained are less sensitive to a shared machine's fluctuating 
 --nominal-peak-tflops (e.g. 989 for an H100/H200 in dense bf16), mfu uses that figure and
 mfu_measured_peak keeps the measured one.
 Host allocator: run as a command, this re-runs itself under tcmalloc when it is installed (else
-glibc's hugetlb tunable; tformer_jax/host_alloc.py, TFORMER_JAX_ALLOCATOR=system to skip): XLA:CPU's
+glibc's hugetlb tunable; backends/cpu/host_alloc.py, TFORMER_JAX_ALLOCATOR=system to skip): XLA:CPU's
 per-step temp buffer otherwise page-faults every step. machine.allocator in the JSON says which ran.
 Prints human-readable lines, then one JSON line (the returned dict).
 """
@@ -40,9 +40,7 @@ from absl import flags
 from tformer_jax import backends, cli_common
 from tformer_jax.analysis import flops as flops_lib
 from tformer_jax.bench import emit, op_profile
-from tformer_jax.host_alloc import loaded_allocator
 from tformer_jax.nn import Transformer
-from tformer_jax.ops.cpu_kernel.build import cpu_field
 from tformer_jax.train import loop, optim, precision, setup, state as state_lib, step as step_lib
 
 DEFAULT_CONFIG = "configs/bench/gpt2_cpu.py"
@@ -177,9 +175,10 @@ def matmul_rates(n: int = 2048, reps: int = 5, dtype: str = "float32",
 def machine_info() -> dict[str, Any]:
   """nproc, CPU model, load average, jax backend and device: what a figure was measured on."""
   dev = jax.devices()[0]
-  return {"nproc": os.cpu_count(), "cpu": cpu_field("model name"), "loadavg": [round(x, 2) for x in os.getloadavg()],
+  return {"nproc": os.cpu_count(), "cpu": backends.cpu_field("model name"),
+          "loadavg": [round(x, 2) for x in os.getloadavg()],
           "backend": jax.default_backend(), "device": getattr(dev, "device_kind", str(dev)),
-          "jax": jax.__version__, "allocator": loaded_allocator(),
+          "jax": jax.__version__, "allocator": backends.loaded_allocator(),
           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
@@ -298,6 +297,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-  from tformer_jax.host_alloc import maybe_reexec
+  from tformer_jax.backends import maybe_reexec
   maybe_reexec()
   sys.exit(cli_common.run_main(main))

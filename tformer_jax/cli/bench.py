@@ -77,8 +77,8 @@ def main(argv: Sequence[str] | None = None) -> Any:
 
 def entry() -> None:
   """The `tformer-bench` console command."""
-  from tformer_jax.host_alloc import maybe_reexec  # noqa: PLC0415 (before anything imports jax)
-  maybe_reexec()  # tcmalloc / hugetlb: see tformer_jax/host_alloc.py
+  from tformer_jax.backends import maybe_reexec  # noqa: PLC0415 (before anything imports jax)
+  maybe_reexec()  # tcmalloc / hugetlb: see tformer_jax/backends/cpu/host_alloc.py
   sys.exit(cli_common.run_main(main))
 
 

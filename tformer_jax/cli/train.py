@@ -15,8 +15,8 @@ from absl import flags
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from tformer_jax import cli_common
+from tformer_jax.backends import maybe_reexec
 from tformer_jax.config import parse_loggers, validate
-from tformer_jax.host_alloc import maybe_reexec
 
 PROG = "tformer-train"
 
@@ -57,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def entry() -> None:
   """The `tformer-train` console command."""
-  maybe_reexec()  # tcmalloc / hugetlb: see tformer_jax/host_alloc.py
+  maybe_reexec()  # tcmalloc / hugetlb: see tformer_jax/backends/cpu/host_alloc.py
   cli_common.exit_process(cli_common.run_main(main))   # no hang on threads a failed save left
 
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 import ml_collections
 from absl import flags
 
-from tformer_jax import config as config_lib, host_alloc
+from tformer_jax import backends, config as config_lib
 from tformer_jax.cli_common.describe import describe_config
 from tformer_jax.cli_common.errors import UsageError, fail, flag_error_line, one_line
 from tformer_jax.cli_common.loading import (
@@ -147,7 +147,7 @@ def _parse_flags(argv: list[str], define: Callable[[flags.FlagValues], None] | N
                  config: bool | str, from_workdir: bool) -> tuple[flags.FlagValues, list[str]]:
   """(the command's FlagValues, parsed; the arguments left for --config.a.b=v overrides). Prints the
   help and exits 0 for -h/--help; a flag error prints one line and exits 2."""
-  if host_alloc.idle_libtpu():
+  if backends.idle_libtpu():
     import jax  # noqa: PLC0415 (only here: tformer-prepare and --help never import jax)
     jax.config.update("jax_platforms", "cpu")     # before any backend starts: no libtpu start-up errors
   if not flags.FLAGS.is_parsed():

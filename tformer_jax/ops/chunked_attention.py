@@ -64,7 +64,7 @@ def chunk_key_range(i: int, chunk: int, l: int, s: int, *, causal: bool, window:
 def chunk_table(l: int, s: int, *, causal: bool, window: int, q_offset: int,
                 chunk: int) -> np.ndarray:
   """(n_chunks, 4) int32 rows (row0, row1, lo, hi): every query chunk and its static key range (also
-  the table the C++ kernel in ops/cpu_kernel walks)."""
+  the table the C++ kernel in backends/cpu/kernels walks)."""
   rows = []
   for i in range(-(-l // chunk)):
     lo, hi = chunk_key_range(i, chunk, l, s, causal=causal, window=window, q_offset=q_offset)

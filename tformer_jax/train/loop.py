@@ -22,7 +22,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from tformer_jax import backends, checkpoint, config as config_lib, decode, host_alloc
+from tformer_jax import backends, checkpoint, config as config_lib, decode
 from tformer_jax.checkpoint import Checkpointer
 from tformer_jax.data import pipeline, prepared as prepared_lib
 from tformer_jax.parallel import mesh as mesh_lib, pmap as pmap_lib
@@ -185,8 +185,8 @@ class _Run:
                                       process_count=jax.process_count())
     self.base_record: dict[str, Any] | None = None   # a LoRA run's base (load_lora_base)
     self.state, self.start = self._restore_or_init()
-    host_alloc.release_free_memory()   # the loading's transients (host_alloc: kept mapped otherwise)
-    self.heap = host_alloc.ReleaseOnGrowth()
+    backends.release_free_memory()   # the loading's transients (backends/cpu/host_alloc.py: kept mapped otherwise)
+    self.heap = backends.ReleaseOnGrowth()
     self.n_params = state_lib.param_count(self.state.params) + state_lib.param_count(self.state.frozen or {})
     if self.program.lora_scale is not None and self.is_main:
       log.info("LoRA: %s adapter parameters trained (rank %d, targets %s) on a frozen base of %s",
@@ -274,9 +274,9 @@ class _Run:
     self.pending = (step + 1, metrics)
     self.progress.update(1)
     if step - self.start in (1, 2):   # the compiles and the first steps' buffers are behind: their free pages back
-      host_alloc.release_free_memory()
+      backends.release_free_memory()
       self.heap.reset()
-    elif self.heap.check():             # a second temp span mapped (host_alloc.ReleaseOnGrowth): handed back
+    elif self.heap.check():             # a second temp span mapped (backends.ReleaseOnGrowth): handed back
       log.debug("step %d: the allocator's free heap grew; released", step + 1)
 
   def flush(self) -> None:
@@ -322,7 +322,7 @@ class _Run:
       ev.update(self.harness_eval(mesh_lib.to_host(program.full_params(self.state))))
     self.writer.write(done, ev)
     self.final.update(ev)
-    host_alloc.release_free_memory()
+    backends.release_free_memory()
     self.heap.reset()
     if self.is_main and not self.model.cfg.causal:
       log.info("step %d: val_loss %.4f (masked LM), masked-token accuracy %.4f", done, ev["val_loss"],
@@ -336,7 +336,7 @@ class _Run:
     if self.final.get("bad_steps", 0) > 0:  # never replace good checkpoints by a state mid-NaN-streak
       log.warning("step %d: not saving during a run of non-finite steps", done)
       return
-    host_alloc.release_free_memory()   # the host copy of the state reuses no free span: RSS stays level
+    backends.release_free_memory()   # the host copy of the state reuses no free span: RSS stays level
     self.heap.reset()
     self.ckpt.save(done, self.state.replace(frozen=None), self.it.get_state(), {"step": done}, force=force)
     self.saved = done

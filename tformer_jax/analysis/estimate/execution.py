@@ -9,7 +9,6 @@ import jax.numpy as jnp
 
 from tformer_jax import backends
 from tformer_jax.config import ModelConfig, default_config
-from tformer_jax.ops import cpu_kernel
 from tformer_jax.train import setup as setup_lib
 
 MiB = 1024 * 1024
@@ -45,10 +44,10 @@ class Execution:
     return {"blockwise": "blockwise", "cudnn": "flash", "splash": "flash"}.get(self.attention, "dense")
 
   def kernels_take(self, m: ModelConfig) -> bool:
-    """Whether the C++ kernels run the model's compute dtype (backends/xla_cpu._kernel_dtype): float32, or
+    """Whether the C++ kernels run the model's compute dtype (backends/cpu/xla_cpu._kernel_dtype): float32, or
     bfloat16 where the BLAS has a bfloat16 gemm (MKL, oneDNN)."""
     return (self.backend == "xla_cpu" and self.cpu_kernels
-            and (m.dtype == "float32" or (m.dtype == "bfloat16" and self.cpu_blas in cpu_kernel.build.BF16_BLAS)))
+            and (m.dtype == "float32" or (m.dtype == "bfloat16" and self.cpu_blas in backends.BF16_BLAS)))
 
   def glu_kernel(self, m: ModelConfig) -> bool:
     """Whether a dense FFN's gated activation runs as the C++ SwiGLU (xla_cpu's Backend.glu; no BLAS)."""

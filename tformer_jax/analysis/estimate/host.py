@@ -26,7 +26,7 @@ def host_rss(est: Estimate, cfg: Any) -> dict[str, int]:
     checkpoint  Orbax's host copy of the saved state while it writes (a LoRA run: the adapters only)
     init_from   loading the source's weights: a float32 host copy next to the state being built
   peak = runtime + state + max(step_temp, checkpoint, init_from): the three happen at different
-  times; the loop hands free pages back after loading and after each evaluation (host_alloc)."""
+  times; the loop hands free pages back after loading and after each evaluation (backends/cpu/host_alloc.py)."""
   state = est.bytes.get("params", 0) + est.bytes.get("optimizer", 0) + est.bytes.get("batch", 0)
   temp = max(est.total - state, 0)
   lora = cfg.train.get("lora") if "train" in cfg else None

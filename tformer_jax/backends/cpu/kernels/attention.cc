@@ -118,7 +118,7 @@ ffi::Error Check(const Geometry& geo, ffi::Span<const int64_t> qd, ffi::Span<con
                  ffi::Span<const int64_t> vd) {
   if (tfj::g_sgemm == nullptr)
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "tformer_jax cpu attention: sgemm not set (load through ops.cpu_kernel)");
+                      "tformer_jax cpu attention: sgemm not set (load through backends.cpu.kernels)");
   if (!std::is_same_v<T, float> && tfj::g_gemm_bf16 == nullptr)
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       "tformer_jax cpu attention: no bfloat16 gemm in the BLAS in use (oneMKL and oneDNN have one)");

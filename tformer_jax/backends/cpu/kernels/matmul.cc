@@ -110,7 +110,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi
                   ffi::ResultBuffer<ffi::F32> c, bool transpose_a, bool transpose_b) {
   if (tfj::g_sgemm == nullptr)
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "tformer_jax cpu matmul: sgemm not set (load through ops.cpu_kernel)");
+                      "tformer_jax cpu matmul: sgemm not set (load through backends.cpu.kernels)");
   return MatmulBlocks(pool, a.typed_data(), a.dimensions(), b.typed_data(), b.dimensions(),
                       c->typed_data(), c->dimensions(), transpose_a, transpose_b,
                       [](bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,

@@ -3,14 +3,14 @@
 Same arithmetic as optax.chain(clip_by_global_norm, adamw) on that array, in one pass over p, g, mu
 and nu (XLA:CPU runs three fusions per array plus copies). `adamw_apply_cpu` returns the update (as
 optax does; the moments in place), `adamw_update_cpu` the new parameters. Used by the xla_cpu
-backend's optimizer (backends/xla_cpu.py). Not differentiable (an optimizer step).
+backend's optimizer (backends/cpu/xla_cpu.py). Not differentiable (an optimizer step).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from tformer_jax.ops.cpu_kernel import build
+from tformer_jax.backends.cpu.kernels import build
 
 Array = jnp.ndarray
 

@@ -6,7 +6,7 @@ page-faults the whole buffer in again. tcmalloc keeps freed spans and hands the 
 Without tcmalloc, glibc's `glibc.malloc.hugetlb=1` tunable (glibc >= 2.35: those mmaps get
 transparent 2 MB pages) cuts the faults. docs/benchmarks.md ('Host allocator') has the measurements.
 
-Both must be chosen when the process starts (`LD_PRELOAD`, `GLIBC_TUNABLES`), so `maybe_reexec()`
+Both must be chosen when the process starts (`LD_PRELOAD`, `GLIBC_TUNABLES`), so `backends.maybe_reexec()`
 re-executes the current command once with them set, silently (`backends.resolve_runtime` logs the
 allocator a run got). The CLIs (`scripts/train.py`, `tformer-train`, `python -m tformer_jax.bench`,
 `benchmarks/compare_torch.py`) call it first thing; library code never does. Only CPU runs: where a

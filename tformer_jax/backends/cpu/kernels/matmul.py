@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tformer_jax.ops.cpu_kernel import build
+from tformer_jax.backends.cpu.kernels import build
 
 Array = jnp.ndarray
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from tformer_jax.ops.cpu_kernel import build
+from tformer_jax.backends.cpu.kernels import build
 
 Array = jnp.ndarray
 

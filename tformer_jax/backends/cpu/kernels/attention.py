@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tformer_jax.backends.cpu.kernels import build
 from tformer_jax.ops.chunked_attention import chunk_table
-from tformer_jax.ops.cpu_kernel import build
 
 Array = jnp.ndarray
 

@@ -5,12 +5,12 @@ what changes is how XLA:CPU runs them (docs/benchmarks.md has the measurements):
   norm       the closed-form LayerNorm/RMSNorm backward (ops/norms.py).
   dense      a hand-written VJP whose weight gradient is x^T dy (XLA's autodiff layout makes it
              transpose dy and fuse the backward residual chain into each transpose); with the C++
-             kernels, that product by the run's BLAS (ops/cpu_kernel/matmul.py; runtime.cpu_blas),
+             kernels, that product by the run's BLAS (backends/cpu/kernels/matmul.py; runtime.cpu_blas),
              and under runtime.cpu_matmul 'all' the forward and input-gradient products too.
   residual   `grad_fusion_barrier`: identity whose cotangent is materialised, so the residual-stream
              gradient is computed once per block instead of fused into every consumer.
-  attention  'chunked' runs as the C++ kernel (ops/cpu_kernel/attention.py) with the kernels on.
-  glu        SwiGLU's silu(g) * u as one C++ pass per direction (ops/cpu_kernel/glu.py), with the kernels on.
+  attention  'chunked' runs as the C++ kernel (backends/cpu/kernels/attention.py) with the kernels on.
+  glu        SwiGLU's silu(g) * u as one C++ pass per direction (backends/cpu/kernels/glu.py), with the kernels on.
   loss       the fused cross-entropy's bfloat16 products with float32 results (`loss_matmul`): the weight
              gradient on the bfloat16 kernel, the logits and dh on XLA's dot, with the kernels on MKL or oneDNN.
   optimizer  AdamW as one in-place C++ pass per parameter array (`FusedAdamW`), with the kernels on.
@@ -33,7 +33,8 @@ import jax.numpy as jnp
 import optax
 
 from tformer_jax.backends.base import AdamWSpec, Backend
-from tformer_jax.ops import cpu_kernel, norms as norm_ops
+from tformer_jax.backends.cpu import kernels as cpu_kernel
+from tformer_jax.ops import norms as norm_ops
 
 Array = jax.Array
 PyTree = Any
@@ -44,7 +45,7 @@ class XlaCpuBackend(Backend):
   """cpu_kernels: use the C++ kernels (float32; bfloat16 with cpu_blas 'mkl' or 'onednn'; others keep XLA's
   ops). cpu_matmul: which of the projections' products they run, 'weight_grads' (dw) or 'all' (y, dx and dw).
   cpu_blas: the sgemm they call, 'openblas' | 'mkl' | 'onednn' (a process-wide setting: resolve_runtime
-  applies it, see ops/cpu_kernel/build.py)."""
+  applies it, see backends/cpu/kernels/build.py)."""
   cpu_kernels: bool = True
   cpu_matmul: str = "weight_grads"
   cpu_blas: str = "openblas"
@@ -106,7 +107,7 @@ def project(spec: str, x: Array, w: Array, cpu_kernels: bool = False, blas_all: 
   makes XLA transpose dy, and on CPU it then fuses the whole backward residual chain (a sum over
   every later layer) into each such transpose. Here dw = einsum(x, dy) (x first, no transpose of
   dy) and dx = einsum(dy, w). With cpu_kernels, a spec that is one 2-D float32 matmul (the rows of x
-  times w: every projection of the models here) computes dw = x^T dy with ops.cpu_kernel.matmul_cpu
+  times w: every projection of the models here) computes dw = x^T dy with backends.cpu.kernels.matmul_cpu
   (the C++ call on the run's BLAS, faster than XLA:CPU's dot for that transposed product), and with
   blas_all too the forward y = x w and dx = dy w^T (runtime.cpu_matmul 'all'); a weight with a side under
   MIN_KERNEL_SIDE (a LoRA adapter) keeps XLA's dots, in the same layouts. bf16: bfloat16 x and w run on
