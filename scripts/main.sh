@@ -8,7 +8,7 @@ VENV=${VENV:-.venv}
 WORKDIR=${1:-runs/shakespeare}; shift || true
 [ -x "$VENV/bin/python" ] || "${PYTHON:-python3}" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q -e .
+"$VENV/bin/python" -m pip install -q -e ".[cpu]"   # cpu: the C++ CPU kernels' OpenBLAS (CPU training speed)
 # Optional: tcmalloc makes XLA:CPU train steps up to ~30% faster (tformer_jax/backends/cpu/host_alloc.py); runs without it.
 if ! ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
     && [ "$(id -u)" = 0 ]; then

@@ -9,7 +9,8 @@ PY=${PYTHON:-python3}
 "$VENV/bin/python" -m pip install -q --upgrade pip
 # torch pinned exactly: a CPU wheel; any looser spec pulls a multi-GB CUDA build.
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-"$VENV/bin/python" -m pip install -q -e ".[test,reference,serve,gguf]"
+# cpu: the C++ CPU kernels' OpenBLAS (the suite tests the kernels; tests/test_backends.py runs a CPU without it).
+"$VENV/bin/python" -m pip install -q -e ".[test,reference,serve,gguf,cpu]"
 # Ahead-of-time TPU compilation (tests/test_aot.py): the tpu-aot extra, i.e. the libtpu wheel (~210 MB) that
 # jax[tpu] pins for the jax just installed (kept: no other jax is tried). Optional: without it those tests skip.
 JAX_VERSION=$("$VENV/bin/python" -c "import jax; print(jax.__version__)")

@@ -11,10 +11,12 @@
   another) and `nn/` holds no speed machinery.
 - The CPU speed machinery (backends/cpu: xla_cpu, the C++ kernels, the host allocator) is one package that
   nothing outside backends/ imports (they use the names `tformer_jax.backends` re-exports; the host's import
-  no jax).
+  no jax); `pip install .` pulls no BLAS (OpenBLAS is the cpu extra); without it a CPU run keeps XLA's ops,
+  says in its one log line which extra would speed it up, and compiles nothing.
 """
 import ast
 import logging
+import os
 import pathlib
 import re
 import subprocess
@@ -311,6 +313,46 @@ def test_cpu_machinery_is_one_package_behind_the_backend_door():
           "assert 'jax' not in sys.modules, 'jax imported'")
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
   assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_without_the_cpu_extra_a_cpu_run_names_it(tmp_path):
+  """`pip install .` pulls no BLAS; without the cpu extra (scipy-openblas32 blocked from import in a fresh
+  process) the kernels are unavailable with the extra named, nothing is compiled, 'auto' runs the xla_cpu
+  backend on XLA's ops with the extra in its one log line and its reasons, and 'on' is one ConfigError."""
+  tomllib = pytest.importorskip("tomllib")   # Python 3.11+
+  project = tomllib.loads((PKG.parent / "pyproject.toml").read_text())["project"]
+  assert not [d for d in project["dependencies"] if re.match(r"(scipy-openblas|mkl|onednn)", d)]
+  assert any(d.startswith("scipy-openblas32") for d in project["optional-dependencies"]["cpu"])
+  code = """if True:
+    import logging, sys
+    sys.modules["scipy_openblas32"] = None   # the wheel of the cpu extra, not installed
+    from tformer_jax import backends
+    from tformer_jax.backends.cpu import kernels
+    from tformer_jax.config import ConfigError, default_config
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    print("available:", kernels.available())
+    cfg = default_config()
+    rt = backends.resolve_runtime(cfg, platform="cpu")
+    print("kernels:", rt.backend.name, rt.backend.cpu_kernels)
+    print("reasons:", rt.as_dict()["reasons"])
+    cfg.runtime.cpu_kernels = "on"
+    try:
+      backends.resolve_runtime(cfg, platform="cpu", quiet=True)
+    except ConfigError as e:
+      print("on:", str(e).replace(chr(10), "<newline>"))
+  """
+  env = {**os.environ, "TFORMER_JAX_KERNEL_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  out = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
+  extra = "pip install 'tformer_jax[cpu]'"
+  assert out["available:"].startswith("(False, ") and extra in out["available:"], out
+  assert out["kernels:"] == "xla_cpu False", out
+  assert f"C++ kernels off: the C++ CPU kernels need the cpu extra: {extra}" in out["reasons:"], out
+  [line] = [x for x in proc.stdout.splitlines() if x.startswith("runtime:")]
+  assert f"faster: {extra}" in line and "C++ kernels off" in line and len(line) <= 160, line
+  assert out["on:"].startswith("runtime.cpu_kernels: 'on' but the C++ kernels are unavailable") and extra in out["on:"]
+  assert "<newline>" not in out["on:"] and not list(tmp_path.iterdir())   # one line; nothing compiled
 
 
 TOOLS = set(LAYERS[-2] + LAYERS[-1])   # used by nothing but the command lines

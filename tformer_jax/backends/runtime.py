@@ -2,8 +2,9 @@
 
 Every 'auto' is decided here and nowhere else, from the platform, the model's dtypes, the mesh and
 whether the C++ kernels build. The choice is logged in one short line; its reasons (the rule behind each
-'auto') go to the workdir's runtime.json and `tformer-doctor --kernels_only`. The allocator is chosen
-earlier, when a CLI process starts (backends/cpu/host_alloc.py); this reports what the process runs with.
+'auto') go to the workdir's runtime.json and `tformer-doctor --kernels_only`. A CPU run that the cpu extra
+would speed up (its C++ kernels) says so in that line. The allocator is chosen earlier, when a CLI process
+starts (backends/cpu/host_alloc.py); this reports what the process runs with.
 """
 from __future__ import annotations
 
@@ -30,12 +31,13 @@ class Runtime:
   platform: str
   allocator: str
   reasons: tuple[str, ...]   # why each 'auto' went the way it did
+  advice: str = ""           # what would make the run faster (the extra to install), in the log line
 
   def summary(self) -> str:
-    """The one log line (at most about 160 characters): backend, attention, kernels, allocator; the
+    """The one log line (at most about 160 characters): backend, attention, kernels, allocator, advice; the
     reasons are in runtime.json (`as_dict()`)."""
     return (f"runtime: {self.backend.describe()} on {self.platform}, allocator {self.allocator}"
-            + ("; why: runtime.json" if self.reasons else ""))
+            + (f"; {self.advice}" if self.advice else "") + ("; why: runtime.json" if self.reasons else ""))
 
   def as_dict(self) -> dict[str, Any]:
     b = self.backend
@@ -91,10 +93,13 @@ def resolve_runtime(cfg: Any, *, model: config_lib.ModelConfig | None = None, me
   blocks.update(_resolve_moe(rt, m, platform, reasons))
   blocks["decode_layout"] = _decode_layout(rt.get("decode_layout", "auto"), platform, reasons)
 
+  advice = ""
   if backend == "reference":
     chosen: Backend = Backend(**blocks)
   else:
     use_kernels, bf16 = _cpu_kernels(rt["cpu_kernels"], m, precision, mesh_devices, reasons)
+    if rt["cpu_kernels"] == "auto" and reasons[-1] == f"C++ kernels off: {cpu_kernel.CPU_EXTRA}":
+      advice = "faster: pip install 'tformer_jax[cpu]'"
     matmul, blas = "weight_grads", "openblas"
     if use_kernels:
       blas = _cpu_blas(rt.get("cpu_blas", "auto"), bf16, reasons)
@@ -109,7 +114,7 @@ def resolve_runtime(cfg: Any, *, model: config_lib.ModelConfig | None = None, me
     if use_kernels and attention == "chunked" and (m.attn_softcap or m.attention_sinks):
       reasons.append("attention chunked in jnp, not the C++ kernel: it has no soft cap or sinks")
 
-  out = Runtime(chosen, platform, host_alloc.loaded_allocator(), tuple(reasons))
+  out = Runtime(chosen, platform, host_alloc.loaded_allocator(), tuple(reasons), advice)
   if not quiet:
     log.info(out.summary())
   return out
@@ -168,7 +173,8 @@ def _cpu_kernels(kernels: str, m: config_lib.ModelConfig, precision: str, mesh_d
     use_kernels = ok and f32 and mesh_devices <= 1
     reasons.append("C++ kernels " + (f"on: {compute}, one device, built" if use_kernels else "off: " + (
         "not float32 parameters with float32 or bfloat16 compute" if not f32
-        else f"a {mesh_devices}-device mesh" if mesh_devices > 1 else f"unavailable ({why})")))
+        else f"a {mesh_devices}-device mesh" if mesh_devices > 1
+        else cpu_kernel.CPU_EXTRA if why.startswith(cpu_kernel.CPU_EXTRA) else f"unavailable ({why})")))
   return use_kernels, bf16
 
 

@@ -6,12 +6,13 @@ jaxlib ships, caches the shared library under `$TFORMER_JAX_KERNEL_CACHE` (defau
 ~/.cache/tformer_jax/kernels), points it at a CBLAS sgemm and registers the FFI targets for the
 'cpu' platform. Any missing piece raises `KernelUnavailable` naming it.
 
-The sgemm (`use_blas`, chosen per run by runtime.cpu_blas): OpenBLAS from the `scipy-openblas32`
-wheel (a dependency), Intel's oneMKL from the `mkl` wheel (its sequential layer, LP64), or oneDNN's gemm
-API from the `onednn-cpu-gomp` wheel, each when installed. Each is forced single-threaded: the kernels
-split the work over XLA's threads themselves. MKL is the fastest on Intel CPUs and the slowest on AMD ones
-(docs/benchmarks.md). The bfloat16 kernels need a bfloat16 gemm: MKL's (fast on Intel only) or oneDNN's
-(AVX512-BF16 on AMD Zen 4 too); OpenBLAS's wheel has none.
+The sgemm (`use_blas`, chosen per run by runtime.cpu_blas): OpenBLAS from the `scipy-openblas32` wheel
+(the cpu extra, `pip install 'tformer_jax[cpu]'`: without it the kernels are unavailable and nothing is
+compiled), Intel's oneMKL from the `mkl` wheel (its sequential layer, LP64), or oneDNN's gemm API from the
+`onednn-cpu-gomp` wheel (the mkl and onednn extras, added to the cpu one). Each is forced single-threaded:
+the kernels split the work over XLA's threads themselves. MKL is the fastest on Intel CPUs and the slowest
+on AMD ones (docs/benchmarks.md). The bfloat16 kernels need a bfloat16 gemm: MKL's (fast on Intel only) or
+oneDNN's (AVX512-BF16 on AMD Zen 4 too); OpenBLAS's wheel has none.
 """
 from __future__ import annotations
 
@@ -124,12 +125,16 @@ BLAS = ("openblas", "mkl", "onednn")
 BF16_BLAS = ("mkl", "onednn")   # the BLASes with a bfloat16 x bfloat16 -> float32 gemm
 
 
+# Why the kernels are unavailable without the cpu extra (its scipy-openblas32 wheel); resolve_runtime names
+# the extra in the run's log line then.
+CPU_EXTRA = "the C++ CPU kernels need the cpu extra: pip install 'tformer_jax[cpu]'"
+
+
 def _openblas() -> tuple[int, ctypes.CDLL]:
   try:
-    import scipy_openblas32  # noqa: PLC0415 (kernel build only: a missing wheel is KernelUnavailable)
+    import scipy_openblas32  # noqa: PLC0415 (kernel load only: a missing wheel is KernelUnavailable)
   except ImportError as e:
-    raise KernelUnavailable("the CPU kernels call OpenBLAS from the `scipy-openblas32` wheel: "
-                            "`pip install scipy-openblas32`") from e
+    raise KernelUnavailable(f"{CPU_EXTRA} (OpenBLAS, the scipy-openblas32 wheel)") from e
   lib = ctypes.CDLL(str(pathlib.Path(scipy_openblas32.get_lib_dir()) /
                         f"lib{scipy_openblas32.get_library()}.so"))
   lib.scipy_openblas_set_num_threads(1)
@@ -183,8 +188,8 @@ def load(blas: str | None = None) -> None:
       raise KernelUnavailable(_state["error"])
     if "lib" not in _state:
       try:
+        _blas("openblas")   # first: without the cpu extra nothing is compiled
         path = _build(_compiler())
-        _blas("openblas")
         lib = ctypes.CDLL(str(path))
       except (KernelUnavailable, OSError) as e:
         _state["error"] = str(e)
