@@ -140,8 +140,7 @@ def _kernel_dtype(bf16: bool, *arrays: Array) -> bool:
 
 
 # The kernel splits a product into one block per thread: a weight side narrower than this (a LoRA adapter's
-# rank) leaves each sgemm too little work, and XLA's dot is faster there (measured: rank-8 adapters on the
-# kernel cost ~0.5 s a step more than on XLA's dot; SmolLM2-135M LoRA, 2026-12-04). Only rank 8 was measured;
+# rank) leaves each sgemm too little work, and XLA's dot is faster there (measured: docs/results/README.md);
 # 16 keeps every projection of the models here (head dims of 8 and more, grouped K/V) on the kernel.
 MIN_KERNEL_SIDE = 16
 
@@ -193,9 +192,8 @@ _project.defvjp(_project_fwd, _project_bwd)
 
 def _bf16_or_xla_matmul(a: Array, b: Array, transpose_a: bool, transpose_b: bool) -> Array:
   """op(a) @ op(b) in float32: the C++ kernel for bfloat16 operands with a transposed (the fused loss's
-  weight gradient, h^T dlogits: XLA's dot ran it at 165-225 GFLOP/s, the kernel on MKL at ~560), XLA's dot
-  with float32 results otherwise (the logits and dh products: XLA 1,060 / 1,250 GFLOP/s against the
-  kernel's 790 / 1,290 on the loss's 512 x 576 x 49,152 shapes, 2 Intel vCPUs with AMX, 2026-12-04)."""
+  weight gradient, h^T dlogits, where XLA's bfloat16 dot is slowest), XLA's dot with float32 results otherwise
+  (the logits and dh products, where the two ran level; figures in docs/runtime.md)."""
   if a.dtype == jnp.bfloat16 and b.dtype == jnp.bfloat16 and transpose_a:
     return cpu_kernel.matmul_cpu(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
   dims = (((0,) if transpose_a else (1,), (1,) if transpose_b else (0,)), ((), ()))
