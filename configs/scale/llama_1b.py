@@ -8,11 +8,7 @@ rules 'fsdp'.
 
   tformer-aot --config=configs/scale/llama_1b.py --topology=v5e:2x2
 
-On v5e:2x2 (4 chips, 16 GiB HBM each; libtpu 0.0.42, docs/scaling.md): fits, XLA:TPU peak 9.24 GiB per
-chip with the default runtime ('auto': splash attention on TPU; 10.55 GiB with
---config.runtime.attention=xla, the figures below) (parameters + AdamW state 3.45 GiB, temporaries 9.19
-GiB), compiled in 220 s on the shared 2-core machine. Without the accumulation (4 sequences per chip at
-once) XLA:TPU asks for 26.1 GiB and refuses it.
+Fits at 9.24 GiB a chip of 15.75 (libtpu 0.0.42); the other figures and their dates: docs/scaling.md.
 """
 from tformer_jax.config import default_config
 

@@ -8,14 +8,8 @@ AdamW moments; scanned layers with full remat. Mesh (data, fsdp, tensor) = (1, 1
 
   tformer-aot --config=configs/scale/llama_70b.py --topology=v5p:4x4x4
 
-On v5p:4x4x4 (a v5p-128: 64 chips, 95 GiB HBM each; libtpu 0.0.42, docs/scaling.md): fits, XLA:TPU
-peak 41.95 GiB per chip with the default runtime ('auto': splash attention on TPU, heads split over
-tensor with their KV heads; parameters + AdamW state 12.33 GiB, temporaries 37.74 GiB; HLO FLOPs 0.94x
-the formula with remat; tformer-estimate 0.99x the peak), compiled in 66 s on the shared 2-core machine;
-47.40 GiB with --config.runtime.attention=xla. Predicted (tformer-aot's roofline, v5p chip table): 5.73 s a step
-with perfect overlap, 8.89 s with none: MFU 70.0% / 45.1%, compute-bound; MaxText's layout
-(--config.mesh.shape="(1,64,1)" --config.mesh.rules=fsdp --config.data.batch_size=256: 4 sequences a chip)
-predicts 78.6% / 69.4% (docs/scaling.md, against MaxText's measured 65.4% on a v5p-512).
+Predicted MFU 45.1% (70.0% overlapped) at 41.95 GiB a chip (libtpu 0.0.42); MaxText's layout and the other
+figures with their dates: docs/scaling.md.
 """
 from tformer_jax.config import default_config
 

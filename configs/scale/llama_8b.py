@@ -8,23 +8,8 @@ parameters, gradients and optimizer state split 16 ways along 'embed'.
 
   tformer-aot --config=configs/scale/llama_8b.py --topology=v5e:4x4
 
-On v5e:4x4 (a v5e-16, 16 GiB HBM a chip, 15.75 usable; libtpu 0.0.42, docs/scaling.md): fits, XLA:TPU
-peak 13.17 GiB per chip with the default runtime ('auto': splash attention on TPU; 14.97 GiB with
---config.runtime.attention=xla: parameters + AdamW state 5.61 GiB, temporaries 11.31 GiB), compiled in
-155 s on the shared 2-core machine. Two sequences per chip (--config.data.batch_size=32) ask for
-21.6 GiB: refused; --config.runtime.attention=blockwise brings the peak to 12.50 GiB.
-
-Long context (docs/long_context.md): on v5p:2x2x1 with --config.data.batch_size=4
---config.mesh.shape="(1,4,1)" and the default runtime, --config.data.seq_len=32768
---config.model.max_len=32768 fits at 53.9 GiB per chip (16k: 43.5 GiB), where 'xla' needs 236 GiB.
-A sequence split over chips (context parallelism, mesh.context_strategy all_gather | ring):
-
-  tformer-aot --config=configs/scale/llama_8b.py --topology=v5p:4x4x4 --config.data.seq_len=131072 \
-    --config.model.max_len=131072 --config.data.batch_size=8 --config.mesh.axes="('fsdp','context')" \
-    --config.mesh.shape="(8,8)"
-
-fits at 28.3 GiB per chip (the default striped layout, mesh.context_load_balance), HLO FLOPs 0.99x the
-formula with remat, in 5 min 17 s end to end.
+Fits at 13.17 GiB a chip of 15.75 (libtpu 0.0.42); the long-context and context-parallel variants, the
+other figures and their dates: docs/scaling.md, docs/long_context.md.
 """
 from tformer_jax.config import default_config
 

@@ -9,17 +9,8 @@ weights); the batch split over all 64 devices (the expert axis is data parallel 
 
   tformer-aot --config=configs/scale/mixtral_8x7b.py --topology=v5p:4x4x4
 
-With --config.runtime.attention=xla (libtpu 0.0.42; docs/scaling.md), expert parallel
-(ops/moe_parallel.py: ragged_all_to_all of each chip's own rows to the chip owning the expert, one expert
-per chip, receive buffer 1.1x the balanced load). v5p:4x4x4 (64 chips, 95 GiB HBM): fits, XLA:TPU peak
-20.69 GiB per chip (state 10.12, temporaries 15.47; 75.50 with the global dispatch); per-chip HLO FLOPs
-(grouped-matmul kernels counted) 1.08x the formula with recompute (13.3x with the global dispatch);
-collectives per chip per step: FSDP weight all-gathers 29.0 GiB, all-reduce 7.8 GiB (expert-weight
-gradients over fsdp), reduce-scatter 2.7 GiB, token ragged-all-to-all 12.6 GiB: 52 GiB in all (2.7 TiB
-with the global dispatch). v5p:8x4x4 (128 chips, --config.mesh.shape="(2,8,1,8)"
---config.data.batch_size=128): the same per chip (peak 20.69 GiB, 1.08x). Compiled in 800-1000 s on a
-busy 2-core host. Predicted on v5p:4x4x4 (tformer-aot's roofline, the default runtime): 1.22 s a step with
-perfect overlap, 1.50 s with none: MFU 60.9% / 49.3%, compute-bound (MaxText's measured 52.56%; docs/scaling.md).
+Predicted MFU 49.3% (60.9% overlapped) at 20.69 GiB a chip (libtpu 0.0.42); the other figures and their dates:
+docs/scaling.md.
 """
 from tformer_jax.config import default_config
 
