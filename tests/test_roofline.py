@@ -90,7 +90,11 @@ def test_all_reduce_reduce_scatter_all_to_all_and_permute_formulas():
   assert rs["collectives"][0]["bytes"] == MIB                       # counted on its input
   assert rs["collectives_s"] == pytest.approx(MIB * 3 / 4 / (2 * LINK), rel=1e-12)
   a2a = roofline.predict(collective("all-to-all", "f32[1024,256]", "f32[1024,256]", "replica_groups={}"), m, 0, 1)
-  assert a2a["collectives_s"] == pytest.approx(MIB * 8 / 4 / (3 * LINK), rel=1e-12)   # N/4 hops on average
+  # over the 2 x 4 torus: 2/4 + 4/4 hops on average over 3 links a device, and the 4-long ring's bisection
+  # (4/4 over its 2 links) give the same 0.5 MiB / LINK; one ring's N/4 over the 8 would say 0.67
+  assert a2a["collectives_s"] == pytest.approx(MIB * 0.5 / LINK, rel=1e-12)
+  fsdp = roofline.predict(collective("all-to-all", "f32[1024,256]", "f32[1024,256]", FSDP_GROUPS), m, 0, 1)
+  assert fsdp["collectives_s"] == pytest.approx(MIB * 4 / 4 / (2 * LINK), rel=1e-12)   # one ring: N/4 hops
   ring = ("source_target_pairs={{0,1},{1,2},{2,3},{3,0},{4,5},{5,6},{6,7},{7,4}}")
   cp = roofline.predict(collective("collective-permute", "f32[1024,256]", "f32[1024,256]", ring), m, 0, 1)
   assert cp["collectives"][0]["over"] == "fsdp (ICI)" and cp["collectives_s"] == pytest.approx(MIB / LINK)

@@ -14,7 +14,11 @@
               W the group's bandwidth per device:
                 all-gather (B gathered), reduce-scatter (B before)   B (N-1)/N / W
                 all-reduce                                           2 B (N-1)/N / W
-                all-to-all, ragged-all-to-all (B local)              B max((N-1)/N, N/4) / W
+                all-to-all, ragged-all-to-all (B local)              B max((N-1)/N / W, sum_i (d_i/4) / W,
+                                                                       max_i (d_i/4) / W_i)
+              (an all-to-all's bytes travel d_i/4 hops on average along each torus dimension it spans, of d_i
+              devices and W_i bandwidth a device: the hop bound over all the links and the bisection of the
+              longest dimension; on one ring both are B N/4 / W)
                 collective-permute (B sent)                          B / one link (DCN across slices)
               collectives do not overlap each other. A multi-slice program's text holds one slice's
               collectives only: the gradients' all-reduce across slices is added, modeled, over DCN
@@ -95,14 +99,26 @@ def group_links(group: Sequence[int], m: Machine) -> dict[str, Any]:
     mc = np.stack(np.unravel_index(ids, tuple(m.mesh_shape)), axis=1)
     axes = [a for a, col in zip(m.mesh_axes, mc.T) if len(set(col.tolist())) > 1]
   slices = len({m.slices[i] for i in group}) if m.slices else 1
-  bw, shape = 0.0, m.physical_shape
+  bw, shape, dims = 0.0, m.physical_shape, []
   if m.coords:
     pc = np.asarray([m.coords[i] for i in group])
     for d in range(pc.shape[1]):
-      if len(set(pc[:, d].tolist())) > 1:
+      extent = len(set(pc[:, d].tolist()))
+      if extent > 1:
         wrap = m.wrap_multiple and shape[d] % m.wrap_multiple == 0
-        bw += m.link_bytes_per_s * (2 if wrap else 1)
-  return {"axes": axes, "ici_bytes_per_s": bw, "n_ici": len(group) // slices, "slices": slices}
+        dims.append((extent, m.link_bytes_per_s * (2 if wrap else 1)))
+        bw += dims[-1][1]
+  return {"axes": axes, "ici_bytes_per_s": bw, "n_ici": len(group) // slices, "slices": slices, "dims": dims}
+
+
+def _all_to_all_ici(nbytes: float, n: int, dims: list[tuple[int, float]], bw: float) -> float:
+  """An all-to-all of `nbytes` a device over `n` devices spanning the torus dimensions `dims` ((devices,
+  bandwidth a device) each; `bw` their sum): the module docstring's bound."""
+  if n <= 1 or nbytes <= 0:
+    return 0.0
+  if not dims:
+    return _ring("all-to-all", nbytes, n, bw)
+  return nbytes * max((n - 1) / n / bw, sum(d / 4 for d, _ in dims) / bw, max(d / 4 / w for d, w in dims))
 
 
 def collective_seconds(kind: str, nbytes: float, groups: list[list[int]] | None, m: Machine) -> tuple[float, str]:
@@ -120,7 +136,10 @@ def collective_seconds(kind: str, nbytes: float, groups: list[list[int]] | None,
     return nbytes / (m.link_bytes_per_s or float("nan")), f"{','.join(axes)} (ICI)"
   li = group_links(groups[0], m)
   # a group within one chip (v4's two TensorCores share coordinates): no link, the exchange goes through HBM
-  t = _ring(kind, nbytes, li["n_ici"], li["ici_bytes_per_s"] or m.hbm_bytes_per_s)
+  if kind in ("all-to-all", "ragged-all-to-all") and li["ici_bytes_per_s"]:
+    t = _all_to_all_ici(nbytes, li["n_ici"], li["dims"], li["ici_bytes_per_s"])
+  else:
+    t = _ring(kind, nbytes, li["n_ici"], li["ici_bytes_per_s"] or m.hbm_bytes_per_s)
   where = "ICI" if li["ici_bytes_per_s"] else "on chip"
   if li["slices"] > 1:      # the cross-slice part of a hierarchical ring, on the bytes left after the slice
     t += _ring(kind, nbytes / max(1, li["n_ici"]), li["slices"], m.dcn_bytes_per_s)
