@@ -84,14 +84,28 @@ def pytest_collection_modifyitems(session, config, items):
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: unlisted files keep their order
 
 
+_ROOT_LEVEL = None
+
+
 @pytest.fixture(autouse=True)
-def _root_logging_as_it_was():
+def _no_command_log_handler():
   """A command run in-process sets the root logger up for the process (cli_common.setup_logging: INFO to the
-  stderr of the moment); put it back after each test, so that a later test's captured stderr holds only what
-  its own command writes (two tests counting `error:` lines failed in the suite, passing alone)."""
+  stderr of the moment), and a module-scoped fixture may run one before a file's first test: each test starts
+  and ends without that handler and at the root level the session began with, so a test's captured stderr
+  holds only what its own command writes (tests counting one `error:` line saw other commands' INFO lines)."""
   import logging  # noqa: PLC0415
+
+  from tformer_jax.cli_common.errors import _Stderr  # noqa: PLC0415
+  global _ROOT_LEVEL
   root = logging.getLogger()
-  handlers, level = list(root.handlers), root.level
+  if _ROOT_LEVEL is None:
+    _ROOT_LEVEL = root.level
+
+  def reset():
+    for h in [h for h in root.handlers if isinstance(h, _Stderr)]:
+      root.removeHandler(h)
+    root.setLevel(_ROOT_LEVEL)
+
+  reset()
   yield
-  root.handlers[:] = handlers
-  root.setLevel(level)
+  reset()
