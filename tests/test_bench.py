@@ -20,6 +20,7 @@ from tformer_jax import cli_common
 from tformer_jax.analysis import flops
 from tformer_jax.bench import train as train_bench
 from tformer_jax.config import ModelConfig
+from tformer_jax.config.schema import MLAConfig
 from tformer_jax.train import setup as setup_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -127,6 +128,17 @@ def _hand_flops(v, d, layers, heads, f, b, s, *, tied, biases, attn_full=True):
   attn = (12 if attn_full else 6) * layers * d * s * t
   return 6 * n_matmul * t + attn, n_matmul
 
+
+def test_flops_formula_counts_mlas_query_key_and_value_widths():
+  """MLA: QK^T runs (qk_nope + qk_rope) wide and PV v_head_dim wide, whatever d_model / num_heads is: the
+  attention term is 12 n_layers n_heads S T (qk + v) / 2 (DeepSeek-V3: (192 + 128) / 2 = 160, where
+  d_model / heads is 56)."""
+  m = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, max_len=16, position="rope",
+                  norm="rmsnorm", mla=MLAConfig(kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4,
+                                                v_head_dim=5))
+  got = flops.flops_per_step(m, 3, 16)
+  assert got["attention_flops"] == 12 * 2 * 4 * 16 * (3 * 16) * (6 + 4 + 5) / 2
+  assert flops.attention_head_dim(m) == 7.5 != m.hd
 
 @pytest.mark.parametrize("tied,biases", [(True, True), (False, False)])
 def test_flops_formula_matches_hand_count(tied, biases):

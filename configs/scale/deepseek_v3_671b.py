@@ -11,7 +11,7 @@ chips).
 
   tformer-aot --config=configs/scale/deepseek_v3_671b.py --topology=v5p:8x8x4
 
-Fits at 88.7 GiB a chip of 95 (4 sequences a chip ask 127 GiB); predicted MFU 26.5% (38.6% overlapped), libtpu
+Fits at 88.7 GiB a chip of 95 (4 sequences a chip ask 127 GiB); predicted MFU 34.5% (50.3% overlapped), libtpu
 0.0.42, docs/scaling.md.
 """
 from tformer_jax.config import default_config

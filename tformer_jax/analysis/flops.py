@@ -12,7 +12,9 @@
              Norm scales and biases are included (they are < 0.2% of N here). MoE expert weights
              count top_k / num_experts of their size (the experts a token actually runs).
   6          2 FLOPs per multiply-add, forward (1x) + backward (2x: input and weight gradients).
-  12         QK^T and PV: 2 * 2 * S * head_dim per head per token forward, x3 for fwd + bwd.
+  12         QK^T and PV: 2 * 2 * S * head_dim per head per token forward, x3 for fwd + bwd. Under MLA
+             QK^T is (qk_nope_head_dim + qk_rope_head_dim) wide and PV v_head_dim: head_dim is their mean
+             (`attention_head_dim`; the layer's training form, every head's K and V formed)
   c          1 for 'full' (what a masked dense kernel computes: causal-naive, the convention
              used here by default); 0.5 for 'causal' (only the lower triangle, what a causal
              flash kernel that skips masked blocks does).
@@ -80,6 +82,14 @@ def param_counts(m: ModelConfig) -> dict[str, int]:
   return {"total": total, "embedding": embedding, "nonembed": nonembed, "head": head, "matmul": matmul}
 
 
+def attention_head_dim(m: ModelConfig) -> float:
+  """The width the attention term counts per head: head_dim, or under MLA the mean of the q/k width
+  (qk_nope_head_dim + qk_rope_head_dim) and the value width (v_head_dim), QK^T's and PV's."""
+  if m.use_mla:
+    return (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim + m.mla.v_head_dim) / 2
+  return m.hd
+
+
 def flops_per_step(m: ModelConfig, batch: int, seq: int, attn: str = "full") -> dict[str, Any]:
   """Training FLOPs per optimizer step (see the module docstring) and their parts."""
   if attn not in FORMULA:
@@ -90,7 +100,8 @@ def flops_per_step(m: ModelConfig, batch: int, seq: int, attn: str = "full") -> 
   c = 12 if attn == "full" else 6
   local = sum(1 for i in range(m.num_layers) if m.is_local_layer(i))
   # a local (sliding-window) layer's queries see at most `window` keys: 12 x its keys, either convention
-  attention = (c * (m.num_layers - local) * seq + 12 * local * min(m.window, seq)) * m.num_heads * m.hd * t
+  attention = (c * (m.num_layers - local) * seq + 12 * local * min(m.window, seq)) * m.num_heads * t
+  attention = int(attention * attention_head_dim(m))
   return {"flops_per_step": dense + attention, "dense_flops": dense, "attention_flops": attention,
           "tokens_per_step": t, "n_matmul": counts["matmul"], "params": counts["total"],
           "params_nonembed": counts["nonembed"], "formula": FORMULA[attn]}
