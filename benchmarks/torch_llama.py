@@ -4,7 +4,7 @@
   python benchmarks/torch_llama.py --config.model.num_layers=2 ...   # any model field of the config
 
 The model is transformers' LlamaForCausalLM built from the config's architecture through the project's own
-HF mapping (tformer_jax/interop/hf_config.py `llama_to_hf`: same vocab, width, layers, heads, KV heads, head
+HF mapping (tformer_jax/interop/families/llama.py `llama_to_hf`: same vocab, width, layers, heads, KV heads, head
 dim, SwiGLU width, RMSNorm eps, RoPE theta, untied head), random weights, SDPA attention
 (F.scaled_dot_product_attention, causal: what a PyTorch user gets). The step: float32 parameters, forward
 under torch.autocast(bfloat16), float32 cross-entropy over every position, backward, clip the global grad
@@ -44,7 +44,7 @@ from absl import flags  # noqa: E402
 from tformer_jax import cli_common  # noqa: E402
 from tformer_jax.bench import emit  # noqa: E402
 from tformer_jax.config import ConfigError, ModelConfig  # noqa: E402
-from tformer_jax.interop import hf_config  # noqa: E402
+from tformer_jax.interop.families import HFConfigError, llama  # noqa: E402
 
 DEFAULT_CONFIG = "configs/bench/llama_1b_gpu.py"
 FORMULA = "6*N_matmul*T + 12*n_layers*n_heads*head_dim*seq*T"
@@ -74,8 +74,8 @@ def llama_config(m: ModelConfig) -> transformers.LlamaConfig:
     raise ConfigError(f"model: LlamaForCausalLM needs position 'rope', norm 'rmsnorm' and activation 'swiglu'; "
                       f"got {m.position!r}, {m.norm!r}, {m.activation!r}")
   try:
-    hf = hf_config.llama_to_hf(m)
-  except hf_config.HFConfigError as e:
+    hf = llama.llama_to_hf(m)
+  except HFConfigError as e:
     raise ConfigError(f"model: {cli_common.one_line(e)}") from e
   hf = {k: v for k, v in hf.items() if k not in ("architectures", "model_type")}
   return transformers.LlamaConfig(**hf, attn_implementation="sdpa", bos_token_id=None, eos_token_id=None,

@@ -191,8 +191,8 @@ def _raised_in(filename: str, exc: BaseException) -> BaseException:
 def _anticipated():
   from tformer_jax.checkpoint import CheckpointError
   from tformer_jax.data.corpora import DataError
+  from tformer_jax.interop.families import HFConfigError
   from tformer_jax.interop.hf import HFWeightsError
-  from tformer_jax.interop.hf_config import HFConfigError
   from tformer_jax.parallel.distributed import DistributedError
   from tformer_jax.train.loop import TrainingError
   from tformer_jax.train.workdir import WorkdirBusy

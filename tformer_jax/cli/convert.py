@@ -48,6 +48,7 @@ from tformer_jax.data.corpora import DataError
 from tformer_jax.data.pipeline import parse_mixture
 from tformer_jax.data.prepared import read_manifest
 from tformer_jax.data.tokenizers import SentencePieceTokenizer, get_tokenizer
+from tformer_jax.interop.families import FAMILIES
 from tformer_jax.interop.gguf import gguf_to_hf
 from tformer_jax.interop.hf import (
     HFConfigError,
@@ -191,8 +192,8 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string("from-gguf", None, "a GGUF Llama-family checkpoint file (with --out): written as an HF "
                       "directory, float32, with its tokenizer and chat template", flag_values=fv)
   flags.DEFINE_string("out", None, "the HF directory to write (with --from-gguf)", flag_values=fv)
-  flags.DEFINE_string("family", None, "HF family for --to-hf (default: the first that fits the model)",
-                      flag_values=fv)
+  flags.DEFINE_string("family", None, f"HF family for --to-hf, one of {', '.join(FAMILIES)} (default: the first "
+                      "of them that holds the model exactly)", flag_values=fv)
   flags.DEFINE_integer("step", None, "checkpoint step: written (--from-hf, default 0) or read (--from, default "
                        "the latest)", flag_values=fv)
   flags.DEFINE_bool("overwrite", False, "replace an earlier output of tformer-convert (anything else in the "

@@ -17,7 +17,7 @@ ANTICIPATED = (
     "tformer_jax.cli_common.errors.UsageError",         # the command line
     "tformer_jax.data.corpora.DataError",               # corpora, tokenizers, the pipeline
     "tformer_jax.checkpoint.CheckpointError",           # missing, unreadable or mismatched checkpoints
-    "tformer_jax.interop.hf_config.HFConfigError",      # an architecture HF cannot hold, or we cannot
+    "tformer_jax.interop.families.fields.HFConfigError",  # an architecture HF cannot hold, or we cannot
     "tformer_jax.interop.hf.HFWeightsError",
     "tformer_jax.parallel.distributed.DistributedError",  # a coordinator that cannot be reached
     "tformer_jax.train.loop.TrainingError",             # a run stopped for the user to look at

@@ -28,12 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from tformer_jax.interop.families import get_family
+from tformer_jax.interop.families import HFConfigError, get_family
 from tformer_jax.interop.hf.common import HFWeightsError
 from tformer_jax.interop.hf.family import model_config_from_hf
 from tformer_jax.interop.hf.model_io import EXPORT_FORMAT, EXPORT_MARKER, check_target, save_hf
 from tformer_jax.interop.hf.weights import check_weights, import_tensors, unflatten
-from tformer_jax.interop.hf_config import HFConfigError
 
 ARCHITECTURES = ("llama",)         # general.architecture values we import (Mistral GGUFs say llama too)
 

@@ -11,15 +11,15 @@ if there are none, pytorch_model*.bin through `torch.load(..., weights_only=True
 pickled objects is refused, never unpickled). Every size read is bounded before it is used (file and
 header lengths, tensor offsets, then config.json's sizes against the tensors present), so a corrupt or
 hostile directory gives one HFConfigError / HFWeightsError line naming the file, never a huge
-allocation or a long wait. The tensor mapping of each family is data (`families.py`); the config
-translation is `hf_config.py`.
+allocation or a long wait. Each family's tensor mapping (as data) and config translation are one module
+of `interop/families/`, listed in its registry.
 Encoder checkpoints (bert) come without an LM head: apply() returns the final hidden states, equal
 to transformers' `last_hidden_state` when the padding mask is passed as `attention_mask_BxL`.
 """
 from __future__ import annotations
 
 from tformer_jax.interop import axes
-from tformer_jax.interop.families import get_family
+from tformer_jax.interop.families import HFConfigError, get_family
 from tformer_jax.interop.hf.common import (
     HFWeightsError,
     log,
@@ -63,7 +63,6 @@ from tformer_jax.interop.hf.weights import (
     mixtral_to_params,
     unflatten,
 )
-from tformer_jax.interop.hf_config import HFConfigError
 from tformer_jax.nn import Transformer
 
 __all__ = [

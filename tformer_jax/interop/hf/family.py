@@ -7,8 +7,7 @@ from typing import Any
 
 from tformer_jax.config import ConfigError, ModelConfig, MoEConfig, RopeScaling, validate_model
 from tformer_jax.config.schema import MLAConfig
-from tformer_jax.interop.families import FAMILIES, Family, get_family
-from tformer_jax.interop.hf_config import HFConfigError
+from tformer_jax.interop.families import FAMILIES, Family, HFConfigError, get_family
 
 # ----------------------------------------------------------------------------------------------
 # Configs

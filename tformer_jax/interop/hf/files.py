@@ -16,9 +16,9 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
+from tformer_jax.interop.families import HFConfigError
 from tformer_jax.interop.hf.common import HFWeightsError
 from tformer_jax.interop.hf.weights import _listed
-from tformer_jax.interop.hf_config import HFConfigError
 
 # ----------------------------------------------------------------------------------------------
 # Reading and writing tensors

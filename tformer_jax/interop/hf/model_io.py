@@ -14,11 +14,10 @@ from safetensors import SafetensorError
 
 from tformer_jax.config import ModelConfig
 from tformer_jax.data.prepared import clean_partials, exchange_dirs, honour_umask, link_target, partial_dir
-from tformer_jax.interop.families import get_family
+from tformer_jax.interop.families import HFConfigError, get_family
 from tformer_jax.interop.hf.family import hf_config_from_model, infer_family, model_config_from_hf
 from tformer_jax.interop.hf.files import _is_model, _read_tensors, _write_safetensors, read_hf_config
 from tformer_jax.interop.hf.weights import check_weights, export_tensors, import_tensors, mtp_depth_held, unflatten
-from tformer_jax.interop.hf_config import HFConfigError
 from tformer_jax.nn import Transformer
 
 # ----------------------------------------------------------------------------------------------

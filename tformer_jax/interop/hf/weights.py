@@ -14,9 +14,9 @@ import numpy as np
 
 from tformer_jax.config import ModelConfig
 from tformer_jax.interop import axes
-from tformer_jax.interop.families import MIXTRAL, Family, OneOf, Rule
+from tformer_jax.interop.families import Family, HFConfigError, OneOf, Rule
+from tformer_jax.interop.families.llama import MIXTRAL_ROWS
 from tformer_jax.interop.hf.common import _MAX_LISTED, HFWeightsError, log
-from tformer_jax.interop.hf_config import HFConfigError
 from tformer_jax.nn import Transformer
 from tformer_jax.nn.moe import expert_hidden, shared_hidden
 from tformer_jax.nn.stacking import unstack_layers
@@ -432,7 +432,7 @@ def mixtral_to_params(state_dict: Mapping[str, Any], prefix: str = "") -> dict[s
   sd = {k[len(prefix):]: np.asarray(v) for k, v in state_dict.items() if k.startswith(prefix)}
   e, two_x, d = sd["experts.gate_up_proj"].shape
   sizes = dict(e=e, x=two_x // 2, d=d)
-  fused = next(item for item in MIXTRAL if isinstance(item, OneOf)).options[1]
+  fused = next(item for item in MIXTRAL_ROWS if isinstance(item, OneOf)).options[1]
   block = "model.layers.{i}.mlp."
   out: dict[str, np.ndarray] = {}
   for rule in fused:
