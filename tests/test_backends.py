@@ -246,7 +246,7 @@ LAYERS = (
     ("cli_common",),                              # the commands' flags, loaders and errors (tools use them too)
     ("serve", "eval"),                            # the server and the harness adapters (bench, ablate use them)
     ("bench", "diagnostics", "doctor", "aot", "experiments"),                      # the tools on top
-    ("cli",),                                     # and a package's __main__.py: `python -m` is a command line
+    ("cli",),
 )
 LAYER = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 # Within its layer, what a unit may import besides itself (the rest of its layer otherwise): no tool imports
@@ -256,8 +256,9 @@ SAME_LAYER = {"ops": set(), "config": set(), "parallel": set(), "serve": set(), 
 
 
 def _unit(path: pathlib.Path) -> str:
-  parts = path.relative_to(PKG).with_suffix("").parts
-  return "cli" if parts[-1] == "__main__" else parts[0]
+  """The unit a file belongs to, read as a file: its package, `__main__.py` included (a `python -m` entry of
+  a tool imports its own package, never the command lines above it)."""
+  return path.relative_to(PKG).with_suffix("").parts[0]
 
 
 def test_imports_run_downward():

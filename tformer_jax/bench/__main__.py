@@ -1,5 +1,5 @@
-"""`python -m tformer_jax.bench ...` = `tformer-bench ...` (tformer_jax/cli/bench.py)."""
-from tformer_jax.cli.bench import entry
+"""`python -m tformer_jax.bench ...` = `tformer-bench ...` (tformer_jax/bench/command.py)."""
+from tformer_jax.bench.command import entry
 
 if __name__ == "__main__":
   entry()

@@ -81,6 +81,3 @@ def entry() -> None:
   maybe_reexec()  # tcmalloc / hugetlb: see tformer_jax/backends/cpu/host_alloc.py
   sys.exit(cli_common.run_main(main))
 
-
-if __name__ == "__main__":
-  entry()

@@ -84,6 +84,3 @@ def entry() -> None:
   """The `tformer-doctor` console command."""
   sys.exit(cli_common.run_main(main))
 
-
-if __name__ == "__main__":
-  entry()
