@@ -38,4 +38,6 @@ if ! command -v bible >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [
 fi
 # Lint first (config in pyproject.toml [tool.ruff]; ruff comes with the test extra): a finding fails the script.
 "$VENV/bin/ruff" check .
-exec "$VENV/bin/python" -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@"
+# A crashed worker (a segfault, or pytest-timeout ending a stuck test) ends the run, failed, instead of xdist
+# restarting workers or waiting on one: --max-worker-restart=0.
+exec "$VENV/bin/python" -m pytest -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0 "$@"
