@@ -194,6 +194,21 @@ def test_features_matter():
       assert np.abs(ours(other, params, tokens) - base).max() > 1e-3, (family, change)
 
 
+def test_gemma3_ignores_the_attention_cap_as_transformers_does():
+  """Gemma3Attention stores attn_logit_softcapping and never applies it (QK-norm replaced the cap): a config.json
+  that sets one (a merge, a hand edit) loads without it and gives transformers' logits; a model of ours with the
+  cap cannot be written as Gemma 3, in one line naming the field."""
+  m = build(transformers.Gemma3TextConfig(**{**CONFIGS["gemma3_text"]().to_dict(), "attn_logit_softcapping": 0.5}))
+  model, params = load_hf(m)
+  assert model.cfg.attn_softcap == 0.0
+  tokens = batch(LENGTH)
+  ref = hf_logits(m, tokens)
+  np.testing.assert_allclose(ours(model, params, tokens), ref, atol=1e-4 * np.abs(ref).max())
+  capped = dataclasses.replace(model.cfg, attn_softcap=0.5)
+  with pytest.raises(HFConfigError, match=r"gemma3_text cannot represent model\.attn_softcap=0\.5 \(transformers"):
+    hfi.hf_config_from_model(capped, "gemma3_text")
+
+
 def test_config_spellings_and_refusals():
   """Older config.json spellings (transformers 4) and what the families cannot hold."""
   gemma3_old = dict(model_type="gemma3_text", vocab_size=V, hidden_size=32, intermediate_size=40,

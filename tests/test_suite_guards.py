@@ -15,9 +15,9 @@ pytest.importorskip("xdist")
 pytest.importorskip("pytest_timeout")
 
 XDIST = ["-n", "2", "--dist", "loadfile", "--no-loadscope-reorder", "--max-worker-restart=0", "-p", "no:cacheprovider"]
-# A file of slow tests beside the faulty one (10 s in all). After a crash xdist schedules nothing new; the other
+# A file of slow tests beside the faulty one (4 s in all). After a crash xdist schedules nothing new; the other
 # worker ends the file it holds, and the run ends failed.
-SLOW = "import time\n\n" + "".join(f"def test_slow_{i}():\n  time.sleep(1)\n\n\n" for i in range(10))
+SLOW = "import time\n\n" + "".join(f"def test_slow_{i}():\n  time.sleep(1)\n\n\n" for i in range(4))
 
 
 def _suite(tmp_path: pathlib.Path, faulty: str, *args: str) -> tuple[int, float, str]:
@@ -35,12 +35,12 @@ def test_a_crashed_worker_fails_the_run_quickly(tmp_path):
   code, took, out = _suite(tmp_path, crash)
   assert code != 0, out[-2000:]
   assert "crashed while running 'test_a_faulty.py::test_crash'" in out, out[-2000:]
-  assert took < 60, f"the run went on for {took:.0f} s after a worker crashed"
+  assert took < 30, f"the run went on for {took:.0f} s after a worker crashed"
 
 
 def test_a_stuck_test_is_ended_by_the_timeout(tmp_path):
   stuck = "import threading\n\n\ndef test_stuck():\n  threading.Event().wait()\n"
-  code, took, out = _suite(tmp_path, stuck, "--timeout=5", "--timeout-method=thread")
+  code, took, out = _suite(tmp_path, stuck, "--timeout=2", "--timeout-method=thread")
   assert code != 0, out[-2000:]
   assert "crashed while running 'test_a_faulty.py::test_stuck'" in out, out[-2000:]   # the timeout ended it
-  assert took < 60, f"a stuck test held the run for {took:.0f} s"
+  assert took < 30, f"a stuck test held the run for {took:.0f} s"

@@ -84,7 +84,9 @@ def _gemma(hf: dict, default_theta: float, *, qk_norm: str, local_rope: bool) ->
       max_len=get_int(hf, "max_position_embeddings", default=8192),
       tie_embeddings=get_bool(hf, "tie_word_embeddings", default=True), qkv_bias=bias, out_bias=bias,
       mlp_bias=False, qk_norm=qk_norm, attention_scale=0.0 if scalar == hd else scalar ** -0.5,
-      attn_softcap=get_float(hf, "attn_logit_softcapping", default=0.0),
+      # Gemma 3 replaced the attention cap by QK-norm: transformers' Gemma3Attention stores
+      # attn_logit_softcapping and never applies it, so neither do we.
+      attn_softcap=0.0 if local_rope else get_float(hf, "attn_logit_softcapping", default=0.0),
       final_logit_softcap=get_float(hf, "final_logit_softcapping", default=0.0), **rope)
   for cap in ("attn_softcap", "final_logit_softcap"):
     if out[cap] < 0:
@@ -107,6 +109,9 @@ def _gemma_back(cfg: ModelConfig, family: str, arch: str, *, local_rope: bool) -
   if abs(scalar - round(scalar)) < 1e-6 * scalar:
     scalar = round(scalar)
   rope = rope_to_hf(cfg, family)
+  if local_rope and cfg.attn_softcap:
+    raise HFConfigError(f"{family} cannot represent model.attn_softcap={cfg.attn_softcap} (transformers' Gemma 3 "
+                        "ignores attn_logit_softcapping)", "attn_softcap", {"attn_softcap": 0.0})
   if local_rope:
     local = cfg.local_rope_theta or cfg.rope_theta
     if not cfg.local_rope_theta and cfg.layer_pattern and cfg.rope_scaling.type != "none":
