@@ -78,6 +78,34 @@ def test_branched_cooldown_equals_one_run_decaying_from_its_step(tmp_path):
   assert recorded == f"{stable.resolve()}@3"
 
 
+def test_a_branch_never_becomes_a_resume_of_another_run(tmp_path):
+  """A branch into its own source (or a folder inside it), into a workdir holding another branch or a run that was
+  not branched: each one line before anything trains, every workdir as it was; the branch a workdir records
+  resumes, with or without its step named. The source is never written."""
+  src, b, plain = tmp_path / "src", tmp_path / "b", tmp_path / "plain"
+  train(tiny_config(steps=6, **{"train.ckpt_every": 3}), src)
+  train(tiny_config(steps=3), plain)
+  train(tiny_config(steps=5, **{"train.branch_from": f"{src}@3"}), b)
+  snaps = {d: _source_snapshot(d) for d in (src, b, plain)}
+  cases = [
+      (src, f"{src}@3", r"the workdir .*src is the source .*src: a branch never writes its source"),
+      (src / "cool", f"{src}@3", r"is inside the source"),
+      (b, f"{src}@6", rf"{b} already holds the branch from {src}@3; asked to branch from {src}@6"),
+      (b, f"{plain}@3", rf"already holds the branch from {src}@3; asked to branch from {plain}@3"),
+      (plain, f"{src}@3", rf"{plain} already holds a run that was not branched; asked to branch from {src}@3"),
+  ]
+  for workdir, branch_from, match in cases:
+    with pytest.raises(ConfigError, match=match):
+      train(tiny_config(steps=9, **{"train.branch_from": branch_from}), workdir)
+    assert {d: _source_snapshot(d) for d in (src, b, plain)} == snaps, (workdir, branch_from)
+  assert not (src / "cool").exists()
+  train(tiny_config(steps=6, **{"train.branch_from": str(src)}), b)       # its recorded step, not the latest
+  assert json.loads((b / "config.json").read_text())["train"]["branch_from"] == f"{src.resolve()}@3"
+  train(tiny_config(steps=7, **{"train.branch_from": f"{src}@3"}), b)
+  assert max(r["step"] for r in read_metrics(b) if "loss" in r) == 7
+  assert _source_snapshot(src) == snaps[src]
+
+
 def jax_leaves(tree):
   import jax  # noqa: PLC0415
   return [np.asarray(x) for x in jax.tree.leaves(tree)]

@@ -17,7 +17,9 @@ STEP to min_lr_ratio * peak_lr at train.steps: `optim.make_schedule`'s decay_sta
 bitwise those of one uninterrupted wsd run whose decay starts at STEP. Other schedules continue as the
 branch's config says (e.g. a cosine over train.steps). The branch's config.json records the source as
 'ABSOLUTE_WORKDIR@STEP'; a branch that was interrupted resumes from its own checkpoints and keeps that step
-even when the source has saved newer ones since.
+even when the source has saved newer ones since. A workdir that already holds checkpoints resumes only the
+branch it records: another source or step, or a run that was not a branch, is one line, and so is a branch
+whose workdir is its source or inside it (the source is never written).
 
 The branch must train the same architecture with the same optimizer (its state is restored as it is):
 either difference is one line naming both values, before anything compiles.
@@ -66,18 +68,43 @@ def _steps(source: str) -> list[int]:
     manager.close()
 
 
-def _recorded(workdir: str | os.PathLike | None) -> str | None:
-  """The branch_from a workdir that already holds checkpoints recorded (its config.json), else None."""
-  if workdir is None:
-    return None
-  work = pathlib.Path(workdir).expanduser()
+def _holds_checkpoints(work: pathlib.Path) -> bool:
   ckpt = work / CHECKPOINT_DIR
-  if not (work / "config.json").is_file() or not ckpt.is_dir() or not any(p.name.isdigit() for p in ckpt.iterdir()):
-    return None
+  return ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir())
+
+
+def _recorded(work: pathlib.Path) -> str:
+  """The branch_from that a workdir's config.json records ('' when none, or no readable config.json)."""
   try:
-    return str(json.loads((work / "config.json").read_text()).get("train", {}).get("branch_from", "") or "") or None
+    return str(json.loads((work / "config.json").read_text()).get("train", {}).get("branch_from", "") or "")
   except (OSError, ValueError, AttributeError):
-    return None
+    return ""
+
+
+def _check_workdir(workdir: str | os.PathLike | None, source: str, step: int | None) -> int | None:
+  """The step to branch at, given the branch's workdir: a workdir that is the source or inside it is refused; one
+  that already holds checkpoints resumes only the branch it records (same source, and the same step when one is
+  asked), anything else is one line naming what it holds and what was asked. Unchanged `step` otherwise."""
+  if workdir is None or "://" in str(workdir) or "://" in source:
+    return step
+  work = pathlib.Path(workdir).expanduser().resolve()
+  src = pathlib.Path(source)
+  if work == src or src in work.parents:
+    where = "the source" if work == src else "inside the source"
+    raise config_lib.ConfigError(f"{FIELD}: the workdir {work} is {where} {src}: a branch never writes its "
+                                 "source; give it a workdir of its own")
+  if not _holds_checkpoints(work):
+    return step
+  asked = f"{source}@{step}" if step is not None else f"{source} (its latest step)"
+  recorded = _recorded(work)
+  if not recorded:
+    raise config_lib.ConfigError(f"{FIELD}: {work} already holds a run that was not branched; asked to branch "
+                                 f"from {asked}: use a new workdir for the branch")
+  rec_path, rec_step = parse_branch_from(recorded)
+  if rec_path != source or (step is not None and step != rec_step):
+    raise config_lib.ConfigError(f"{FIELD}: {work} already holds the branch from {recorded}; asked to branch from "
+                                 f"{asked}: resume it with that branch_from, or use a new workdir")
+  return rec_step
 
 
 def resolve(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike | None = None) -> ml_collections.ConfigDict:
@@ -88,11 +115,7 @@ def resolve(cfg: ml_collections.ConfigDict, workdir: str | os.PathLike | None = 
   if not path:
     return cfg
   source = path if "://" in path else str(pathlib.Path(path).expanduser().resolve())
-  recorded = _recorded(workdir)
-  if recorded is not None and step is None:
-    rec_path, rec_step = parse_branch_from(recorded)
-    if rec_path == source and rec_step is not None:
-      step = rec_step
+  step = _check_workdir(workdir, source, step)
   try:
     src_cfg = ml_collections.ConfigDict(json.loads((_path(source) / "config.json").read_text()))
   except (OSError, ValueError) as e:
