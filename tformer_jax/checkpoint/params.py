@@ -278,7 +278,7 @@ def restore_params(workdir: str | os.PathLike, step: int | None = None, *,
       break
     except _Raced:
       pass
-    except (CheckpointError, FileNotFoundError):
+    except (CheckpointError, OSError):    # a step gone under the listing (FileNotFoundError, NotADirectoryError)
       if _listing(ckpt_dir) == before:
         raise
     time.sleep(0.2 * (attempt + 1))
