@@ -407,6 +407,21 @@ def test_exit_process_does_not_hang_on_threads_left_blocked(tmp_path):
   assert time.monotonic() - t0 < 30
 
 
+def test_exit_process_after_a_finished_run_is_bounded_and_names_what_was_left(tmp_path):
+  """A command that finished its work (status 0) with a thread still waiting (an async save's, after a fallback
+  from a damaged step) exits 0 after the grace period, in one log line naming the thread."""
+  script = tmp_path / "left.py"
+  script.write_text(STUCK.replace('raise ConfigError("checkpoint: the save failed")', "return 0")
+                    .replace("Stuck(target=", "Stuck(name='orbax-save', target=")
+                    .replace("exit_process(", "setup_logging(); cli_common.exit_process(", 1))
+  t0 = time.monotonic()
+  r = run([sys.executable, str(script)], timeout=60)
+  assert r.returncode == 0, r.stderr[-2000:]
+  lines = [x for x in r.stderr.splitlines() if "exit:" in x]
+  assert len(lines) == 1 and "1 thread(s) still running" in lines[0] and "orbax-save" in lines[0], r.stderr[-2000:]
+  assert time.monotonic() - t0 < 30
+
+
 @pytest.mark.slow
 def test_train_cli_unwritable_checkpoint_dir_is_one_line_and_exits(tmp_path):
   """WORKDIR/checkpoints is a file: a one-line error and status 2, not a traceback, and no hang at exit

@@ -79,5 +79,5 @@ def entry() -> None:
   """The `tformer-bench` console command."""
   from tformer_jax.backends import maybe_reexec  # noqa: PLC0415 (before anything imports jax)
   maybe_reexec()  # tcmalloc / hugetlb: see tformer_jax/backends/cpu/host_alloc.py
-  sys.exit(cli_common.run_main(main))
+  cli_common.exit_process(cli_common.run_main(main))   # bounded: no thread left behind holds the exit
 

@@ -13,7 +13,6 @@ tformer_jax/diagnostics/ablate.py.
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Sequence
 
 from absl import flags
@@ -49,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def entry() -> None:
   """The `tformer-ablate` console command."""
-  sys.exit(cli_common.run_main(main))
+  cli_common.exit_process(cli_common.run_main(main))   # bounded: no thread left behind holds the exit
 
 
 if __name__ == "__main__":

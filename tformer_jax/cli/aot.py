@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from typing import Sequence
 
 import jax
@@ -84,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def entry() -> None:
   """The `tformer-aot` console command: anticipated errors are one line and exit status 2."""
-  sys.exit(cli_common.run_main(main))
+  cli_common.exit_process(cli_common.run_main(main))   # bounded: no thread left behind holds the exit
 
 
 if __name__ == "__main__":

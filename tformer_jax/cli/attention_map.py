@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def entry() -> None:
   """The `tformer-attention-map` console command."""
-  sys.exit(cli_common.run_main(main))
+  cli_common.exit_process(cli_common.run_main(main))   # bounded: no thread left behind holds the exit
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ See tformer_jax/experiments/extrapolate.py for the method and docs/long_context.
 from __future__ import annotations
 
 import pathlib
-import sys
 import time
 from typing import Sequence
 
@@ -54,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def entry() -> None:
   """The `tformer-extrapolate` console command."""
-  sys.exit(cli_common.run_main(main))
+  cli_common.exit_process(cli_common.run_main(main))   # bounded: no thread left behind holds the exit
 
 
 if __name__ == "__main__":

@@ -303,7 +303,7 @@ def generate(args: Any, model: Any, params: Any, tok: Any, default_prompt: str) 
 
 def entry() -> None:
   """The `tformer-generate` console command."""
-  sys.exit(cli_common.run_main(main))
+  cli_common.exit_process(cli_common.run_main(main))   # bounded: no thread left behind holds the exit
 
 
 if __name__ == "__main__":

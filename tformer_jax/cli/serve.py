@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import errno
 import socket
-import sys
 from typing import Any, Sequence
 
 from absl import flags
@@ -117,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def entry() -> None:
   """The `tformer-serve` console command."""
-  sys.exit(cli_common.run_main(main))
+  cli_common.exit_process(cli_common.run_main(main))   # bounded: no thread left behind holds the exit
 
 
 if __name__ == "__main__":

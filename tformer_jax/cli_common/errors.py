@@ -99,23 +99,27 @@ def run_main(main: Callable[..., Any], *args: Any) -> int:
 
 
 def exit_process(status: int, grace_s: float = 10.0) -> NoReturn:
-  """`sys.exit(status)`, except that after a failure (status != 0) threads a failed library call left
-  blocked do not keep the process alive: Orbax's save threads wait forever once an async save has
-  failed (e.g. WORKDIR/checkpoints is a file), and the interpreter waits for them at exit. They get
-  `grace_s` seconds; then the process exits with `status` without them."""
-  if status:
-    deadline = time.monotonic() + grace_s
-    others = [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
-    for t in others:
-      try:
-        t.join(max(0.0, deadline - time.monotonic()))
-      except Exception:  # noqa: BLE001 - Orbax's threads raise TimeoutError from join(timeout)
-        pass
-    if any(t.is_alive() for t in others):
-      logging.shutdown()
-      sys.stdout.flush()
-      sys.stderr.flush()
-      os._exit(status)
+  """`sys.exit(status)`, except that threads left running do not keep the process alive: Orbax's save threads
+  wait forever once an async save has failed (e.g. WORKDIR/checkpoints is a file), and the interpreter waits for
+  every non-daemon thread at exit. After its work (any status) the command's other threads get `grace_s`
+  seconds; then the process exits with `status` without them. A successful command that had to leave some
+  says so in one log line naming them (a failed one has already printed its one error line)."""
+  deadline = time.monotonic() + grace_s
+  others = [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
+  for t in others:
+    try:
+      t.join(max(0.0, deadline - time.monotonic()))
+    except Exception:  # noqa: BLE001 - Orbax's threads raise TimeoutError from join(timeout)
+      pass
+  alive = [t.name for t in others if t.is_alive()]
+  if alive:
+    if not status:
+      logging.getLogger("tformer_jax").warning("exit: %d thread(s) still running %.0f s after the work ended, "
+                                               "exiting without them: %s", len(alive), grace_s, ", ".join(alive))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
   sys.exit(status)
 
 

@@ -82,5 +82,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def entry() -> None:
   """The `tformer-doctor` console command."""
-  sys.exit(cli_common.run_main(main))
+  cli_common.exit_process(cli_common.run_main(main))   # bounded: no thread left behind holds the exit
 
